@@ -1,0 +1,16 @@
+# Every target bootstraps .venv (Python >= 3.12 from PATH or pyenv) when it is missing.
+PY := .venv/bin/python
+
+.PHONY: demo test venv fixtures
+venv:
+	@bash tools/bootstrap.sh
+
+demo: venv
+	$(PY) -m ess_jax.generate --model tiny-v32 --prompt "The cache outgrew the device." --max-new-tokens 32
+
+test: venv
+	$(PY) -m pytest -q
+
+# Regenerates tests/fixtures/ from transformers (needs torch + transformers, see tools/requirements-fixtures.txt).
+fixtures:
+	python3 tools/make_hf_fixtures.py

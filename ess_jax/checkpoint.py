@@ -1,0 +1,178 @@
+"""Load HuggingFace DeepSeek checkpoints into the NNX models, one tensor at a time.
+
+A checkpoint directory holds ``config.json`` and one or more ``*.safetensors`` files (with
+``model.safetensors.index.json`` when sharded). Accepted names:
+- transformers 5.x names, including packed experts ``mlp.experts.gate_up_proj [E, 2F, D]`` /
+  ``mlp.experts.down_proj [E, D, F]``;
+- the original DeepSeek release names with one module per expert
+  (``mlp.experts.E.{gate,up,down}_proj.weight``), stacked at load.
+FP8 (e4m3) weights with a ``weight_scale_inv`` of 128x128 block scales are dequantized at load.
+Layers at index >= num_hidden_layers (the MTP layer) are skipped.
+
+Files are memory-mapped and read tensor by tensor (our own safetensors reader, because NumPy has
+no float8 dtype); the model is built abstractly first, so host memory never holds two copies.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ess_jax.config import ModelConfig
+
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config: missing, misshapen or unreadable tensors."""
+
+
+class SafetensorsFile:
+    """Lazy reader of one .safetensors file: header parsed once, tensors memory-mapped on demand."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        header.pop("__metadata__", None)
+        self.header = header
+        self.data_start = 8 + header_len
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.header[name]["shape"])
+
+    def get(self, name: str) -> np.ndarray:
+        info = self.header[name]
+        if info["dtype"] not in _DTYPES:
+            raise CheckpointError(f"tensor {name} in {self.path.name} has unsupported dtype {info['dtype']}")
+        dtype = np.dtype(_DTYPES[info["dtype"]])
+        start, end = info["data_offsets"]
+        count = (end - start) // dtype.itemsize
+        data = np.memmap(self.path, dtype=dtype, mode="r", offset=self.data_start + start, shape=(count,))
+        return data.reshape(info["shape"])
+
+
+class Checkpoint:
+    """All tensors of a checkpoint directory by name."""
+
+    def __init__(self, directory: Path):
+        index = directory / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+            missing = [f for f in files if not (directory / f).exists()]
+            if missing:
+                raise CheckpointError(f"{index} names shard(s) {missing} that are not in {directory}")
+        else:
+            files = sorted(p.name for p in directory.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"no *.safetensors files in {directory}")
+        self.files = {name: SafetensorsFile(directory / name) for name in files}
+        self.where: dict[str, SafetensorsFile] = {}
+        for f in self.files.values():
+            for key in f.keys():
+                self.where[key] = f
+        self.directory = directory
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def read(self, name: str) -> np.ndarray:
+        """A tensor as float32 (or its integer dtype), FP8 block scales applied."""
+        tensor = self.where[name].get(name)
+        if tensor.dtype in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)):
+            scale_name = name.removesuffix("weight") + "weight_scale_inv"
+            if scale_name not in self.where:
+                raise CheckpointError(f"FP8 tensor {name} has no {scale_name} block scales")
+            return dequantize_fp8_blocks(tensor, self.where[scale_name].get(scale_name), name)
+        if np.issubdtype(tensor.dtype, np.integer) or tensor.dtype == np.bool_:
+            return np.asarray(tensor)
+        return np.asarray(tensor, dtype=np.float32)
+
+
+def dequantize_fp8_blocks(w8: np.ndarray, scale: np.ndarray, name: str) -> np.ndarray:
+    """``W[i, j] = W8[i, j] * S[i // bo, j // bi]`` for FP8 ``[out, in]`` weights and block scales."""
+    out, inp = w8.shape
+    so, si = scale.shape
+    block_o, block_i = -(-out // so), -(-inp // si)
+    if -(-out // block_o) != so or -(-inp // block_i) != si:
+        raise CheckpointError(f"{name}: weight_scale_inv shape {scale.shape} does not tile weight shape {w8.shape}")
+    expanded = np.repeat(np.repeat(np.asarray(scale, np.float32), block_o, axis=0), block_i, axis=1)[:out, :inp]
+    return np.asarray(w8, dtype=np.float32) * expanded
+
+
+def hf_name(path: tuple) -> str:
+    """transformers' parameter name of an NNX state path."""
+    name = ".".join(str(p) for p in path)
+    return name if name.startswith("lm_head.") else "model." + name + (".weight" if path == ("embed_tokens",) else "")
+
+
+def _read_param(ckpt: Checkpoint, cfg: ModelConfig, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    if name in ckpt:
+        return ckpt.read(name)
+    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        return ckpt.read("model.embed_tokens.weight")
+    per_expert = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$", name)
+    if per_expert:
+        prefix, packed = per_expert.groups()
+        parts = ("gate_proj", "up_proj") if packed == "gate_up_proj" else ("down_proj",)
+        experts = []
+        for e in range(shape[0]):
+            names = [f"{prefix}.{e}.{part}.weight" for part in parts]
+            for n in names:
+                if n not in ckpt:
+                    raise CheckpointError(f"checkpoint {ckpt.directory} has neither {name} nor {n}")
+            experts.append(np.concatenate([ckpt.read(n) for n in names], axis=0))
+        return np.stack(experts)
+    raise CheckpointError(f"checkpoint {ckpt.directory} is missing tensor {name} (expected shape {list(shape)})")
+
+
+def load_into(model_fn, cfg: ModelConfig, directory: Path, dtype) -> nnx.Module:
+    """Build ``model_fn()`` abstractly, then fill every parameter from the checkpoint in ``directory``."""
+    ckpt = Checkpoint(directory)
+    abstract = nnx.eval_shape(model_fn)
+    graphdef, state = nnx.split(abstract)
+    flat = nnx.to_flat_state(state)
+    loaded = []
+    for path, variable in flat:
+        name = hf_name(path)
+        expected = tuple(variable.shape)
+        array = _read_param(ckpt, cfg, name, expected)
+        if tuple(array.shape) != expected:
+            raise CheckpointError(f"tensor {name} has shape {list(array.shape)}, config expects {list(expected)}")
+        loaded.append((path, variable.replace(jnp.asarray(array, dtype=variable.dtype))))
+        del array
+    expected_names = {hf_name(p) for p, _ in flat}
+    unknown = [k for k in ckpt.where if not _ignorable(k, cfg, expected_names)]
+    if unknown:
+        raise CheckpointError(f"checkpoint {directory} has tensors this model does not use: {unknown[:5]}"
+                              f"{' ...' if len(unknown) > 5 else ''}")
+    return nnx.merge(graphdef, nnx.from_flat_state(loaded))
+
+
+def _ignorable(key: str, cfg: ModelConfig, expected: set[str]) -> bool:
+    if key in expected or key.endswith("weight_scale_inv"):
+        return True
+    layer = _LAYER.match(key)
+    if layer and int(layer.group(1)) >= cfg.num_hidden_layers:
+        return True  # MTP layer
+    if re.match(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$", key):
+        return True  # per-expert release names, stacked at load
+    return key == "model.embed_tokens.weight" or key.endswith("rotary_emb.inv_freq")

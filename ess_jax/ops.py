@@ -1,0 +1,33 @@
+"""The one place models reach compute kernels through.
+
+Each op has a pure-XLA implementation here; Pallas kernels (pallas_kernels/) plug in behind the
+same signatures. Axis letters: ess_jax.notation.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def sparse_mla(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, rows_BTKW: jax.Array, valid_BTK: jax.Array, *,
+               scale: float) -> tuple[jax.Array, jax.Array]:
+    """Absorbed-form MLA over gathered latent rows.
+
+    Each query head scores the ``K`` rows ``[c | k_rope]`` by ``q_latent . c + q_rope . k_rope``
+    (times ``scale``), softmaxes in float32 over the valid rows and returns the weighted latent
+    ``out f32[B, T, N, C]`` and the log-sum-exp ``lse f32[B, T, N]`` of the scaled scores, so
+    partial results over disjoint row sets merge exactly. A query with no valid row returns
+    ``out = 0`` and ``lse = -inf``.
+    """
+    c = q_latent_BTNC.shape[-1]
+    rows_BTKW = rows_BTKW.astype(jnp.float32)
+    latent_BTKC, rope_BTKR = rows_BTKW[..., :c], rows_BTKW[..., c:]
+    logits_BTNK = (jnp.einsum("btnc,btkc->btnk", q_latent_BTNC.astype(jnp.float32), latent_BTKC)
+                   + jnp.einsum("btnr,btkr->btnk", q_rope_BTNR.astype(jnp.float32), rope_BTKR)) * scale
+    logits_BTNK = jnp.where(valid_BTK[:, :, None, :], logits_BTNK, -jnp.inf)
+    lse_BTN = jax.nn.logsumexp(logits_BTNK, axis=-1)
+    safe_lse_BTN = jnp.where(jnp.isfinite(lse_BTN), lse_BTN, 0.0)
+    probs_BTNK = jnp.exp(logits_BTNK - safe_lse_BTN[..., None])
+    out_BTNC = jnp.einsum("btnk,btkc->btnc", probs_BTNK, latent_BTKC)
+    return out_BTNC, lse_BTN

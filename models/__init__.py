@@ -1,0 +1,1 @@
+"""Flax NNX model definitions (imported as ess_jax.models)."""

@@ -1,0 +1,230 @@
+"""DeepSeek-V3.2: MLA with q/kv LoRA, the DSA lightning indexer, DeepSeek MoE.
+
+Two forward forms over the same parameters:
+- ``__call__(tokens)``: the full causal forward (training / prefill form). Keys and values are
+  expanded per head and the indexer's top-k enters as an attention mask, as in transformers.
+- ``step(tokens, cache)``: the cached forward. The latent rows ``[c | k_rope]`` and indexer keys of
+  the new tokens are written into the cache, the indexer picks top-k positions per query token, and
+  MLA runs in the absorbed form over just those gathered latent rows (DOMAIN.md 1.2).
+
+Axis letters: ess_jax.notation. RoPE on MLA rope slices keeps DeepSeek's interleaved order, so cached
+rows match the 656-byte FlashMLA row layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ess_jax import ops
+from ess_jax.config import ModelConfig
+from ess_jax.models.layers import (
+    MLP, LayerNorm, Linear, MoE, RMSNorm, Router, apply_rope_half, apply_rope_interleaved, rope_cos_sin,
+    rope_inv_freq)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DenseCache:
+    """A contiguous per-request cache: every position of every layer resident."""
+
+    latent: jax.Array  # [L, B, S, W] latent rows [c (C) | k_rope (R, interleaved)]
+    index_keys: jax.Array  # [L, B, S, J] indexer keys (LayerNorm + RoPE applied)
+    lengths: jax.Array  # i32[B] positions already written per request
+
+    @property
+    def capacity(self) -> int:
+        return self.latent.shape[2]
+
+
+class Indexer(nnx.Module):
+    """The DSA lightning indexer: scores every visible position, returns top-k ids."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+        self.index_topk = cfg.index_topk
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, dtype=dtype, rngs=rngs)
+        self.wk = Linear(cfg.hidden_size, cfg.index_head_dim, dtype=dtype, rngs=rngs)
+        self.k_norm = LayerNorm(cfg.index_head_dim, 1e-6, dtype=dtype)
+        self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads, dtype=jnp.float32, rngs=rngs)
+
+    def _rope(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        rot, rest = x[..., : self.rope_dim], x[..., self.rope_dim:]
+        return jnp.concatenate([apply_rope_half(rot, cos, sin), rest], axis=-1)
+
+    def keys(self, x_BTD: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        """Indexer keys ``[B, T, J]`` of the given tokens."""
+        return self._rope(self.k_norm(self.wk(x_BTD)), cos, sin)
+
+    def scores(self, x_BTD, q_resid_BTQ, keys_BSJ, visible_BTS, cos, sin) -> jax.Array:
+        """Index scores ``f32[B, T, S]``; -inf where ``visible_BTS`` is False."""
+        b, t, _ = x_BTD.shape
+        q_BTIJ = self._rope(self.wq_b(q_resid_BTQ).reshape(b, t, self.n_heads, self.head_dim), cos, sin)
+        logits_BTIS = jnp.einsum("btij,bsj->btis", q_BTIJ.astype(jnp.float32), keys_BSJ.astype(jnp.float32))
+        relu_BTIS = jax.nn.relu(logits_BTIS * self.head_dim**-0.5)
+        weights_BTI = self.weights_proj(x_BTD.astype(jnp.float32)) * self.n_heads**-0.5
+        scores_BTS = jnp.einsum("bti,btis->bts", weights_BTI, relu_BTIS)
+        return jnp.where(visible_BTS, scores_BTS, -jnp.inf)
+
+    def topk(self, scores_BTS: jax.Array) -> jax.Array:
+        """Top-k positions ``i32[B, T, K]`` with ``K = min(index_topk, S)``; -1 where fewer are visible."""
+        k = min(self.index_topk, scores_BTS.shape[-1])
+        values, ids = jax.lax.top_k(scores_BTS, k)
+        return jnp.where(values > -jnp.inf, ids, -1).astype(jnp.int32)
+
+
+class MLA(nnx.Module):
+    """Multi-head latent attention with DSA sparse selection."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        self.n_heads = cfg.num_attention_heads
+        self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_rank = cfg.kv_lora_rank
+        self.scale = cfg.softmax_scale
+        eps = cfg.rms_norm_eps
+        self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype=dtype, rngs=rngs)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps, dtype=dtype)
+        self.q_b_proj = Linear(cfg.q_lora_rank, cfg.num_attention_heads * cfg.qk_head_dim, dtype=dtype, rngs=rngs)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.latent_dim, dtype=dtype, rngs=rngs)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps, dtype=dtype)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                                dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(cfg.num_attention_heads * cfg.v_head_dim, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.indexer = Indexer(cfg, dtype=dtype, rngs=rngs)
+
+    def _project(self, x_BTD, cos, sin):
+        """Queries (nope, rope), the q-LoRA residual and the new latent rows ``[B, T, W]``."""
+        b, t, _ = x_BTD.shape
+        q_resid_BTQ = self.q_a_layernorm(self.q_a_proj(x_BTD))
+        q_BTNH = self.q_b_proj(q_resid_BTQ).reshape(b, t, self.n_heads, self.nope_dim + self.rope_dim)
+        q_nope_BTNH, q_rope_BTNR = q_BTNH[..., : self.nope_dim], q_BTNH[..., self.nope_dim:]
+        q_rope_BTNR = apply_rope_interleaved(q_rope_BTNR, cos, sin)
+        kv_BTW = self.kv_a_proj_with_mqa(x_BTD)
+        latent_BTC = self.kv_a_layernorm(kv_BTW[..., : self.kv_rank])
+        k_rope_BTR = apply_rope_interleaved(kv_BTW[..., self.kv_rank:], cos, sin)
+        rows_BTW = jnp.concatenate([latent_BTC, k_rope_BTR], axis=-1)
+        return q_nope_BTNH, q_rope_BTNR, q_resid_BTQ, rows_BTW
+
+    def _kv_b(self) -> tuple[jax.Array, jax.Array]:
+        """``W_UK [N, H_nope, C]`` and ``W_UV [N, H_v, C]`` views of kv_b_proj."""
+        w_NXC = self.kv_b_proj.weight[...].reshape(self.n_heads, self.nope_dim + self.v_dim, self.kv_rank)
+        return w_NXC[:, : self.nope_dim], w_NXC[:, self.nope_dim:]
+
+    def __call__(self, x_BTD: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        """Full causal forward: expanded keys / values, top-k as a mask."""
+        b, t, _ = x_BTD.shape
+        q_nope_BTNH, q_rope_BTNR, q_resid_BTQ, rows_BTW = self._project(x_BTD, cos, sin)
+        causal_TS = jnp.tril(jnp.ones((t, t), bool))
+        with jax.named_scope("indexer"):
+            keys_BSJ = self.indexer.keys(x_BTD, cos, sin)
+            scores_BTS = self.indexer.scores(x_BTD, q_resid_BTQ, keys_BSJ, causal_TS[None], cos, sin)
+            ids_BTK = self.indexer.topk(scores_BTS)
+        selected_BTS = jnp.zeros((b, t, t + 1), bool)
+        selected_BTS = selected_BTS.at[jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None],
+                                       jnp.where(ids_BTK < 0, t, ids_BTK)].set(True)[..., :t]
+        mask_BTS = selected_BTS & causal_TS[None]
+        w_uk_NHC, w_uv_NVC = self._kv_b()
+        latent_BSC, k_rope_BSR = rows_BTW[..., : self.kv_rank], rows_BTW[..., self.kv_rank:]
+        k_nope_BSNH = jnp.einsum("bsc,nhc->bsnh", latent_BSC, w_uk_NHC)
+        v_BSNV = jnp.einsum("bsc,nvc->bsnv", latent_BSC, w_uv_NVC)
+        logits_BNTS = (jnp.einsum("btnh,bsnh->bnts", q_nope_BTNH, k_nope_BSNH)
+                       + jnp.einsum("btnr,bsr->bnts", q_rope_BTNR, k_rope_BSR)).astype(jnp.float32) * self.scale
+        logits_BNTS = jnp.where(mask_BTS[:, None], logits_BNTS, -jnp.inf)
+        probs_BNTS = jax.nn.softmax(logits_BNTS, axis=-1).astype(v_BSNV.dtype)
+        out_BTNV = jnp.einsum("bnts,bsnv->btnv", probs_BNTS, v_BSNV)
+        return self.o_proj(out_BTNV.reshape(b, t, -1))
+
+    def step(self, x_BTD, cos, sin, positions_BT, latent_BSW, keys_BSJ):
+        """Cached forward for ``T`` new tokens at ``positions_BT``. Returns ``(out, latent, keys)``."""
+        b, t, _ = x_BTD.shape
+        q_nope_BTNH, q_rope_BTNR, q_resid_BTQ, rows_BTW = self._project(x_BTD, cos, sin)
+        batch_B1 = jnp.arange(b)[:, None]
+        latent_BSW = latent_BSW.at[batch_B1, positions_BT].set(rows_BTW.astype(latent_BSW.dtype))
+        with jax.named_scope("indexer"):
+            new_keys_BTJ = self.indexer.keys(x_BTD, cos, sin)
+            keys_BSJ = keys_BSJ.at[batch_B1, positions_BT].set(new_keys_BTJ.astype(keys_BSJ.dtype))
+            visible_BTS = jnp.arange(keys_BSJ.shape[1])[None, None, :] <= positions_BT[..., None]
+            scores_BTS = self.indexer.scores(x_BTD, q_resid_BTQ, keys_BSJ, visible_BTS, cos, sin)
+            ids_BTK = self.indexer.topk(scores_BTS)
+        with jax.named_scope("sparse_mla"):
+            w_uk_NHC, w_uv_NVC = self._kv_b()
+            q_latent_BTNC = jnp.einsum("btnh,nhc->btnc", q_nope_BTNH, w_uk_NHC)
+            rows_BTKW = jax.vmap(lambda rows, ids: rows[ids])(latent_BSW, jnp.maximum(ids_BTK, 0))
+            out_BTNC, _ = ops.sparse_mla(q_latent_BTNC, q_rope_BTNR, rows_BTKW, ids_BTK >= 0, scale=self.scale)
+            out_BTNV = jnp.einsum("btnc,nvc->btnv", out_BTNC.astype(x_BTD.dtype), w_uv_NVC)
+        return self.o_proj(out_BTNV.reshape(b, t, -1)), latent_BSW, keys_BSJ
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = MLA(cfg, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        if cfg.mlp_layer_types[layer] == "sparse":
+            router = Router(cfg.hidden_size, cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
+                            topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
+                            scaling=cfg.routed_scaling_factor, rngs=rngs)
+            self.mlp = MoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.n_shared_experts,
+                           router=router, dtype=dtype, rngs=rngs)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, h, cos, sin):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def step(self, h, cos, sin, positions_BT, latent_BSW, keys_BSJ):
+        out, latent_BSW, keys_BSJ = self.self_attn.step(self.input_layernorm(h), cos, sin, positions_BT, latent_BSW,
+                                                         keys_BSJ)
+        h = h + out
+        return h + self.mlp(self.post_attention_layernorm(h)), latent_BSW, keys_BSJ
+
+
+class DeepseekV32(nnx.Module):
+    """``DeepseekV32ForCausalLM``: parameter names mirror transformers' module tree."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed_tokens = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size)).astype(dtype))
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
+
+    def _cos_sin(self, positions_BT):
+        inv_freq = rope_inv_freq(self.cfg.rope, self.cfg.qk_rope_head_dim)
+        return rope_cos_sin(positions_BT, inv_freq, self.cfg.rope.cos_sin_scale)
+
+    def __call__(self, tokens_BT: jax.Array) -> jax.Array:
+        """Full causal forward: logits ``[B, T, V]`` (float32)."""
+        b, t = tokens_BT.shape
+        cos, sin = self._cos_sin(jnp.broadcast_to(jnp.arange(t), (b, t)))
+        h = self.embed_tokens[...][tokens_BT]
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.lm_head(self.norm(h)).astype(jnp.float32)
+
+    def init_cache(self, batch: int, capacity: int) -> DenseCache:
+        cfg, n = self.cfg, len(self.layers)
+        return DenseCache(
+            latent=jnp.zeros((n, batch, capacity, cfg.latent_dim), self.dtype),
+            index_keys=jnp.zeros((n, batch, capacity, cfg.index_head_dim), self.dtype),
+            lengths=jnp.zeros((batch,), jnp.int32),
+        )
+
+    def step(self, tokens_BT: jax.Array, cache: DenseCache) -> tuple[jax.Array, DenseCache]:
+        """Append ``T`` tokens per request to ``cache``; logits ``[B, T, V]`` (float32) and the new cache."""
+        b, t = tokens_BT.shape
+        positions_BT = cache.lengths[:, None] + jnp.arange(t)[None, :]
+        cos, sin = self._cos_sin(positions_BT)
+        h = self.embed_tokens[...][tokens_BT]
+        latents, keys = [], []
+        for i, layer in enumerate(self.layers):
+            h, latent_BSW, keys_BSJ = layer.step(h, cos, sin, positions_BT, cache.latent[i], cache.index_keys[i])
+            latents.append(latent_BSW)
+            keys.append(keys_BSJ)
+        logits = self.lm_head(self.norm(h)).astype(jnp.float32)
+        return logits, DenseCache(jnp.stack(latents), jnp.stack(keys), cache.lengths + t)

@@ -1,0 +1,195 @@
+"""Building blocks shared by the DeepSeek models: linear, norms, rotary embeddings, SwiGLU MLP, MoE.
+
+Weights keep HuggingFace's layout (``Linear.weight`` is ``[out, in]``, packed experts are
+``gate_up_proj [E, 2F, D]`` and ``down_proj [E, D, F]``), so checkpoint loading is a name mapping with
+no transposes. Axis letters: ess_jax.notation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ess_jax.config import RopeConfig
+
+
+def _normal(rngs: nnx.Rngs, shape, std: float, dtype) -> jax.Array:
+    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class Linear(nnx.Module):
+    """``y = x W^T`` with ``W [out, in]`` (no bias)."""
+
+    def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs, std: float = 0.02):
+        self.weight = nnx.Param(_normal(rngs, (out_features, in_features), std, dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.einsum("...i,oi->...o", x, self.weight[...])
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * x32.astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.bias = nnx.Param(jnp.zeros((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+
+
+# ---- rotary embeddings ------------------------------------------------------------------------
+
+
+def rope_inv_freq(rope: RopeConfig, dim: int) -> np.ndarray:
+    """Inverse frequencies ``[dim // 2]`` (float32) for plain RoPE or YaRN, as HF computes them."""
+    exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+    pos_freqs = np.float32(rope.theta) ** exponents
+    extrapolation = np.float32(1.0) / pos_freqs
+    if rope.rope_type == "default":
+        return extrapolation.astype(np.float32)
+    interpolation = np.float32(1.0) / (np.float32(rope.factor) * pos_freqs)
+
+    def correction_dim(rotations: float) -> float:
+        original = rope.original_max_position_embeddings
+        return dim * np.log(original / (rotations * 2 * np.pi)) / (2 * np.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = np.floor(low), np.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
+    extrapolation_factor = np.float32(1.0) - ramp
+    return (interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor).astype(np.float32)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, scale: float) -> tuple[jax.Array, jax.Array]:
+    """cos, sin ``[..., R/2]`` float32 for integer positions ``[...]``."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
+
+
+def apply_rope_interleaved(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate pairs ``(2i, 2i+1)`` of the last axis (DeepSeek's MLA layout; output stays interleaved).
+
+    ``cos``/``sin`` are ``[B, T, R/2]`` and broadcast over any axes between T and the last one.
+    """
+    extra = x.ndim - cos.ndim
+    cos = cos.reshape(cos.shape[:2] + (1,) * extra + cos.shape[2:])
+    sin = sin.reshape(sin.shape[:2] + (1,) * extra + sin.shape[2:])
+    pairs = x.astype(jnp.float32).reshape(x.shape[:-1] + (x.shape[-1] // 2, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
+    return rotated.reshape(x.shape).astype(x.dtype)
+
+
+def apply_rope_half(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate pairs ``(i, i + R/2)`` of the last axis (the non-interleaved layout of the V3.2 indexer)."""
+    extra = x.ndim - cos.ndim
+    cos = cos.reshape(cos.shape[:2] + (1,) * extra + cos.shape[2:])
+    sin = sin.reshape(sin.shape[:2] + (1,) * extra + sin.shape[2:])
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+# ---- feed-forward -----------------------------------------------------------------------------
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate x) * up x)``."""
+
+    def __init__(self, hidden: int, intermediate: int, *, dtype, rngs: nnx.Rngs):
+        self.gate_proj = Linear(hidden, intermediate, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(hidden, intermediate, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(intermediate, hidden, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nnx.Module):
+    """Sigmoid router with selection-only bias and group-limited top-k (DeepSeek ``noaux_tc``)."""
+
+    def __init__(self, hidden: int, n_experts: int, *, top_k: int, n_group: int, topk_group: int,
+                 norm_topk_prob: bool, scaling: float, rngs: nnx.Rngs):
+        self.weight = nnx.Param(_normal(rngs, (n_experts, hidden), 0.02, jnp.float32))
+        self.e_score_correction_bias = nnx.Param(jnp.zeros((n_experts,), jnp.float32))
+        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
+        self.norm_topk_prob, self.scaling = norm_topk_prob, scaling
+
+    def __call__(self, x_AD: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Returns routing weights ``f32[A, k]`` and expert ids ``i32[A, k]`` for tokens ``[A, D]``."""
+        logits = jnp.einsum("ad,ed->ae", x_AD.astype(jnp.float32), self.weight[...].astype(jnp.float32))
+        scores = jax.nn.sigmoid(logits)
+        choice = scores + self.e_score_correction_bias[...]
+        n_experts = choice.shape[-1]
+        if self.n_group > 1:
+            grouped = choice.reshape(-1, self.n_group, n_experts // self.n_group)
+            group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)
+            _, keep = jax.lax.top_k(group_scores, self.topk_group)
+            group_mask = jnp.zeros_like(group_scores, dtype=bool).at[jnp.arange(keep.shape[0])[:, None], keep].set(True)
+            expert_mask = jnp.repeat(group_mask, n_experts // self.n_group, axis=-1)
+            choice = jnp.where(expert_mask, choice, -jnp.inf)
+        _, experts = jax.lax.top_k(choice, self.top_k)
+        weights = jnp.take_along_axis(scores, experts, axis=-1)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+        return weights * self.scaling, experts
+
+
+class Experts(nnx.Module):
+    """Routed SwiGLU experts, packed: ``gate_up_proj [E, 2F, D]`` (gate rows first), ``down_proj [E, D, F]``."""
+
+    def __init__(self, hidden: int, intermediate: int, n_experts: int, *, dtype, rngs: nnx.Rngs):
+        self.gate_up_proj = nnx.Param(_normal(rngs, (n_experts, 2 * intermediate, hidden), 0.02, dtype))
+        self.down_proj = nnx.Param(_normal(rngs, (n_experts, hidden, intermediate), 0.02, dtype))
+
+    def __call__(self, x_AD: jax.Array, weights_AK: jax.Array, experts_AK: jax.Array) -> jax.Array:
+        """Grouped matmuls over expert-sorted token copies; returns the weighted sum ``f32[A, D]``."""
+        tokens, k = experts_AK.shape
+        flat_experts = experts_AK.reshape(-1)
+        order = jnp.argsort(flat_experts, stable=True)
+        token_of = order // k
+        group_sizes = jnp.bincount(flat_experts, length=self.gate_up_proj.shape[0]).astype(jnp.int32)
+        dims = jax.lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+        h = jax.lax.ragged_dot_general(x_AD[token_of], self.gate_up_proj[...], group_sizes, dims)
+        gate, up = jnp.split(h, 2, axis=-1)
+        y = jax.lax.ragged_dot_general(jax.nn.silu(gate) * up, self.down_proj[...], group_sizes, dims)
+        y = y.astype(jnp.float32) * weights_AK.reshape(-1)[order][:, None]
+        return jnp.zeros((tokens, x_AD.shape[-1]), jnp.float32).at[token_of].add(y)
+
+
+class MoE(nnx.Module):
+    """DeepSeek MoE: routed experts plus always-on shared experts."""
+
+    def __init__(self, hidden: int, intermediate: int, n_experts: int, n_shared: int, *, router: Router,
+                 dtype, rngs: nnx.Rngs):
+        self.gate = router
+        self.experts = Experts(hidden, intermediate, n_experts, dtype=dtype, rngs=rngs)
+        self.shared_experts = MLP(hidden, intermediate * n_shared, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x_AD = x.reshape(-1, x.shape[-1])
+        weights_AK, experts_AK = self.gate(x_AD)
+        routed_AD = self.experts(x_AD, weights_AK, experts_AK)
+        return (routed_AD.astype(x.dtype) + self.shared_experts(x_AD)).reshape(x.shape)

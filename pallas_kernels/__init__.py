@@ -1,0 +1,1 @@
+"""Pallas kernels with their pure-jnp references (imported as ess_jax.pallas_kernels)."""

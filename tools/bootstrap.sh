@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Creates .venv with a Python >= 3.12 (found on PATH or through pyenv) and installs ess_jax[test].
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] && .venv/bin/python -c 'import ess_jax' 2>/dev/null && exit 0
+
+ok() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; }
+python=""
+for candidate in python3.13 python3.12 python3 python; do
+  if command -v "$candidate" >/dev/null && ok "$candidate"; then python=$(command -v "$candidate"); break; fi
+done
+if [ -z "$python" ]; then
+  roots=()
+  command -v pyenv >/dev/null && roots+=("$(pyenv root)/versions")
+  roots+=("$HOME/.pyenv/versions")
+  for root in "${roots[@]}"; do
+    for candidate in $(ls -d "$root"/3.* 2>/dev/null | sort -rV); do
+      if ok "$candidate/bin/python"; then python="$candidate/bin/python"; break 2; fi
+    done
+  done
+fi
+if [ -z "$python" ]; then
+  echo "error: no Python >= 3.12 found on PATH or under pyenv; install one (e.g. 'pyenv install 3.12')" >&2
+  exit 1
+fi
+echo "bootstrapping .venv with $python" >&2
+rm -rf .venv
+"$python" -m venv .venv
+.venv/bin/python -m pip install --quiet --upgrade pip
+.venv/bin/python -m pip install --quiet -e '.[test]'

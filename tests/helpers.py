@@ -1,0 +1,49 @@
+"""Shared test utilities."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ess_jax.config import ModelConfig
+from ess_jax.models.deepseek_v32 import DeepseekV32
+
+
+def randomize(module: nnx.Module, seed: int) -> nnx.Module:
+    """Re-draw every parameter at magnitudes that give lively activations (unlike the 0.02 init).
+
+    Matrices get std 1.5/sqrt(fan_in), vectors 1 + 0.1 N (norm weights) or 0.1 N (biases), so logits
+    have O(1) spread and greedy choices are not near-ties.
+    """
+    graphdef, state = nnx.split(module)
+    flat = nnx.to_flat_state(state)
+    keys = jax.random.split(jax.random.key(seed), len(flat))
+    out = []
+    for key, (path, var) in zip(keys, flat):
+        value = var[...]
+        noise = jax.random.normal(key, value.shape, jnp.float32)
+        name = path[-1]
+        if value.ndim >= 2:
+            new = noise * (1.5 / np.sqrt(value.shape[-1]))
+        elif name == "bias" or name == "e_score_correction_bias":
+            new = 0.1 * noise
+        else:
+            new = 1.0 + 0.1 * noise
+        out.append((path, var.replace(new.astype(value.dtype))))
+    return nnx.merge(graphdef, nnx.from_flat_state(out))
+
+
+def small_v32(**overrides) -> ModelConfig:
+    """tiny-v32 shrunk further for fast tests (index_topk 8 so sparsity starts early)."""
+    base = ModelConfig.from_preset("tiny-v32")
+    fields = dict(hidden_size=64, num_hidden_layers=2, mlp_layer_types=("dense", "sparse"), q_lora_rank=32,
+                  kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, index_n_heads=2,
+                  index_head_dim=16, index_topk=8, intermediate_size=96, moe_intermediate_size=32)
+    fields.update(overrides)
+    return dataclasses.replace(base, **fields)
+
+
+def lively_v32(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32) -> DeepseekV32:
+    return randomize(DeepseekV32(cfg, dtype=dtype, rngs=nnx.Rngs(seed)), seed)

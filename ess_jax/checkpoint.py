@@ -90,6 +90,9 @@ class Checkpoint:
             for key in f.keys():
                 self.where[key] = f
         self.directory = directory
+        raw_config = json.loads((directory / "config.json").read_text())
+        quant = raw_config.get("quantization_config") or {}
+        self.block = tuple(quant.get("weight_block_size") or (128, 128))
 
     def __contains__(self, name: str) -> bool:
         return name in self.where
@@ -101,19 +104,19 @@ class Checkpoint:
             scale_name = name.removesuffix("weight") + "weight_scale_inv"
             if scale_name not in self.where:
                 raise CheckpointError(f"FP8 tensor {name} has no {scale_name} block scales")
-            return dequantize_fp8_blocks(tensor, self.where[scale_name].get(scale_name), name)
+            return dequantize_fp8_blocks(tensor, self.where[scale_name].get(scale_name), name, self.block)
         if np.issubdtype(tensor.dtype, np.integer) or tensor.dtype == np.bool_:
             return np.asarray(tensor)
         return np.asarray(tensor, dtype=np.float32)
 
 
-def dequantize_fp8_blocks(w8: np.ndarray, scale: np.ndarray, name: str) -> np.ndarray:
-    """``W[i, j] = W8[i, j] * S[i // bo, j // bi]`` for FP8 ``[out, in]`` weights and block scales."""
-    out, inp = w8.shape
-    so, si = scale.shape
-    block_o, block_i = -(-out // so), -(-inp // si)
-    if -(-out // block_o) != so or -(-inp // block_i) != si:
-        raise CheckpointError(f"{name}: weight_scale_inv shape {scale.shape} does not tile weight shape {w8.shape}")
+def dequantize_fp8_blocks(w8: np.ndarray, scale: np.ndarray, name: str,
+                          block: tuple[int, int] = (128, 128)) -> np.ndarray:
+    """``W[i, j] = W8[i, j] * S[i // bo, j // bi]`` for FP8 ``[out, in]`` weights and ``(bo, bi)`` block scales."""
+    (out, inp), (block_o, block_i) = w8.shape, block
+    if scale.shape != (-(-out // block_o), -(-inp // block_i)):
+        raise CheckpointError(f"{name}: weight_scale_inv shape {list(scale.shape)} does not tile weight shape "
+                              f"{list(w8.shape)} in {block_o}x{block_i} blocks")
     expanded = np.repeat(np.repeat(np.asarray(scale, np.float32), block_o, axis=0), block_i, axis=1)[:out, :inp]
     return np.asarray(w8, dtype=np.float32) * expanded
 

@@ -1,6 +1,7 @@
 """Shared test utilities."""
 
-import dataclasses
+import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -35,14 +36,20 @@ def randomize(module: nnx.Module, seed: int) -> nnx.Module:
     return nnx.merge(graphdef, nnx.from_flat_state(out))
 
 
-def small_v32(**overrides) -> ModelConfig:
-    """tiny-v32 shrunk further for fast tests (index_topk 8 so sparsity starts early)."""
-    base = ModelConfig.from_preset("tiny-v32")
-    fields = dict(hidden_size=64, num_hidden_layers=2, mlp_layer_types=("dense", "sparse"), q_lora_rank=32,
-                  kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, index_n_heads=2,
-                  index_head_dim=16, index_topk=8, intermediate_size=96, moe_intermediate_size=32)
-    fields.update(overrides)
-    return dataclasses.replace(base, **fields)
+# tiny-v32 shrunk further for fast tests (index_topk 8 so sparsity starts early), as config.json fields.
+SMALL_V32 = dict(hidden_size=64, num_hidden_layers=2, mlp_layer_types=["dense", "sparse"], q_lora_rank=32,
+                 kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, index_n_heads=2,
+                 index_head_dim=16, index_topk=8, intermediate_size=96, moe_intermediate_size=32)
+
+
+def small_v32_json() -> dict:
+    raw = json.loads((Path(__file__).parents[1] / "configs" / "tiny-v32.json").read_text())
+    raw.pop("first_k_dense_replace")
+    return dict(raw, **SMALL_V32)
+
+
+def small_v32() -> ModelConfig:
+    return ModelConfig.from_hf_dict(small_v32_json())
 
 
 def lively_v32(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32) -> DeepseekV32:

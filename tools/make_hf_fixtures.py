@@ -12,6 +12,9 @@ How to run (from the repository root)::
     .fixtures-venv/bin/pip install -r tools/requirements-fixtures.txt
     .fixtures-venv/bin/python tools/make_hf_fixtures.py          # writes tests/fixtures/
 
+If ``accelerate`` is also installed, the FP8 fixture is additionally checked
+against transformers' own FP8 checkpoint loader.
+
 Options: ``--out DIR`` writes somewhere else, ``--family NAME`` (repeatable)
 regenerates only some families (see ``FAMILIES``).  The output is deterministic
 (fixed torch seeds, float32, CPU) for a given torch/transformers version.
@@ -22,6 +25,9 @@ Fixture families
 
 * ``hf-v32-a/``   tiny ``DeepseekV32ForCausalLM`` (yarn RoPE, 1 dense + 2 MoE
   layers, grouped routing), saved with ``save_pretrained`` + ``reference.npz``.
+  Note: transformers 5 ``save_pretrained`` reverts its weight conversions, so
+  ``model.safetensors`` holds per-expert ``mlp.experts.{e}.{gate,up,down}_proj.weight``
+  tensors, not the in-memory packed ``gate_up_proj`` / ``down_proj``.
 * ``hf-v32-b/``   a differently shaped model (default RoPE, all-MoE layers,
   a single routing group, ``norm_topk_prob=False``), same contents.
 * ``hf-v32-fp8/`` the hf-v32-a weights in the layout of the original DeepSeek
@@ -40,7 +46,10 @@ Prompts are drawn from a seeded generator; a candidate prompt is only accepted
 when every discrete decision the model takes on it (greedy token choice,
 indexer top-k selection, MoE group/expert selection) has a clear margin, so
 that an implementation that is correct up to float32 rounding reproduces the
-fixture exactly.  Rejected candidates are reported on stdout.
+fixture exactly.  Rejected candidates are reported on stdout.  For the same
+reason the indexer's query heads are built in antipodal pairs (see
+``make_indexer_heads_antipodal_``): with independent random heads many index
+scores are exactly 0 and tie at the top-k boundary.
 
 To add a family (e.g. DeepSeek-V4) write a ``make_<family>_fixtures(root)``
 function that writes its directories under ``root`` and register it in
@@ -82,7 +91,7 @@ BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
 WEIGHT_GAIN = 1.5
 
 # Minimum margins required of every discrete decision on an accepted prompt.
-MIN_LOGIT_GAP = 1e-2  # top-1 minus top-2 logit, at each greedy step
+MIN_LOGIT_GAP = 1e-2  # top-1 minus top-2 logit, at every prompt row and greedy step
 MIN_ROUTER_GAP = 1e-4  # k-th minus (k+1)-th biased router score (groups and experts)
 MIN_INDEXER_REL_GAP = 1e-4  # (k-th minus (k+1)-th index score) / max |index score| of the row
 MAX_PROMPT_ATTEMPTS = 200
@@ -103,6 +112,7 @@ def build_model(config: DeepseekV32Config, seed: int) -> DeepseekV32ForCausalLM:
         config, attn_implementation="eager", experts_implementation="eager", dtype=torch.float32
     )
     randomize_persistent_tensors_(model, seed)
+    make_indexer_heads_antipodal_(model)
     return model.eval()
 
 
@@ -142,6 +152,27 @@ def randomize_persistent_tensors_(model: torch.nn.Module, seed: int) -> None:
 
     for name, tensor in model.state_dict().items():  # state_dict tensors share storage with the model
         tensor.copy_(random_tensor(name, tensor.shape, normal))
+
+
+@torch.no_grad()
+def make_indexer_heads_antipodal_(model: torch.nn.Module) -> None:
+    """Make indexer query heads come in pairs ``q_{2j+1} = -q_{2j}`` (negated ``wq_b`` rows).
+
+    The index score of a key is ``sum_h w_h * relu(q_h . k)``.  With independent
+    random heads a key gets an exactly-zero score whenever all ``q_h . k < 0``;
+    such zeros are common, tie with each other at the top-k boundary, and then
+    the selection depends on ``torch.topk``'s tie-breaking (transformers' own
+    cached and no-cache paths disagree on it).  With antipodal pairs one of
+    ``relu(a)``, ``relu(-a)`` is positive, so no score is exactly zero and all
+    remaining ties are measure-zero (near-ties are screened in ``check_prompt``).
+    The per-head weights ``w_h`` still differ, so the fixture still checks the
+    head layout, the ReLU and the weighting.
+    """
+    for module in model.modules():
+        if isinstance(module, DeepseekV32Indexer):
+            w = module.wq_b.weight.view(module.n_heads, module.head_dim, -1)
+            pairs = module.n_heads // 2
+            w[1 : 2 * pairs : 2] = -w[0 : 2 * pairs : 2]
 
 
 # ---------------------------------------------------------------------------
@@ -274,8 +305,10 @@ def fake_mtp_layer(config: DeepseekV32Config, seed: int) -> dict[str, torch.Tens
     }
 
 
-def release_fp8_state(model: DeepseekV32ForCausalLM, mtp_seed: int) -> dict[str, torch.Tensor]:
-    """The model's weights in the DeepSeek release layout, FP8 where the release is FP8.
+def release_fp8_state(
+    model: DeepseekV32ForCausalLM, mtp_seed: int, block: tuple[int, int] = FP8_BLOCK
+) -> dict[str, torch.Tensor]:
+    """The model's weights in the DeepSeek release layout, FP8 (``block``-wise scales) where the release is FP8.
 
     Ordered as the release orders them: ``name`` then ``name_scale_inv`` for quantised weights.
     """
@@ -284,7 +317,7 @@ def release_fp8_state(model: DeepseekV32ForCausalLM, mtp_seed: int) -> dict[str,
     out: dict[str, torch.Tensor] = {}
     for name, t in release.items():
         if is_fp8_linear(name):
-            w8, scale_inv = quantize_fp8_blockwise(t)
+            w8, scale_inv = quantize_fp8_blockwise(t, block)
             out[name] = w8
             out[name + "_scale_inv"] = scale_inv
         else:
@@ -292,14 +325,16 @@ def release_fp8_state(model: DeepseekV32ForCausalLM, mtp_seed: int) -> dict[str,
     return out
 
 
-def dequantized_model(config: DeepseekV32Config, fp8_state: dict[str, torch.Tensor]) -> DeepseekV32ForCausalLM:
+def dequantized_model(
+    config: DeepseekV32Config, fp8_state: dict[str, torch.Tensor], block: tuple[int, int] = FP8_BLOCK
+) -> DeepseekV32ForCausalLM:
     """A float32 HF model holding exactly the dequantized release weights (what a loader must produce)."""
     dense: dict[str, torch.Tensor] = {}
     for name, t in fp8_state.items():
         if name.endswith("_scale_inv"):
             continue
         if t.dtype == torch.float8_e4m3fn:
-            dense[name] = dequantize_fp8_blockwise(t, fp8_state[name + "_scale_inv"])
+            dense[name] = dequantize_fp8_blockwise(t, fp8_state[name + "_scale_inv"], block)
         else:
             dense[name] = t
     model = DeepseekV32ForCausalLM._from_config(
@@ -358,7 +393,7 @@ class Margins:
         self.problems += other.problems
 
     def failures(self) -> list[str]:
-        out = list(self.problems)
+        out = sorted(set(self.problems))
         if self.indexer_rel_gap < MIN_INDEXER_REL_GAP:
             out.append(f"indexer top-k relative gap {self.indexer_rel_gap:.2e}")
         if min(self.router_group_gap, self.router_expert_gap) < MIN_ROUTER_GAP:
@@ -460,7 +495,7 @@ class DecisionProbe:
                 keys = torch.nonzero(valid[b, s]).squeeze(-1)
                 expected = set(keys[row.topk(k).indices].tolist())
                 if expected != set(output[b, s].tolist()):
-                    self.margins.problems.append(f"indexer re-implementation mismatch at row {s}")
+                    self.margins.problems.append("indexer re-implementation mismatch")
 
     def _router_hook(self, module: DeepseekV32TopkRouter, args, output) -> None:
         hidden = args[0].reshape(-1, module.hidden_dim).float()
@@ -522,10 +557,10 @@ def check_prompt(model: DeepseekV32ForCausalLM, prompt: torch.Tensor) -> tuple[t
         logits = full_logits(model, seq)
     margins = probe.margins
     t = prompt.shape[0]
-    steps = logits[t - 1 : -1]  # rows that chose the generated tokens
-    top2 = steps.topk(2, dim=-1).values
+    # Every row but the last: the stored prompt rows and the rows that chose the generated tokens.
+    top2 = logits[:-1].topk(2, dim=-1).values
     margins.logit_gap = float((top2[:, 0] - top2[:, 1]).min())
-    if not torch.equal(steps.argmax(-1), seq[t:]):
+    if not torch.equal(logits[t - 1 : -1].argmax(-1), seq[t:]):
         margins.problems.append("generate() disagrees with argmax of the no-cache logits")
     if bool(torch.isin(seq[t:], torch.tensor([EOS_ID, PAD_ID])).any()):
         margins.problems.append("EOS/PAD among generated tokens")
@@ -556,7 +591,7 @@ def choose_prompts(
 
 
 @torch.no_grad()
-def sparsity_effect(model: DeepseekV32ForCausalLM, prompt: torch.Tensor) -> tuple[float, float]:
+def sparsity_effect(model: DeepseekV32ForCausalLM, prompt: torch.Tensor) -> tuple[float, float | None]:
     """Max |logits(sparse) - logits(dense indexer)| for rows with <= topk and > topk causal keys.
 
     Shows that the indexer's top-k mask actually changes the output on long prompts.
@@ -573,7 +608,7 @@ def sparsity_effect(model: DeepseekV32ForCausalLM, prompt: torch.Tensor) -> tupl
             m.index_topk = topk
     diff = (sparse - dense).abs().amax(dim=-1)
     short = float(diff[:topk].max())
-    long = float(diff[topk:].max()) if prompt.shape[0] > topk else 0.0
+    long = float(diff[topk:].max()) if prompt.shape[0] > topk else None
     return short, long
 
 
@@ -589,10 +624,11 @@ def write_reference(out_dir: Path, model: DeepseekV32ForCausalLM, prompts: list[
         ref[f"generate_{i}"] = seq.numpy().astype(np.int64)
         first_new, argmax_last = int(seq[prompt.shape[0]]), int(logits[-1].argmax())
         short, long = sparsity_effect(model, prompt)
+        long_txt = "n/a (T <= index_topk)" if long is None else f"{long:.3f}"
         print(
             f"    prompt {i}: T={prompt.shape[0]} logits std {logits.std():.3f} max|.| {logits.abs().max():.3f}; "
             f"first new token {first_new} == argmax(last logits row) {argmax_last}: {first_new == argmax_last}; "
-            f"sparse-vs-dense indexer max|dlogit| rows<topk {short:.2e}, rows>=topk {long:.3f}"
+            f"sparse-vs-dense indexer max|dlogit| rows<topk {short:.2e}, rows>=topk {long_txt}"
         )
         if first_new != argmax_last:
             raise RuntimeError("first generated token is not the argmax of the last logits row")
@@ -701,7 +737,7 @@ def v32_b_config() -> DeepseekV32Config:
         index_head_dim=16,
         index_topk=8,
         max_position_embeddings=2048,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        # rope_parameters left unset: saved as {"rope_theta": 10000.0, "rope_type": "default"}.
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
@@ -712,13 +748,17 @@ def v32_b_config() -> DeepseekV32Config:
 V32_SEED_A, V32_SEED_B = 3201, 3202
 V32_PROMPT_SEED_A, V32_PROMPT_SEED_B = 10_000, 20_000
 V32_MTP_SEED = 3299
-V32_FP8_QUANT_CONFIG = {
-    "quant_method": "fp8",
-    "activation_scheme": "dynamic",
-    "fmt": "e4m3",
-    "scale_fmt": "ue8m0",
-    "weight_block_size": list(FP8_BLOCK),
-}
+
+
+def fp8_quantization_config(block: tuple[int, int] = FP8_BLOCK) -> dict:
+    """``quantization_config`` of the DeepSeek-V3.2-Exp release, for ``block``-wise weight scales."""
+    return {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": list(block),
+    }
 
 
 def write_hf_checkpoint_fixture(out_dir: Path, model: DeepseekV32ForCausalLM, prompts: list[torch.Tensor]) -> None:
@@ -741,16 +781,40 @@ def write_fp8_release_fixture(
     base_config_json: Path,
     dequant_model: DeepseekV32ForCausalLM,
     prompts: list[torch.Tensor],
+    block: tuple[int, int] = FP8_BLOCK,
 ) -> None:
     """Release-layout FP8 checkpoint (2 shards + index), config with quantization_config, reference."""
     fresh_dir(out_dir)
     config = json.loads(base_config_json.read_text())
-    config["quantization_config"] = V32_FP8_QUANT_CONFIG
+    config["quantization_config"] = fp8_quantization_config(block)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     weight_map = write_sharded_safetensors(out_dir, fp8_state, n_shards=2)
     split = [n for n in weight_map if n.endswith("_scale_inv") and weight_map[n] != weight_map[n[: -len("_scale_inv")]]]
     print(f"    {out_dir.name}: {len(fp8_state)} tensors; weight/scale pairs split across shards: {split}")
-    write_reference(out_dir, dequant_model, prompts)
+    ref = write_reference(out_dir, dequant_model, prompts)
+    check_with_transformers_fp8_loader(out_dir, ref, len(prompts))
+
+
+def check_with_transformers_fp8_loader(out_dir: Path, ref: dict, n_prompts: int) -> None:
+    """Optional cross-check: transformers' own FP8 loader must reproduce the reference exactly.
+
+    On a machine without GPU transformers dequantizes FP8 checkpoints while loading; that
+    path needs ``accelerate``, which is not a requirement of this script, so the check is
+    skipped when it is missing.
+    """
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        print(f"    {out_dir.name}: accelerate not installed, skipping the transformers FP8-loader cross-check")
+        return
+    model = DeepseekV32ForCausalLM.from_pretrained(
+        out_dir, attn_implementation="eager", experts_implementation="eager", dtype=torch.float32
+    ).eval()
+    for i in range(n_prompts):
+        logits = full_logits(model, torch.from_numpy(ref[f"prompt_{i}"]))
+        if not np.array_equal(logits.float().numpy(), ref[f"logits_{i}"]):
+            raise RuntimeError(f"{out_dir.name}: transformers' FP8 loader disagrees with the dequantized reference")
+    print(f"    {out_dir.name}: transformers' FP8 loader (CPU dequantization) reproduces the logits bit-exactly")
 
 
 def make_deepseek_v32_fixtures(root: Path) -> None:

@@ -20,11 +20,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="tiny-v32",
                    help="preset name (tiny-v32, random weights) or a HuggingFace checkpoint directory "
                         "(config.json + *.safetensors). Default: tiny-v32")
-    p.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable; byte-level "
-                   "tokenizer for presets)")
-    p.add_argument("--prompt-file", help="a file whose whole text is one more prompt")
-    p.add_argument("--prompt-ids", action="append", default=[], help="a prompt as comma-separated token ids, "
-                   "e.g. 1,2,3 (repeatable)")
+    # All prompt flags append to one list, so requests keep their command-line order.
+    p.add_argument("--prompt", dest="prompts", action="append", type=lambda s: ("text", s),
+                   help="a text prompt (repeatable; byte-level tokenizer for presets)")
+    p.add_argument("--prompt-file", dest="prompts", action="append", type=lambda s: ("file", s),
+                   help="a file whose whole text is one prompt (repeatable)")
+    p.add_argument("--prompt-ids", dest="prompts", action="append", type=lambda s: ("ids", s),
+                   help="a prompt as comma-separated token ids, e.g. 1,2,3 (repeatable)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter and cache dtype")
     p.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
@@ -33,15 +35,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _prompts(args: argparse.Namespace) -> list[list[int] | str]:
-    prompts: list[list[int] | str] = list(args.prompt)
-    if args.prompt_file:
-        with open(args.prompt_file) as f:
-            prompts.append(f.read())
-    for text in args.prompt_ids:
-        try:
-            prompts.append([int(x) for x in text.split(",") if x.strip()])
-        except ValueError:
-            raise ValueError(f"--prompt-ids {text!r} is not a comma-separated list of integers") from None
+    prompts: list[list[int] | str] = []
+    for kind, value in args.prompts or []:
+        if kind == "text":
+            prompts.append(value)
+        elif kind == "file":
+            with open(value) as f:
+                prompts.append(f.read())
+        else:
+            try:
+                prompts.append([int(x) for x in value.split(",") if x.strip()])
+            except ValueError:
+                raise ValueError(f"--prompt-ids {value!r} is not a comma-separated list of integers") from None
     if not prompts:
         raise ValueError("no prompt given; use --prompt TEXT, --prompt-file F or --prompt-ids 1,2,3")
     if any(len(p) == 0 for p in prompts):

@@ -15,10 +15,14 @@ from flax import nnx
 
 from ess_jax import checkpoint
 from ess_jax.config import PRESETS, ConfigError, ModelConfig
-from ess_jax.models.deepseek_v32 import DeepseekV32, DenseCache
-from ess_jax.tokenizer import ByteTokenizer
+from ess_jax.models.deepseek_v32 import DeepseekV32
+from ess_jax.models.deepseek_v4 import DeepseekV4
+from ess_jax.engine import Engine, EngineConfig
+from ess_jax.sampling import SamplingParams
+from ess_jax.tokenizer import Tokenizer, load_tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+MODEL_CLASSES = {"deepseek_v32": DeepseekV32, "deepseek_v4": DeepseekV4}  # by ModelConfig.family
 
 
 class Model:
@@ -28,38 +32,24 @@ class Model:
     jitted function merges them inside the trace, so each call pays no Python object-graph walk.
     """
 
-    def __init__(self, name: str, module: DeepseekV32, tokenizer: ByteTokenizer):
+    def __init__(self, name: str, module: DeepseekV32 | DeepseekV4, tokenizer: Tokenizer):
         self.name = name
         self.cfg: ModelConfig = module.cfg
         self.tokenizer = tokenizer
         self.graphdef, self.params = nnx.split(module)
 
     @property
-    def module(self) -> DeepseekV32:
+    def module(self) -> DeepseekV32 | DeepseekV4:
         return nnx.merge(self.graphdef, self.params)
 
     @functools.cached_property
     def _forward(self):
         return jax.jit(lambda params, tokens: nnx.merge(self.graphdef, params)(tokens))
 
-    @functools.cached_property
-    def _step(self):
-        def step(params, tokens, cache):
-            return nnx.merge(self.graphdef, params).step(tokens, cache)
-
-        return jax.jit(step, donate_argnums=2)
-
     def logits(self, token_ids: Sequence[Sequence[int]] | np.ndarray) -> np.ndarray:
         """Full causal forward, no cache: float32 logits ``[B, T, V]`` (HF ``logits`` semantics)."""
         tokens = self._check_tokens(token_ids)
         return np.asarray(self._forward(self.params, jnp.asarray(tokens)))
-
-    def init_cache(self, batch: int, capacity: int) -> DenseCache:
-        return self.module.init_cache(batch, capacity)
-
-    def step(self, tokens_BT: np.ndarray, cache: DenseCache) -> tuple[jax.Array, DenseCache]:
-        """Append tokens to a cache (donated) and return their logits ``f32[B, T, V]``."""
-        return self._step(self.params, jnp.asarray(tokens_BT, jnp.int32), cache)
 
     def _check_tokens(self, token_ids) -> np.ndarray:
         if isinstance(token_ids, np.ndarray):
@@ -90,11 +80,13 @@ def load_model(name_or_dir: str | Path, dtype: str = "float32", *, seed: int = 0
     path = Path(name_or_dir)
     if path.is_dir():
         cfg = ModelConfig.from_json(path / "config.json")
-        module = checkpoint.load_into(lambda: DeepseekV32(cfg, dtype=jdtype, rngs=nnx.Rngs(seed)), cfg, path, jdtype)
-        return Model(str(path), module, ByteTokenizer(cfg))
+        cls = MODEL_CLASSES[cfg.family]
+        module = checkpoint.load_into(lambda: cls(cfg, dtype=jdtype, rngs=nnx.Rngs(seed)), cfg, path, jdtype)
+        return Model(str(path), module, load_tokenizer(path, cfg))
     if str(name_or_dir) in PRESETS:
         cfg = ModelConfig.from_preset(str(name_or_dir))
-        return Model(str(name_or_dir), DeepseekV32(cfg, dtype=jdtype, rngs=nnx.Rngs(seed)), ByteTokenizer(cfg))
+        module = MODEL_CLASSES[cfg.family](cfg, dtype=jdtype, rngs=nnx.Rngs(seed))
+        return Model(str(name_or_dir), module, load_tokenizer(None, cfg))
     raise ConfigError(f"{name_or_dir!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
 
 
@@ -106,43 +98,35 @@ class Result:
     metrics: dict[str, Any]
 
 
-def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_tokens: int) -> Result:
-    """Greedy generation with the cached step, one request at a time.
-
-    Stops at ``max_new_tokens`` or on one of the config's ``eos_token_id``.
-    """
+def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_tokens: int, *,
+             sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+             engine: EngineConfig = EngineConfig(), progress: bool = False) -> Result:
+    """Serve ``prompts`` (text or token ids) with continuous batching; greedy unless ``sampling`` says
+    otherwise (one SamplingParams for all prompts, or one per prompt). Stops at ``max_new_tokens``
+    or on one of the config's ``eos_token_id``."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    outputs, reasons = [], []
-    prefill_tokens = decode_tokens = 0
-    decode_s = 0.0
+    encoded = [model.tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+    if not encoded:
+        raise ValueError("no prompts given")
+    per_prompt = [sampling] * len(encoded) if isinstance(sampling, SamplingParams) else list(sampling)
+    if len(per_prompt) != len(encoded):
+        raise ValueError(f"{len(per_prompt)} sampling parameter sets for {len(encoded)} prompts")
+    longest = max(len(p) for p in encoded) + max_new_tokens
+    if engine.max_seq_len is None:
+        engine = dataclasses.replace(engine, max_seq_len=min(longest, model.cfg.max_position_embeddings))
     start = time.perf_counter()
-    for prompt in prompts:
-        ids = model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        tokens = model._check_tokens([ids])
-        total = tokens.shape[1] + max_new_tokens
-        if total > model.cfg.max_position_embeddings:
-            raise ValueError(f"prompt ({tokens.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-                             f"max_position_embeddings={model.cfg.max_position_embeddings}")
-        cache = model.init_cache(1, total)
-        logits, cache = model.step(tokens, cache)
-        prefill_tokens += tokens.shape[1]
-        out, reason = [], "length"
-        t0 = time.perf_counter()
-        for _ in range(max_new_tokens):
-            next_id = int(jnp.argmax(logits[0, -1]))
-            out.append(next_id)
-            if next_id in model.cfg.eos_token_id:
-                reason = "stop"
-                break
-            if len(out) == max_new_tokens:
-                break
-            logits, cache = model.step(np.array([[next_id]], np.int32), cache)
-            decode_tokens += 1
-        decode_s += time.perf_counter() - t0
-        outputs.append(out)
-        reasons.append(reason)
-    wall = time.perf_counter() - start
-    metrics = {"prefill_tokens": prefill_tokens, "decode_tokens": decode_tokens, "wall_s": wall,
-               "decode_tokens_per_s": decode_tokens / decode_s if decode_s > 0 else 0.0}
-    return Result(outputs, [model.tokenizer.decode(o) for o in outputs], reasons, metrics)
+    server = Engine(model, engine, progress=progress)
+    for i, (prompt, params) in enumerate(zip(encoded, per_prompt)):
+        try:
+            server.submit(prompt, max_new_tokens, params)
+        except ValueError as e:
+            raise ValueError(f"prompt {i}: {e}") from None
+    requests = server.run()
+    stats = server.stats
+    metrics = {"prefill_tokens": stats["prefill_tokens"], "decode_tokens": stats["decode_tokens"],
+               "wall_s": time.perf_counter() - start,
+               "decode_tokens_per_s": stats["decode_tokens"] / stats["decode_s"] if stats["decode_s"] > 0 else 0.0,
+               "cache": server.cache_bytes(), "offload": None}
+    outputs = [r.output_ids for r in requests]
+    return Result(outputs, [model.tokenizer.decode(o) for o in outputs], [r.finish_reason for r in requests], metrics)

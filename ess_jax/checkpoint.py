@@ -9,6 +9,10 @@ A checkpoint directory holds ``config.json`` and one or more ``*.safetensors`` f
 FP8 (e4m3) weights with a ``weight_scale_inv`` of 128x128 block scales are dequantized at load.
 Layers at index >= num_hidden_layers (the MTP layer) are skipped.
 
+DeepSeek-V4's original release names (no ``model.`` prefix, ``layers.N.{attn,ffn}.*``, FP8 scales as
+``.scale`` in float32 or ue8m0, MTP under ``mtp.*``) are renamed to transformers' names when the
+checkpoint is opened (``release_to_hf_name``), so one lookup by transformers name serves both.
+
 Files are memory-mapped and read tensor by tensor (our own safetensors reader, because NumPy has
 no float8 dtype); the model is built abstractly first, so host memory never holds two copies.
 """
@@ -30,7 +34,7 @@ from ess_jax.config import ModelConfig
 
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "F8_E8M0": ml_dtypes.float8_e8m0fnu,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
 }
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -70,9 +74,12 @@ class SafetensorsFile:
 
 
 class Checkpoint:
-    """All tensors of a checkpoint directory by name."""
+    """All tensors of a checkpoint directory by (transformers) name.
 
-    def __init__(self, directory: Path):
+    ``rename`` maps a stored tensor name to the transformers name it is looked up by (identity by default).
+    """
+
+    def __init__(self, directory: Path, rename=None):
         index = directory / "model.safetensors.index.json"
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -86,9 +93,12 @@ class Checkpoint:
             raise CheckpointError(f"no *.safetensors files in {directory}")
         self.files = {name: SafetensorsFile(directory / name) for name in files}
         self.where: dict[str, SafetensorsFile] = {}
+        self.stored: dict[str, str] = {}  # transformers name -> name in the file
         for f in self.files.values():
             for key in f.keys():
-                self.where[key] = f
+                name = rename(key) if rename else key
+                self.where[name] = f
+                self.stored[name] = key
         self.directory = directory
         raw_config = json.loads((directory / "config.json").read_text())
         quant = raw_config.get("quantization_config") or {}
@@ -99,12 +109,14 @@ class Checkpoint:
 
     def read(self, name: str) -> np.ndarray:
         """A tensor as float32 (or its integer dtype), FP8 block scales applied."""
-        tensor = self.where[name].get(name)
+        tensor = self.where[name].get(self.stored[name])
         if tensor.dtype in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)):
             scale_name = name.removesuffix("weight") + "weight_scale_inv"
             if scale_name not in self.where:
-                raise CheckpointError(f"FP8 tensor {name} has no {scale_name} block scales")
-            return dequantize_fp8_blocks(tensor, self.where[scale_name].get(scale_name), name, self.block)
+                raise CheckpointError(f"FP8 tensor {self.stored[name]} has no "
+                                      f"{self.stored.get(scale_name, scale_name)} block scales")
+            scale = self.where[scale_name].get(self.stored[scale_name])
+            return dequantize_fp8_blocks(tensor, scale, name, self.block)
         if np.issubdtype(tensor.dtype, np.integer) or tensor.dtype == np.bool_:
             return np.asarray(tensor)
         return np.asarray(tensor, dtype=np.float32)
@@ -147,9 +159,56 @@ def _read_param(ckpt: Checkpoint, cfg: ModelConfig, name: str, shape: tuple[int,
     raise CheckpointError(f"checkpoint {ckpt.directory} is missing tensor {name} (expected shape {list(shape)})")
 
 
+# DeepSeek-V4 release names -> transformers names (transformers' conversion_mapping for deepseek_v4,
+# DOMAIN.md 2.8), applied in order to the name without its "model." prefix. transformers'
+# save_pretrained writes these release-style names back (with the prefix, and the attention's kv_norm
+# as "attn.norm"), so every V4 checkpoint goes through them; transformers names are fixed points.
+_V4_RELEASE_RULES = [(re.compile(p), r) for p, r in [
+    (r"(?<!_hc)\.scale$", ".weight_scale_inv"),  # FP8 block scales; attn_hc.scale / ffn_hc.scale are parameters
+    (r"^embed\.weight$", "embed_tokens.weight"),
+    (r"^head\.", "lm_head."),
+    (r"^hc_head_(fn|base|scale)$", r"hc_head.hc_\1"),
+    (r"\.attn_norm\.", ".input_layernorm."),
+    (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"),
+    (r"\.attn\.indexer\.compressor\.", ".attn.compressor.indexer."),
+    (r"\.attn\.indexer\.wq_b\.", ".attn.compressor.indexer.q_b_proj."),
+    (r"\.attn\.indexer\.weights_proj\.", ".attn.compressor.indexer.scorer.weights_proj."),
+    (r"\.attn\.", ".self_attn."),
+    (r"\.ffn\.", ".mlp."),
+    (r"\.attn_sink$", ".sinks"),
+    (r"\.wq_a\.", ".q_a_proj."),
+    (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.wq_b\.", ".q_b_proj."),
+    (r"\.wkv\.", ".kv_proj."),
+    (r"\.wgate\.", ".gate_proj."),
+    (r"\.ape$", ".position_bias"),
+    (r"\.self_attn\.(compressor\.(?:indexer\.)?)?norm\.", r".self_attn.\1kv_norm."),
+    (r"\.wo_a\.", ".o_a_proj."),
+    (r"\.wo_b\.", ".o_b_proj."),
+    (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+    (r"\.w1\.", ".gate_proj."),
+    (r"\.w3\.", ".up_proj."),
+    (r"\.w2\.", ".down_proj."),
+]]
+
+
+def release_to_hf_name(key: str) -> str:
+    """A DeepSeek-V4 tensor name (release, transformers-saved or transformers) as transformers names it."""
+    if key.startswith("mtp."):
+        return key  # the release's MTP block, ignored
+    name = key.removeprefix("model.")
+    for pattern, replacement in _V4_RELEASE_RULES:
+        name = pattern.sub(replacement, name)
+    return name if name.startswith("lm_head.") else "model." + name
+
+
+_RENAMES = {"deepseek_v4": release_to_hf_name}  # per family: stored name -> transformers name
+
+
 def load_into(model_fn, cfg: ModelConfig, directory: Path, dtype) -> nnx.Module:
     """Build ``model_fn()`` abstractly, then fill every parameter from the checkpoint in ``directory``."""
-    ckpt = Checkpoint(directory)
+    ckpt = Checkpoint(directory, _RENAMES.get(cfg.family))
     abstract = nnx.eval_shape(model_fn)
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
@@ -160,10 +219,13 @@ def load_into(model_fn, cfg: ModelConfig, directory: Path, dtype) -> nnx.Module:
         array = _read_param(ckpt, cfg, name, expected)
         if tuple(array.shape) != expected:
             raise CheckpointError(f"tensor {name} has shape {list(array.shape)}, config expects {list(expected)}")
+        if name.endswith(".tid2eid") and array.size and (array.min() < 0 or array.max() >= cfg.n_routed_experts):
+            raise CheckpointError(f"tensor {name} has expert ids in [{array.min()}, {array.max()}], "
+                                  f"outside [0, n_routed_experts={cfg.n_routed_experts})")
         loaded.append((path, variable.replace(jnp.asarray(array, dtype=variable.dtype))))
         del array
     expected_names = {hf_name(p) for p, _ in flat}
-    unknown = [k for k in ckpt.where if not _ignorable(k, cfg, expected_names)]
+    unknown = [ckpt.stored[k] for k in ckpt.where if not _ignorable(k, cfg, expected_names)]
     if unknown:
         raise CheckpointError(f"checkpoint {directory} has tensors this model does not use: {unknown[:5]}"
                               f"{' ...' if len(unknown) > 5 else ''}")
@@ -176,6 +238,8 @@ def _ignorable(key: str, cfg: ModelConfig, expected: set[str]) -> bool:
     layer = _LAYER.match(key)
     if layer and int(layer.group(1)) >= cfg.num_hidden_layers:
         return True  # MTP layer
+    if key.startswith("mtp."):
+        return True  # DeepSeek-V4 release MTP block
     if re.match(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$", key):
         return True  # per-expert release names, stacked at load
     return key == "model.embed_tokens.weight" or key.endswith("rotary_emb.inv_freq")

@@ -1,8 +1,10 @@
 """One frozen model configuration, read from a HuggingFace ``config.json`` or a preset.
 
-Field names and defaults follow transformers' ``DeepseekV32Config`` so a checkpoint's config.json
-maps onto it without translation. Unknown keys in config.json are ignored (HF writes many that
-do not affect the forward pass); a missing ``model_type`` or one we do not serve is an error.
+Field names and defaults follow transformers' ``DeepseekV32Config`` / ``DeepseekV4Config`` so a
+checkpoint's config.json maps onto it without translation; each family gets its own transformers
+defaults for the keys a config.json leaves out (``from_hf_dict``). Unknown keys in config.json are
+ignored (HF writes many that do not affect the forward pass); a missing ``model_type`` or one we do
+not serve is an error.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("deepseek_v32",)
-PRESETS = ("tiny-v32", "deepseek-v3.2")
+FAMILIES = ("deepseek_v32", "deepseek_v4")
+PRESETS = ("tiny-v32", "deepseek-v3.2", "tiny-v4", "deepseek-v4-flash", "deepseek-v4-pro")
 
 
 class ConfigError(ValueError):
@@ -123,10 +125,27 @@ class ModelConfig:
     topk_group: int = 4
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 2.5
+    scoring_func: str = "sigmoid"
+    # deepseek_v4 only (DOMAIN.md 2): attention types, compressors, grouped output, mHC, clamped SwiGLU
+    head_dim: int = 512
+    layer_types: tuple[str, ...] = ()
+    compress_rate_csa: int = 4
+    compress_rate_hca: int = 128
+    sliding_window: int = 128
+    compress_rope: RopeConfig = RopeConfig()
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    swiglu_limit: float = 10.0
 
     def __post_init__(self):
         if self.model_type not in FAMILIES:
             raise ConfigError(f"model_type={self.model_type!r} is not served; supported: {', '.join(FAMILIES)}")
+        if self.model_type == "deepseek_v4":
+            _check_v4(self)
+            return
         if not self.mlp_layer_types:
             dense = min(3, self.num_hidden_layers)
             object.__setattr__(self, "mlp_layer_types", ("dense",) * dense + ("sparse",) * (self.num_hidden_layers - dense))
@@ -170,11 +189,18 @@ class ModelConfig:
         return self.qk_head_dim**-0.5 * self.rope.softmax_mscale
 
     # ---- construction --------------------------------------------------------------------------
+    def compress_rate(self, layer: int) -> int:
+        """Tokens per compressed entry of a deepseek_v4 layer (0 for sliding-window-only layers)."""
+        return {"sliding_attention": 0, "compressed_sparse_attention": self.compress_rate_csa,
+                "heavily_compressed_attention": self.compress_rate_hca}[self.layer_types[layer]]
+
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         if "model_type" not in raw:
-            raise ConfigError("config.json has no 'model_type' (expected 'deepseek_v32')")
-        names = {f.name for f in dataclasses.fields(cls)} - {"rope", "eos_token_id", "mlp_layer_types"}
+            raise ConfigError("config.json has no 'model_type' (expected 'deepseek_v32' or 'deepseek_v4')")
+        if raw["model_type"] == "deepseek_v4":
+            return _v4_from_hf_dict(cls, raw)
+        names = {f.name for f in dataclasses.fields(cls)} - {"rope", "eos_token_id", "mlp_layer_types"} - V4_ONLY_FIELDS
         kwargs = {k: raw[k] for k in names if raw.get(k) is not None}
         if raw.get("num_experts") is not None:
             kwargs["n_routed_experts"] = raw["num_experts"]
@@ -215,3 +241,124 @@ class ModelConfig:
             raise ConfigError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)} (or pass a checkpoint directory)")
         text = resources.files("ess_jax.configs").joinpath(f"{name}.json").read_text()
         return cls.from_hf_dict(json.loads(text))
+
+
+# ---- deepseek_v4 -------------------------------------------------------------------------------
+
+V4_ONLY_FIELDS = frozenset({"head_dim", "layer_types", "compress_rate_csa", "compress_rate_hca", "sliding_window",
+                            "compress_rope", "o_groups", "o_lora_rank", "hc_mult", "hc_sinkhorn_iters", "hc_eps",
+                            "swiglu_limit"})
+V4_LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+V4_MLP_LAYER_TYPES = ("hash_moe", "moe")
+V4_SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
+_V4_RATIO_TO_LAYER_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+
+# transformers' DeepseekV4Config defaults (V4-Flash shapes) for keys a config.json leaves out.
+_V4_HF_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048, num_hidden_layers=43, num_attention_heads=64,
+    head_dim=512, q_lora_rank=1024, num_experts_per_tok=6, n_routed_experts=256, n_shared_experts=1,
+    scoring_func="sqrtsoftplus", norm_topk_prob=True, routed_scaling_factor=1.5, max_position_embeddings=1048576,
+    hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, swiglu_limit=10.0, sliding_window=128, o_groups=8,
+    o_lora_rank=1024, index_n_heads=64, index_head_dim=128, index_topk=512, rms_norm_eps=1e-6, bos_token_id=0,
+    pad_token_id=None, tie_word_embeddings=False,
+)
+
+
+def _v4_from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+    """A ``DeepseekV4Config`` config.json (modern or legacy keys) -> ModelConfig, as transformers 5.23 reads it."""
+    fields = {f.name: f.type for f in dataclasses.fields(cls)}
+    kwargs = dict(_V4_HF_DEFAULTS)
+    kwargs.update({k: raw[k] for k in _V4_HF_DEFAULTS if raw.get(k) is not None})
+    for key, value in kwargs.items():
+        if fields.get(key) in ("int", "float") and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ConfigError(f"config field {key}={value!r} must be a number")
+    if raw.get("moe_intermediate_size") is None and raw.get("intermediate_size") is not None:
+        kwargs["moe_intermediate_size"] = raw["intermediate_size"]  # HF attribute_map alias
+    for alias in ("num_local_experts", "num_experts"):
+        if raw.get(alias) is not None and raw.get("n_routed_experts") is None:
+            kwargs["n_routed_experts"] = raw[alias]
+    kwargs["intermediate_size"] = kwargs["moe_intermediate_size"]  # the shared expert's width
+    kwargs["n_group"] = kwargs["topk_group"] = 1  # V4 routes without expert groups
+    eos = raw.get("eos_token_id", 1)
+    kwargs["eos_token_id"] = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+    n = int(kwargs["num_hidden_layers"])
+
+    rates = dict(raw.get("compress_rates") or {})
+    csa = raw.get("compress_rate_csa", rates.get("compressed_sparse_attention", 4))
+    hca = raw.get("compress_rate_hca", rates.get("heavily_compressed_attention", 128))
+    kwargs["compress_rate_csa"], kwargs["compress_rate_hca"] = csa, hca
+
+    if raw.get("layer_types") is not None:
+        layer_types = list(raw["layer_types"])
+    elif raw.get("compress_ratios") is not None:
+        bad = [r for r in raw["compress_ratios"] if r not in _V4_RATIO_TO_LAYER_TYPE]
+        if bad:
+            raise ConfigError(f"compress_ratios entries must be 0, 4 or 128; got {bad}")
+        layer_types = [_V4_RATIO_TO_LAYER_TYPE[r] for r in raw["compress_ratios"]]
+    else:  # transformers' fallback: 2 x HCA, then HCA / CSA alternating (HCA at layer 2)
+        layer_types = ["heavily_compressed_attention"] * min(n, 2) + [
+            "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(n - 2, 0))]
+    kwargs["layer_types"] = tuple(layer_types[:n])
+    if raw.get("mlp_layer_types") is not None:
+        mlp_types = list(raw["mlp_layer_types"])
+    else:
+        n_hash = raw.get("num_hash_layers")
+        n_hash = 3 if n_hash is None else int(n_hash)
+        mlp_types = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
+    kwargs["mlp_layer_types"] = tuple(mlp_types[:n])
+
+    head_dim = int(kwargs["head_dim"])
+    if raw.get("partial_rotary_factor") is not None:
+        partial = float(raw["partial_rotary_factor"])
+    elif raw.get("qk_rope_head_dim") is not None:
+        partial = int(raw["qk_rope_head_dim"]) / head_dim
+    else:
+        partial = 64 / 512
+    kwargs["qk_rope_head_dim"] = int(head_dim * partial)
+
+    max_pos = int(kwargs["max_position_embeddings"])
+    rope_theta = float(raw.get("rope_theta", 10000.0))
+    compress_theta = float(raw.get("compress_rope_theta", 160000.0))
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict):
+        main, compress = dict(params["main"]), dict(params["compress"])
+    else:  # one flat dict: it describes the compress rope (YaRN), whose theta is compress_rope_theta
+        main = {"rope_type": "default", "rope_theta": rope_theta}
+        compress = {k: v for k, v in params.items() if k not in ("main", "compress")}
+        compress["rope_theta"] = compress_theta
+        compress.setdefault("rope_type", compress.get("type", "default"))
+        if compress["rope_type"] == "yarn":
+            compress.setdefault("attention_factor", 1.0)  # the V4 reference never scales cos/sin
+    kwargs["rope"] = RopeConfig.from_hf(main, rope_theta, max_pos)
+    kwargs["compress_rope"] = RopeConfig.from_hf(compress, compress_theta, max_pos)
+    return cls(model_type="deepseek_v4", **kwargs)
+
+
+def _check_v4(cfg: ModelConfig) -> None:
+    n = cfg.num_hidden_layers
+    checks = [
+        (len(cfg.layer_types) == n, f"layer_types has {len(cfg.layer_types)} entries for num_hidden_layers={n}"),
+        (set(cfg.layer_types) <= set(V4_LAYER_TYPES), f"layer_types={cfg.layer_types} must be among {V4_LAYER_TYPES}"),
+        (len(cfg.mlp_layer_types) == n, f"mlp_layer_types has {len(cfg.mlp_layer_types)} entries for num_hidden_layers={n}"),
+        (set(cfg.mlp_layer_types) <= set(V4_MLP_LAYER_TYPES),
+         f"mlp_layer_types={cfg.mlp_layer_types} must be among {V4_MLP_LAYER_TYPES}"),
+        (cfg.compress_rate_csa >= 1 and cfg.compress_rate_hca >= 1,
+         f"compress rates must be >= 1 (csa={cfg.compress_rate_csa}, hca={cfg.compress_rate_hca})"),
+        (cfg.sliding_window >= 1, f"sliding_window={cfg.sliding_window} must be >= 1"),
+        (cfg.qk_rope_head_dim % 2 == 0 and 0 < cfg.qk_rope_head_dim <= cfg.head_dim,
+         f"rope dims head_dim * partial_rotary_factor = {cfg.qk_rope_head_dim} must be even and in (0, head_dim={cfg.head_dim}]"),
+        (cfg.qk_rope_head_dim <= cfg.index_head_dim,
+         f"index_head_dim={cfg.index_head_dim} must be >= the rope dims ({cfg.qk_rope_head_dim})"),
+        (cfg.o_groups >= 1 and cfg.num_attention_heads % cfg.o_groups == 0,
+         f"num_attention_heads={cfg.num_attention_heads} is not divisible by o_groups={cfg.o_groups}"),
+        (cfg.index_topk >= 1, f"index_topk={cfg.index_topk} must be >= 1"),
+        (1 <= cfg.num_experts_per_tok <= cfg.n_routed_experts,
+         f"num_experts_per_tok={cfg.num_experts_per_tok} must be in [1, n_routed_experts={cfg.n_routed_experts}]"),
+        (cfg.scoring_func in V4_SCORING_FUNCS, f"scoring_func={cfg.scoring_func!r} must be one of {V4_SCORING_FUNCS}"),
+        (cfg.hc_mult >= 1 and cfg.hc_sinkhorn_iters >= 1,
+         f"hc_mult={cfg.hc_mult} and hc_sinkhorn_iters={cfg.hc_sinkhorn_iters} must be >= 1"),
+        (cfg.q_lora_rank > 0, "q_lora_rank must be set (DeepSeek-V4 always uses the q LoRA)"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)

@@ -31,3 +31,24 @@ def sparse_mla(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, rows_BTKW: jax.
     probs_BTNK = jnp.exp(logits_BTNK - safe_lse_BTN[..., None])
     out_BTNC = jnp.einsum("btnk,btkc->btnc", probs_BTNK, latent_BTKC)
     return out_BTNC, lse_BTN
+
+
+def sparse_sink_attention(q_BTNH: jax.Array, rows_BTKH: jax.Array, valid_BTK: jax.Array, sinks_N: jax.Array, *,
+                          scale: float) -> tuple[jax.Array, jax.Array]:
+    """DeepSeek-V4 attention over gathered rows with a learned per-head sink (DOMAIN.md 2.5).
+
+    Every row is both key and value (V4 shares one K = V head). Each query head scores its ``K``
+    rows by ``q . row * scale``; the sink ``sinks_N[n]`` is one more logit in the softmax
+    denominator only: ``p_j = exp(s_j) / (sum_j' exp(s_j') + exp(sink))``. Returns
+    ``out f32[B, T, N, H] = sum_j p_j row_j`` and ``lse f32[B, T, N]``, the log of that denominator.
+    A query with no valid row returns ``out = 0``. Pass ``sinks_N = -inf`` for a plain partial result
+    over a subset of rows: such ``(out, lse)`` pairs merge exactly by log-sum-exp.
+    """
+    rows_BTKH = rows_BTKH.astype(jnp.float32)
+    logits_BTNK = jnp.einsum("btnh,btkh->btnk", q_BTNH.astype(jnp.float32), rows_BTKH) * scale
+    logits_BTNK = jnp.where(valid_BTK[:, :, None, :], logits_BTNK, -jnp.inf)
+    sink_BTN = jnp.broadcast_to(sinks_N.astype(jnp.float32), logits_BTNK.shape[:-1])
+    lse_BTN = jnp.logaddexp(jax.nn.logsumexp(logits_BTNK, axis=-1), sink_BTN)
+    safe_lse_BTN = jnp.where(jnp.isfinite(lse_BTN), lse_BTN, 0.0)
+    probs_BTNK = jnp.exp(logits_BTNK - safe_lse_BTN[..., None])
+    return jnp.einsum("btnk,btkh->btnh", probs_BTNK, rows_BTKH), lse_BTN

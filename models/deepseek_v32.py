@@ -3,9 +3,10 @@
 Two forward forms over the same parameters:
 - ``__call__(tokens)``: the full causal forward (training / prefill form). Keys and values are
   expanded per head and the indexer's top-k enters as an attention mask, as in transformers.
-- ``step(tokens, cache)``: the cached forward. The latent rows ``[c | k_rope]`` and indexer keys of
-  the new tokens are written into the cache, the indexer picks top-k positions per query token, and
-  MLA runs in the absorbed form over just those gathered latent rows (DOMAIN.md 1.2).
+- ``step(tokens, meta, cache)``: the cached forward over a paged cache (ess_jax.cache). The latent
+  rows ``[c | k_rope]`` and indexer keys of the new tokens are written into their pages, the indexer
+  picks top-k positions per query token, and MLA runs in the absorbed form over just those gathered
+  latent rows (DOMAIN.md 1.2).
 
 Axis letters: ess_jax.notation. RoPE on MLA rope slices keeps DeepSeek's interleaved order, so cached
 rows match the 656-byte FlashMLA row layout.
@@ -13,31 +14,16 @@ rows match the 656-byte FlashMLA row layout.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from ess_jax import ops
+from ess_jax.cache import PagedCacheV32, StepMeta, gather_positions, write_slots
 from ess_jax.config import ModelConfig
 from ess_jax.models.layers import (
     MLP, LayerNorm, Linear, MoE, RMSNorm, Router, apply_rope_half, apply_rope_interleaved, rope_cos_sin,
     rope_inv_freq)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class DenseCache:
-    """A contiguous per-request cache: every position of every layer resident."""
-
-    latent: jax.Array  # [L, B, S, W] latent rows [c (C) | k_rope (R, interleaved)]
-    index_keys: jax.Array  # [L, B, S, J] indexer keys (LayerNorm + RoPE applied)
-    lengths: jax.Array  # i32[B] positions already written per request
-
-    @property
-    def capacity(self) -> int:
-        return self.latent.shape[2]
 
 
 class Indexer(nnx.Module):
@@ -137,25 +123,30 @@ class MLA(nnx.Module):
         out_BTNV = jnp.einsum("bnts,bsnv->btnv", probs_BNTS, v_BSNV)
         return self.o_proj(out_BTNV.reshape(b, t, -1))
 
-    def step(self, x_BTD, cos, sin, positions_BT, latent_BSW, keys_BSJ):
-        """Cached forward for ``T`` new tokens at ``positions_BT``. Returns ``(out, latent, keys)``."""
+    def step(self, x_BTD, cos, sin, meta: StepMeta, latent_GZW, keys_GZJ):
+        """Cached forward for ``T`` new tokens per request. Returns ``(out, latent pages, key pages)``."""
         b, t, _ = x_BTD.shape
+        page_size = latent_GZW.shape[1]
         q_nope_BTNH, q_rope_BTNR, q_resid_BTQ, rows_BTW = self._project(x_BTD, cos, sin)
-        batch_B1 = jnp.arange(b)[:, None]
-        latent_BSW = latent_BSW.at[batch_B1, positions_BT].set(rows_BTW.astype(latent_BSW.dtype))
+        page_BT, offset_BT = write_slots(meta, page_size)
+        latent_GZW = latent_GZW.at[page_BT, offset_BT].set(rows_BTW.astype(latent_GZW.dtype))
         with jax.named_scope("indexer"):
             new_keys_BTJ = self.indexer.keys(x_BTD, cos, sin)
-            keys_BSJ = keys_BSJ.at[batch_B1, positions_BT].set(new_keys_BTJ.astype(keys_BSJ.dtype))
-            visible_BTS = jnp.arange(keys_BSJ.shape[1])[None, None, :] <= positions_BT[..., None]
+            keys_GZJ = keys_GZJ.at[page_BT, offset_BT].set(new_keys_BTJ.astype(keys_GZJ.dtype))
+            keys_BSJ = gather_positions(keys_GZJ, meta.page_table)
+            visible_BTS = ((jnp.arange(keys_BSJ.shape[1])[None, None, :] <= meta.positions[..., None])
+                           & meta.valid[..., None])
             scores_BTS = self.indexer.scores(x_BTD, q_resid_BTQ, keys_BSJ, visible_BTS, cos, sin)
             ids_BTK = self.indexer.topk(scores_BTS)
         with jax.named_scope("sparse_mla"):
             w_uk_NHC, w_uv_NVC = self._kv_b()
             q_latent_BTNC = jnp.einsum("btnh,nhc->btnc", q_nope_BTNH, w_uk_NHC)
-            rows_BTKW = jax.vmap(lambda rows, ids: rows[ids])(latent_BSW, jnp.maximum(ids_BTK, 0))
+            safe_ids_BTK = jnp.maximum(ids_BTK, 0)
+            pages_BTK = jnp.take_along_axis(meta.page_table, (safe_ids_BTK // page_size).reshape(b, -1), axis=1)
+            rows_BTKW = latent_GZW[pages_BTK.reshape(safe_ids_BTK.shape), safe_ids_BTK % page_size]
             out_BTNC, _ = ops.sparse_mla(q_latent_BTNC, q_rope_BTNR, rows_BTKW, ids_BTK >= 0, scale=self.scale)
             out_BTNV = jnp.einsum("btnc,nvc->btnv", out_BTNC.astype(x_BTD.dtype), w_uv_NVC)
-        return self.o_proj(out_BTNV.reshape(b, t, -1)), latent_BSW, keys_BSJ
+        return self.o_proj(out_BTNV.reshape(b, t, -1)), latent_GZW, keys_GZJ
 
 
 class DecoderLayer(nnx.Module):
@@ -176,11 +167,10 @@ class DecoderLayer(nnx.Module):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def step(self, h, cos, sin, positions_BT, latent_BSW, keys_BSJ):
-        out, latent_BSW, keys_BSJ = self.self_attn.step(self.input_layernorm(h), cos, sin, positions_BT, latent_BSW,
-                                                         keys_BSJ)
+    def step(self, h, cos, sin, meta: StepMeta, latent_GZW, keys_GZJ):
+        out, latent_GZW, keys_GZJ = self.self_attn.step(self.input_layernorm(h), cos, sin, meta, latent_GZW, keys_GZJ)
         h = h + out
-        return h + self.mlp(self.post_attention_layernorm(h)), latent_BSW, keys_BSJ
+        return h + self.mlp(self.post_attention_layernorm(h)), latent_GZW, keys_GZJ
 
 
 class DeepseekV32(nnx.Module):
@@ -207,24 +197,22 @@ class DeepseekV32(nnx.Module):
             h = layer(h, cos, sin)
         return self.lm_head(self.norm(h)).astype(jnp.float32)
 
-    def init_cache(self, batch: int, capacity: int) -> DenseCache:
+    def init_cache(self, num_pages: int, page_size: int) -> PagedCacheV32:
+        """An empty paged cache of ``num_pages`` pages (page 0 is the null page) of ``page_size`` tokens."""
         cfg, n = self.cfg, len(self.layers)
-        return DenseCache(
-            latent=jnp.zeros((n, batch, capacity, cfg.latent_dim), self.dtype),
-            index_keys=jnp.zeros((n, batch, capacity, cfg.index_head_dim), self.dtype),
-            lengths=jnp.zeros((batch,), jnp.int32),
+        return PagedCacheV32(
+            latent=jnp.zeros((n, num_pages, page_size, cfg.latent_dim), self.dtype),
+            index_keys=jnp.zeros((n, num_pages, page_size, cfg.index_head_dim), self.dtype),
         )
 
-    def step(self, tokens_BT: jax.Array, cache: DenseCache) -> tuple[jax.Array, DenseCache]:
-        """Append ``T`` tokens per request to ``cache``; logits ``[B, T, V]`` (float32) and the new cache."""
-        b, t = tokens_BT.shape
-        positions_BT = cache.lengths[:, None] + jnp.arange(t)[None, :]
-        cos, sin = self._cos_sin(positions_BT)
+    def step(self, tokens_BT: jax.Array, meta: StepMeta, cache: PagedCacheV32) -> tuple[jax.Array, PagedCacheV32]:
+        """Write ``T`` tokens per request into ``cache``; their logits ``f32[B, T, V]`` and the new cache."""
+        cos, sin = self._cos_sin(meta.positions)
         h = self.embed_tokens[...][tokens_BT]
         latents, keys = [], []
         for i, layer in enumerate(self.layers):
-            h, latent_BSW, keys_BSJ = layer.step(h, cos, sin, positions_BT, cache.latent[i], cache.index_keys[i])
-            latents.append(latent_BSW)
-            keys.append(keys_BSJ)
+            h, latent_GZW, keys_GZJ = layer.step(h, cos, sin, meta, cache.latent[i], cache.index_keys[i])
+            latents.append(latent_GZW)
+            keys.append(keys_GZJ)
         logits = self.lm_head(self.norm(h)).astype(jnp.float32)
-        return logits, DenseCache(jnp.stack(latents), jnp.stack(keys), cache.lengths + t)
+        return logits, PagedCacheV32(jnp.stack(latents), jnp.stack(keys))

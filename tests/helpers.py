@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ess_jax.cache import StepMeta
 from ess_jax.config import ModelConfig
 from ess_jax.models.deepseek_v32 import DeepseekV32
 
@@ -54,3 +55,34 @@ def small_v32() -> ModelConfig:
 
 def lively_v32(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32) -> DeepseekV32:
     return randomize(DeepseekV32(cfg, dtype=dtype, rngs=nnx.Rngs(seed)), seed)
+
+
+class PagedRun:
+    """Drive a model's paged ``step`` directly: ``batch`` requests with fragmented (interleaved,
+    reversed) page tables, so page arithmetic errors cannot hide behind contiguous layouts."""
+
+    def __init__(self, module, batch: int, capacity: int, page_size: int = 4):
+        self.page_size = page_size
+        pages = -(-capacity // page_size)
+        self.cache = module.init_cache(batch * pages + 1, page_size)
+        # request b owns pages b+1, b+1+batch, ... in reverse order
+        self.page_table = np.stack([np.arange(b + 1, batch * pages + 1, batch)[::-1] for b in range(batch)])
+        self.page_table = self.page_table.astype(np.int32)
+        self.lengths = np.zeros(batch, np.int32)
+        graphdef, self.params = nnx.split(module)
+        self._step = jax.jit(lambda p, x, m, c: nnx.merge(graphdef, p).step(x, m, c), donate_argnums=3)
+
+    def __call__(self, tokens_BT, valid_BT=None) -> np.ndarray:
+        tokens_BT = np.asarray(tokens_BT, np.int32)
+        b, t = tokens_BT.shape
+        valid_BT = np.ones((b, t), bool) if valid_BT is None else np.asarray(valid_BT)
+        positions = self.lengths[:, None] + np.arange(t, dtype=np.int32)[None]
+        meta = StepMeta(jnp.asarray(positions), jnp.asarray(valid_BT), jnp.asarray(self.page_table))
+        logits, self.cache = self._step(self.params, jnp.asarray(tokens_BT), meta, self.cache)
+        self.lengths += valid_BT.sum(1).astype(np.int32)
+        return np.asarray(logits)
+
+    def rows(self, layer: int, request: int) -> np.ndarray:
+        """The request's cached latent rows in position order."""
+        latent = np.asarray(self.cache.latent[layer])[self.page_table[request]]
+        return latent.reshape(-1, latent.shape[-1])[: self.lengths[request]]

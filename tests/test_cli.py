@@ -38,7 +38,7 @@ def test_json_output_follows_schema_and_matches_transformers():
     (["--prompt", ""], "empty"),
     (["--prompt-ids", "1,2,x"], "not a comma-separated list"),
     (["--model", "no-such-model", "--prompt", "a"], "neither a preset"),
-    (["--prompt-ids", "1,2,99999"], "token ids must be in"),
+    (["--prompt-ids", "1,2,99999"], "outside the vocabulary"),
     (["--prompt-ids", ",".join(["1"] * 17000)], "max_position_embeddings"),
     ([], "no prompt"),
 ])

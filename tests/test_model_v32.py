@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from ess_jax.models.layers import Router
-from helpers import lively_v32, small_v32
+from helpers import PagedRun, lively_v32, small_v32
 
 
 @pytest.fixture(scope="module")
@@ -17,46 +17,51 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def fns(model):
+def full(model):
     graphdef, params = nnx.split(model)
-    full = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))
-    step = jax.jit(lambda p, x, c: nnx.merge(graphdef, p).step(x, c))
-    return params, full, step
+    forward = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))
+    return lambda tokens: np.asarray(forward(params, jnp.asarray(tokens)))
 
 
 @pytest.mark.parametrize("prompt_len", [5, 8, 9, 30])  # index_topk = 8: below, at, just past, far past
-def test_greedy_decode_equals_full_forward_every_step(model, fns, prompt_len):
-    """Greedy decode with the cache; the full causal forward over the final sequence must give, at
-    every position, the same logits (so the same greedy token) as the cached step did."""
-    params, full, step = fns
+def test_greedy_decode_equals_full_forward_every_step(model, full, prompt_len):
+    """Greedy decode with the paged cache; the full causal forward over the final sequence must give,
+    at every position, the same logits (so the same greedy token) as the cached step did."""
     new_tokens = 12
     seq = list(np.random.default_rng(prompt_len).integers(0, 256, prompt_len))
-    cache = model.init_cache(1, prompt_len + new_tokens)
-    logits, cache = step(params, jnp.asarray([seq]), cache)
-    decoded = [np.asarray(logits)[0]]
+    run = PagedRun(model, batch=1, capacity=prompt_len + new_tokens)
+    decoded = [run([seq])[0]]
     for _ in range(new_tokens):
         seq.append(int(np.argmax(decoded[-1][-1])))
-        logits, cache = step(params, jnp.asarray([[seq[-1]]]), cache)
-        decoded.append(np.asarray(logits)[0])
+        decoded.append(run([[seq[-1]]])[0])
     cached = np.concatenate(decoded)  # logits at positions 0 .. len(seq) - 1
-    ref = np.asarray(full(params, jnp.asarray([seq])))[0]
+    ref = full([seq])[0]
     np.testing.assert_allclose(cached, ref, atol=2e-4 * np.abs(ref).max())
     np.testing.assert_array_equal(ref[prompt_len - 1:-1].argmax(-1), seq[prompt_len:])
-    assert int(cache.lengths[0]) == len(seq)
 
 
-def test_chunked_prefill_equals_one_shot(model, fns):
-    params, _, step = fns
+def test_chunked_prefill_equals_one_shot_with_padding_and_batching(model):
+    """Chunks of 1, 3, 7, 8, 4 (crossing index_topk and page boundaries) give the one-shot logits and
+    rows; padded (invalid) tokens change nothing; two requests of different lengths share a step."""
     tokens = np.random.default_rng(0).integers(0, 256, (2, 23))
-    one_logits, one_cache = step(params, jnp.asarray(tokens), model.init_cache(2, 32))
-    cache, pieces, start = model.init_cache(2, 32), [], 0
-    for size in (1, 3, 7, 8, 4):  # crosses index_topk = 8 inside a chunk
-        logits, cache = step(params, jnp.asarray(tokens[:, start:start + size]), cache)
-        pieces.append(np.asarray(logits))
+    one = PagedRun(model, batch=2, capacity=32)
+    one_logits = one(tokens)
+    chunked, pieces, start = PagedRun(model, batch=2, capacity=32), [], 0
+    for size in (1, 3, 7, 8, 4):
+        pieces.append(chunked(tokens[:, start:start + size]))
         start += size
-    np.testing.assert_allclose(np.concatenate(pieces, 1), np.asarray(one_logits), rtol=1e-5, atol=1e-4)
-    np.testing.assert_allclose(np.asarray(cache.latent), np.asarray(one_cache.latent), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(cache.index_keys), np.asarray(one_cache.index_keys), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.concatenate(pieces, 1), one_logits, rtol=1e-5, atol=1e-4)
+    for layer in range(2):
+        np.testing.assert_allclose(chunked.rows(layer, 1), one.rows(layer, 1), rtol=1e-5, atol=1e-5)
+    # request 1 padded to 23 with 6 invalid tokens: its real logits and rows match a 17-token run
+    padded = PagedRun(model, batch=2, capacity=32)
+    valid = np.ones((2, 23), bool)
+    valid[1, 17:] = False
+    padded_logits = padded(tokens, valid)
+    alone = PagedRun(model, batch=1, capacity=32)
+    np.testing.assert_allclose(padded_logits[1, :17], alone(tokens[1:, :17])[0], rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(padded.rows(0, 1), alone.rows(0, 0), rtol=1e-5, atol=1e-5)
+    assert padded.lengths.tolist() == [23, 17]
 
 
 def test_indexer_topk_marks_invisible_slots():

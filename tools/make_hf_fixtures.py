@@ -35,6 +35,15 @@ Fixture families
   ``weight_scale_inv``, two shards + index, a fake MTP layer to be skipped);
   its ``reference.npz`` is computed from the *dequantized* weights.
 
+``deepseek_v4`` (``transformers.models.deepseek_v4``) writes:
+
+* ``hf-v4-a/``    tiny ``DeepseekV4ForCausalLM`` with all three attention types
+  (sliding window, CSA with the lightning indexer, HCA at rate 16), hash-routed
+  and top-k-routed MoE layers, mHC and a YaRN compress rope; every parameter and
+  buffer is random (sinks, position biases, mHC weights, ``tid2eid``,
+  ``e_score_correction_bias``).  ``save_pretrained`` + ``reference.npz``; prompts
+  of 21 and 300 tokens.
+
 Every ``reference.npz`` holds, for each prompt ``i``:
 
 * ``prompt_{i}``   int64 ``[T]``      token ids in ``[0, 256)``
@@ -51,7 +60,7 @@ reason the indexer's query heads are built in antipodal pairs (see
 ``make_indexer_heads_antipodal_``): with independent random heads many index
 scores are exactly 0 and tie at the top-k boundary.
 
-To add a family (e.g. DeepSeek-V4) write a ``make_<family>_fixtures(root)``
+To add a family write a ``make_<family>_fixtures(root)``
 function that writes its directories under ``root`` and register it in
 ``FAMILIES``; the helpers below (randomisation, FP8 block quantisation,
 reference recording, decision margins) are model-agnostic or easy to extend.
@@ -73,11 +82,16 @@ import safetensors
 import safetensors.torch
 import torch
 import transformers
-from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, DeepseekV4Config, DeepseekV4ForCausalLM
 from transformers.models.deepseek_v32.modeling_deepseek_v32 import (
     DeepseekV32Indexer,
     DeepseekV32TopkRouter,
     apply_rotary_pos_emb,
+)
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+    DeepseekV4Indexer,
+    DeepseekV4IndexerScorer,
+    DeepseekV4TopKRouter,
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -172,6 +186,10 @@ def make_indexer_heads_antipodal_(model: torch.nn.Module) -> None:
         if isinstance(module, DeepseekV32Indexer):
             w = module.wq_b.weight.view(module.n_heads, module.head_dim, -1)
             pairs = module.n_heads // 2
+            w[1 : 2 * pairs : 2] = -w[0 : 2 * pairs : 2]
+        elif isinstance(module, DeepseekV4Indexer):  # q_b_proj rows, then RoPE: still antipodal after it
+            w = module.q_b_proj.weight.view(module.num_heads, module.head_dim, -1)
+            pairs = module.num_heads // 2
             w[1 : 2 * pairs : 2] = -w[0 : 2 * pairs : 2]
 
 
@@ -392,9 +410,9 @@ class Margins:
         self.logit_gap = min(self.logit_gap, other.logit_gap)
         self.problems += other.problems
 
-    def failures(self) -> list[str]:
+    def failures(self, min_indexer_rel_gap: float = MIN_INDEXER_REL_GAP) -> list[str]:
         out = sorted(set(self.problems))
-        if self.indexer_rel_gap < MIN_INDEXER_REL_GAP:
+        if self.indexer_rel_gap < min_indexer_rel_gap:
             out.append(f"indexer top-k relative gap {self.indexer_rel_gap:.2e}")
         if min(self.router_group_gap, self.router_expert_gap) < MIN_ROUTER_GAP:
             out.append(f"router gap group={self.router_group_gap:.2e} expert={self.router_expert_gap:.2e}")
@@ -469,6 +487,13 @@ class DecisionProbe:
                 self.handles.append(module.register_forward_hook(self._indexer_hook, with_kwargs=True))
             elif isinstance(module, DeepseekV32TopkRouter):
                 self.handles.append(module.register_forward_hook(self._router_hook))
+            elif isinstance(module, DeepseekV4IndexerScorer):
+                self.handles.append(module.register_forward_hook(self._v4_scorer_hook))
+            elif isinstance(module, DeepseekV4Indexer):
+                self.handles.append(module.register_forward_hook(self._v4_indexer_hook))
+            elif isinstance(module, DeepseekV4TopKRouter):
+                self.handles.append(module.register_forward_hook(self._v4_router_hook))
+        self._v4_scores: torch.Tensor | None = None
 
     def __enter__(self) -> "DecisionProbe":
         return self
@@ -509,6 +534,44 @@ class DecisionProbe:
         self.margins.router_tokens += experts.shape[0]
         self.margins.bias_changed_tokens += int((experts != unbiased).any(dim=-1).sum())
 
+    def _v4_scorer_hook(self, module: DeepseekV4IndexerScorer, args, output) -> None:
+        self._v4_scores = output  # unmasked index scores [B, S, entries]; read by the indexer hook below
+
+    def _v4_indexer_hook(self, module: DeepseekV4Indexer, args, output) -> None:
+        position_ids, past_key_values = args[2], args[3]
+        assert past_key_values is None, "probe expects a no-cache forward"
+        scores, k = self._v4_scores, module.index_topk
+        visible = (position_ids + 1) // module.compress_rate  # [1 or B, S] entries a query may see
+        for b in range(scores.shape[0]):
+            for s in range(scores.shape[1]):
+                row = scores[b, s, : int(visible[b % visible.shape[0], s])]
+                if row.numel() <= k:
+                    continue  # every visible entry is selected: no decision
+                self.margins.indexer_sparse_rows += 1
+                top = row.sort(descending=True).values
+                rel = float((top[k - 1] - top[k]) / top.abs().max().clamp_min(1e-30))
+                self.margins.indexer_rel_gap = min(self.margins.indexer_rel_gap, rel)
+                if set(row.topk(k).indices.tolist()) != set(output[b, s].tolist()):
+                    self.margins.problems.append("indexer re-implementation mismatch")
+
+    def _v4_router_hook(self, module: DeepseekV4TopKRouter, args, output) -> None:
+        hidden = args[0].reshape(-1, module.hidden_dim).float()
+        scores = module.score_fn(hidden @ module.weight.float().T)
+        n_experts = scores.shape[-1]
+
+        def select(choice: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            gap = kth_gap(choice.sort(dim=-1, descending=True).values, module.top_k) if module.top_k < n_experts \
+                else torch.full((choice.shape[0],), math.inf)
+            return choice.topk(module.top_k, dim=-1).indices.sort(dim=-1).values, gap
+
+        experts, expert_gap = select(scores + module.e_score_correction_bias)
+        unbiased, _ = select(scores)
+        if not torch.equal(experts, output[2].sort(dim=-1).values):
+            self.margins.problems.append("router re-implementation mismatch")
+        self.margins.router_expert_gap = min(self.margins.router_expert_gap, float(expert_gap.min()))
+        self.margins.router_tokens += experts.shape[0]
+        self.margins.bias_changed_tokens += int((experts != unbiased).any(dim=-1).sum())
+
 
 # ---------------------------------------------------------------------------
 # Reference outputs
@@ -545,12 +608,16 @@ def greedy_generate(model: DeepseekV32ForCausalLM, prompt: torch.Tensor) -> torc
 
 
 @torch.no_grad()
-def check_prompt(model: DeepseekV32ForCausalLM, prompt: torch.Tensor) -> tuple[torch.Tensor, Margins]:
+def check_prompt(
+    model: DeepseekV32ForCausalLM, prompt: torch.Tensor, logit_rows: str = "all"
+) -> tuple[torch.Tensor, Margins]:
     """Generate, then probe a no-cache forward over the whole generated sequence.
 
     Checks that each generated token is the argmax of the no-cache logits (cache
     path == no-cache path, pure greedy) and that no EOS/PAD token is generated,
-    and returns the generated sequence with the decision margins.
+    and returns the generated sequence with the decision margins. The logit gap
+    is taken over every row but the last (``logit_rows="all"``) or only over the
+    rows that chose the generated tokens (``"generated"``).
     """
     seq = greedy_generate(model, prompt)
     with DecisionProbe(model) as probe:
@@ -558,7 +625,7 @@ def check_prompt(model: DeepseekV32ForCausalLM, prompt: torch.Tensor) -> tuple[t
     margins = probe.margins
     t = prompt.shape[0]
     # Every row but the last: the stored prompt rows and the rows that chose the generated tokens.
-    top2 = logits[:-1].topk(2, dim=-1).values
+    top2 = (logits[:-1] if logit_rows == "all" else logits[t - 1 : -1]).topk(2, dim=-1).values
     margins.logit_gap = float((top2[:, 0] - top2[:, 1]).min())
     if not torch.equal(logits[t - 1 : -1].argmax(-1), seq[t:]):
         margins.problems.append("generate() disagrees with argmax of the no-cache logits")
@@ -568,7 +635,12 @@ def check_prompt(model: DeepseekV32ForCausalLM, prompt: torch.Tensor) -> tuple[t
 
 
 def choose_prompts(
-    models: list[DeepseekV32ForCausalLM], lengths: tuple[int, ...], seed: int
+    models: list[DeepseekV32ForCausalLM],
+    lengths: tuple[int, ...],
+    seed: int,
+    *,
+    logit_rows: str = "all",
+    min_indexer_rel_gap: float = MIN_INDEXER_REL_GAP,
 ) -> tuple[list[torch.Tensor], list[Margins]]:
     """For each length, the first seeded random prompt on which every model decides with clear margins."""
     prompts, all_margins = [], []
@@ -578,10 +650,11 @@ def choose_prompts(
             prompt = torch.randint(0, PROMPT_VOCAB, (length,), generator=gen, dtype=torch.int64)
             margins = Margins()
             for model in models:
-                margins.merge(check_prompt(model, prompt)[1])
-            if not margins.failures():
+                margins.merge(check_prompt(model, prompt, logit_rows)[1])
+            failures = margins.failures(min_indexer_rel_gap)
+            if not failures:
                 break
-            print(f"    prompt {i} (T={length}) attempt {attempt} rejected: {'; '.join(margins.failures())}")
+            print(f"    prompt {i} (T={length}) attempt {attempt} rejected: {'; '.join(failures)}")
         else:
             raise RuntimeError(f"no acceptable prompt of length {length} in {MAX_PROMPT_ATTEMPTS} attempts")
         print(f"    prompt {i} (T={length}) accepted at attempt {attempt}: {margins.summary()}")
@@ -596,8 +669,10 @@ def sparsity_effect(model: DeepseekV32ForCausalLM, prompt: torch.Tensor) -> tupl
 
     Shows that the indexer's top-k mask actually changes the output on long prompts.
     """
-    indexers = [m for m in model.modules() if isinstance(m, DeepseekV32Indexer)]
+    indexers = [m for m in model.modules() if isinstance(m, (DeepseekV32Indexer, DeepseekV4Indexer))]
     topk = indexers[0].index_topk
+    # First query row with more candidates than topk: t + 1 tokens (V3.2), (t + 1) // m entries (V4).
+    first = topk if isinstance(indexers[0], DeepseekV32Indexer) else indexers[0].compress_rate * (topk + 1) - 1
     sparse = full_logits(model, prompt)
     for m in indexers:
         m.index_topk = 10**9
@@ -607,8 +682,8 @@ def sparsity_effect(model: DeepseekV32ForCausalLM, prompt: torch.Tensor) -> tupl
         for m in indexers:
             m.index_topk = topk
     diff = (sparse - dense).abs().amax(dim=-1)
-    short = float(diff[:topk].max())
-    long = float(diff[topk:].max()) if prompt.shape[0] > topk else None
+    short = float(diff[:first].max())
+    long = float(diff[first:].max()) if prompt.shape[0] > first else None
     return short, long
 
 
@@ -766,7 +841,7 @@ def write_hf_checkpoint_fixture(out_dir: Path, model: DeepseekV32ForCausalLM, pr
     fresh_dir(out_dir)
     model.save_pretrained(out_dir)  # safetensors is the only format in transformers 5
     ref = write_reference(out_dir, model, prompts)
-    reloaded = DeepseekV32ForCausalLM.from_pretrained(
+    reloaded = type(model).from_pretrained(
         out_dir, attn_implementation="eager", experts_implementation="eager", dtype=torch.float32
     ).eval()
     for i, prompt in enumerate(prompts):
@@ -836,8 +911,136 @@ def make_deepseek_v32_fixtures(root: Path) -> None:
     write_hf_checkpoint_fixture(root / "hf-v32-b", model_b, prompts_b)
 
 
+# ---------------------------------------------------------------------------
+# Family: DeepSeek-V4 (transformers.models.deepseek_v4)
+# ---------------------------------------------------------------------------
+
+
+def v4_a_config() -> DeepseekV4Config:
+    """SWA, CSA (4:1 + indexer top-8) and HCA (16:1) layers, 2 hash + 2 routed MoE layers, mHC, YaRN.
+
+    The HCA rate is 16 instead of 128 (``compress_rates`` allows any) so that a 300-token prompt has
+    18 HCA entries; the window (16) and index_topk (8 entries = 32 tokens) are far below it.
+    """
+    return DeepseekV4Config(
+        vocab_size=320,
+        hidden_size=32,
+        moe_intermediate_size=24,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        partial_rotary_factor=0.25,  # 8 rope dims at the end of each head
+        q_lora_rank=24,
+        o_groups=2,
+        o_lora_rank=16,
+        layer_types=[
+            "sliding_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+            "compressed_sparse_attention",
+        ],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+        sliding_window=16,
+        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        scoring_func="sqrtsoftplus",
+        routed_scaling_factor=1.5,
+        swiglu_limit=10.0,
+        hc_mult=4,
+        hc_sinkhorn_iters=20,
+        hc_eps=1e-6,
+        index_n_heads=4,
+        index_head_dim=16,
+        index_topk=8,
+        rope_theta=10000.0,
+        compress_rope_theta=160000.0,
+        # YaRN on the compress rope; with 8 rope dims the ramp spans dims 1..3 (low 1, high 3).
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 16.0,
+            "original_max_position_embeddings": 8192,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+        max_position_embeddings=16 * 8192,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        tie_word_embeddings=False,
+    )
+
+
+V4_SEED_A = 4101
+V4_PROMPT_SEED_A = 40_000
+V4_MIN_INDEXER_REL_GAP = 1e-5
+
+
+def v4_random_tensor(name: str, shape: torch.Size, normal: Callable[[tuple[int, ...]], torch.Tensor]) -> torch.Tensor:
+    """``random_tensor`` plus DeepSeek-V4's own tensors.
+
+    * attention ``sinks``: N(0, 1), comparable to the attention logits
+    * compressor / indexer ``position_bias``: 0.5 N(0, 1)
+    * mHC ``fn`` / ``hc_fn``: like linear weights; ``base`` / ``hc_base``: 0.5 N(0, 1);
+      ``scale`` / ``hc_scale``: 1 + 0.3 N(0, 1)
+    """
+    shape = tuple(shape)
+    if name.endswith(".sinks"):
+        return normal(shape)
+    if name.endswith(".position_bias"):
+        return 0.5 * normal(shape)
+    if name.endswith(("_hc.fn", "hc_head.hc_fn")):
+        return normal(shape) * (WEIGHT_GAIN / math.sqrt(shape[1]))
+    if name.endswith(("_hc.base", "hc_head.hc_base")):
+        return 0.5 * normal(shape)
+    if name.endswith(("_hc.scale", "hc_head.hc_scale")):
+        return 1.0 + 0.3 * normal(shape)
+    return random_tensor(name, shape, normal)
+
+
+@torch.no_grad()
+def build_v4_model(config: DeepseekV4Config, seed: int) -> DeepseekV4ForCausalLM:
+    """A float32, eager model with every persisted tensor randomised; ``tid2eid`` gets distinct valid ids."""
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM._from_config(
+        config, attn_implementation="eager", experts_implementation="eager", dtype=torch.float32
+    )
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, dtype=torch.float32)
+
+    for name, tensor in model.state_dict().items():
+        if name.endswith(".tid2eid"):  # [vocab, top_k] int64: top_k distinct experts per token id
+            order = torch.rand((tensor.shape[0], config.n_routed_experts), generator=gen).argsort(dim=-1)
+            tensor.copy_(order[:, : tensor.shape[1]])
+        else:
+            tensor.copy_(v4_random_tensor(name, tensor.shape, normal))
+    make_indexer_heads_antipodal_(model)
+    return model.eval()
+
+
+def make_deepseek_v4_fixtures(root: Path) -> None:
+    """hf-v4-a."""
+    print("[deepseek_v4] hf-v4-a")
+    model = build_v4_model(v4_a_config(), V4_SEED_A)
+    # Short prompt: crosses CSA and HCA boundaries, the indexer turns sparse while generating;
+    # long prompt: far past the window, index_topk and 18 HCA windows. With ~600 sparse indexer rows
+    # and ~320 logit rows per prompt the V3.2 margins are out of reach, so only the rows that choose
+    # generated tokens need a clear logit gap (the parity test compares the other rows numerically)
+    # and the indexer's relative gap may go down to 1e-5 (float32 score error ~1e-7 relative).
+    prompts, _ = choose_prompts(
+        [model], (21, 300), V4_PROMPT_SEED_A, logit_rows="generated", min_indexer_rel_gap=V4_MIN_INDEXER_REL_GAP
+    )
+    print("    " + activation_report(model, prompts[1]))
+    write_hf_checkpoint_fixture(root / "hf-v4-a", model, prompts)
+
+
 FAMILIES: dict[str, Callable[[Path], None]] = {
     "deepseek_v32": make_deepseek_v32_fixtures,
+    "deepseek_v4": make_deepseek_v4_fixtures,
 }
 
 
@@ -869,6 +1072,9 @@ def write_readme(root: Path) -> None:
         "hf-v32-fp8": "hf-v32-a weights in the original DeepSeek release layout: per-expert tensors, "
         "block-wise float8_e4m3fn + `weight_scale_inv`, 2 shards + index, fake MTP layer 3; "
         "`reference.npz` from the dequantized weights",
+        "hf-v4-a": "tiny DeepseekV4ForCausalLM (SWA / CSA 4:1 + indexer / HCA 16:1 layers, hash + routed MoE, "
+        "mHC, YaRN compress rope; every parameter and buffer random), `save_pretrained` float32 checkpoint + "
+        "`reference.npz`",
     }
     for name in fixtures:
         lines.append(f"- `{name}/`: {descriptions.get(name, '')}")

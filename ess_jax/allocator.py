@@ -1,0 +1,193 @@
+"""Host-side page bookkeeping: a page pool with a free list, and FIFO admission of requests into batch rows.
+
+Plain Python / NumPy, never traced. The engine ships what this module decides to the device as int32
+tables (``Admission.page_table``) once per step.
+
+Pages. The KV pools are cut into ``num_pages`` pages of ``page_size`` tokens. Page 0 is the *null
+page*: never handed out, it absorbs the writes of masked / padding tokens and pads page tables, so a
+device-side scatter never needs a bounds check. Pages ``1 .. num_pages - 1`` are allocatable.
+
+Admission. A request reserves ``pages_for(prompt_len + max_new_tokens)`` pages when it is admitted,
+so a running request never runs out mid-decode, and holds one batch row (slot) in ``[0, max_batch)``
+until it finishes. Waiting requests are admitted in strict FIFO order.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from typing import Hashable, NamedTuple
+
+import numpy as np
+
+NULL_PAGE = 0
+
+
+class OutOfPages(RuntimeError):
+    """``PageAllocator.allocate`` was asked for more pages than are free."""
+
+
+class PageAllocator:
+    """A pool of ``num_pages`` pages of ``page_size`` tokens; page 0 is the reserved null page.
+
+    Free pages live on a LIFO stack, so pages freed last are reused first and page tables of
+    long-running engines are fragmented (not contiguous), as the paged kernels must expect.
+    """
+
+    def __init__(self, num_pages: int, page_size: int):
+        if num_pages < 2:
+            raise ValueError(f"{num_pages=} must be >= 2 (page 0 is the reserved null page)")
+        if page_size < 1:
+            raise ValueError(f"{page_size=} must be >= 1")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._free: list[int] = list(range(num_pages - 1, NULL_PAGE, -1))  # stack: pops 1, 2, 3, ... first
+        self._allocated = np.zeros(num_pages, bool)  # bool[num_pages]
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity(self) -> int:
+        """Allocatable pages: all but the null page."""
+        return self.num_pages - 1
+
+    def pages_for(self, tokens: int) -> int:
+        """Pages that hold ``tokens`` tokens (ceil division)."""
+        return -(-tokens // self.page_size)
+
+    def allocate(self, n: int) -> np.ndarray:
+        """Take ``n`` free pages: ``i32[n]``. Raises ``OutOfPages`` (taking nothing) when fewer are free."""
+        if n < 0:
+            raise ValueError(f"{n=} must be >= 0")
+        if n > len(self._free):
+            raise OutOfPages(f"asked for {n} pages, {len(self._free)} of {self.capacity} are free")
+        pages = np.array([self._free.pop() for _ in range(n)], np.int32)
+        self._allocated[pages] = True
+        return pages
+
+    def free(self, pages: np.ndarray) -> None:
+        """Return allocated pages to the pool. Raises ``ValueError`` (freeing nothing) on the null page,
+        an out-of-range page, a page listed twice or a page that is not allocated (a double free)."""
+        pages = np.asarray(pages, np.int64).reshape(-1)
+        bad = pages[(pages <= NULL_PAGE) | (pages >= self.num_pages)]
+        if bad.size:
+            raise ValueError(f"cannot free pages {bad.tolist()}: allocatable pages are 1..{self.num_pages - 1}")
+        unique, counts = np.unique(pages, return_counts=True)
+        if (counts > 1).any():
+            raise ValueError(f"pages {unique[counts > 1].tolist()} are listed more than once")
+        if not self._allocated[pages].all():
+            raise ValueError(f"pages {pages[~self._allocated[pages]].tolist()} are not allocated (double free?)")
+        self._allocated[pages] = False
+        self._free.extend(reversed(pages.tolist()))
+
+
+class Admitted(NamedTuple):
+    """A running request: its batch row and its reserved pages ``i32[pages_for(prompt + max_new)]``."""
+
+    request_id: Hashable
+    slot: int
+    pages: np.ndarray
+
+
+class _Waiting(NamedTuple):
+    request_id: Hashable
+    pages: int
+
+
+class Admission:
+    """A FIFO queue of requests waiting for pages and batch rows, and the requests running.
+
+    Strict FIFO: ``admit`` stops at the first waiting request that does not fit, even when a smaller
+    one behind it would. A large request is therefore never starved by a stream of small ones, at the
+    price of idle pages while it waits for running requests to finish. Requests that could never fit
+    are refused by ``submit``, so the head of the queue always fits once enough requests finish.
+    """
+
+    def __init__(self, allocator: PageAllocator, *, max_batch: int, max_position_embeddings: int):
+        if max_batch < 1:
+            raise ValueError(f"{max_batch=} must be >= 1")
+        self.allocator = allocator
+        self.max_batch = max_batch
+        self.max_position_embeddings = max_position_embeddings
+        self._queue: deque[_Waiting] = deque()
+        self._waiting_ids: set[Hashable] = set()
+        self._running: dict[Hashable, Admitted] = {}
+        self._free_slots: list[int] = list(range(max_batch))  # a heap: the lowest free row is taken first
+
+    @property
+    def waiting(self) -> tuple[Hashable, ...]:
+        """Ids of the waiting requests, head first."""
+        return tuple(w.request_id for w in self._queue)
+
+    @property
+    def running(self) -> dict[Hashable, Admitted]:
+        """The running requests by id (a copy)."""
+        return dict(self._running)
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.allocator.num_free
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def submit(self, request_id: Hashable, prompt_len: int, max_new_tokens: int) -> None:
+        """Queue a request. Raises ``ValueError`` when it could never run: an empty prompt,
+        ``max_new_tokens < 1``, more positions than the model has, or more pages than the whole pool."""
+        if request_id in self._running or request_id in self._waiting_ids:
+            raise ValueError(f"request {request_id!r} was already submitted")
+        if prompt_len < 1:
+            raise ValueError(f"request {request_id!r} has an empty prompt ({prompt_len=})")
+        if max_new_tokens < 1:
+            raise ValueError(f"request {request_id!r}: {max_new_tokens=} must be >= 1")
+        tokens = prompt_len + max_new_tokens
+        if tokens > self.max_position_embeddings:
+            raise ValueError(
+                f"request {request_id!r}: prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {tokens} "
+                f"exceeds max_position_embeddings={self.max_position_embeddings}; shorten the prompt or lower "
+                "--max-new-tokens")
+        pages = self.allocator.pages_for(tokens)
+        if pages > self.allocator.capacity:
+            size = self.allocator.page_size
+            raise ValueError(
+                f"request {request_id!r} needs {pages} pages ({tokens} tokens at page size {size}) but the pool has "
+                f"{self.allocator.capacity} allocatable pages ({self.allocator.capacity * size} tokens); raise "
+                f"--num-pages to at least {pages + 1} (page 0 is reserved) or --page-size")
+        self._queue.append(_Waiting(request_id, pages))
+        self._waiting_ids.add(request_id)
+
+    def admit(self, max_new: int) -> list[Admitted]:
+        """Admit up to ``max_new`` requests from the head of the queue while pages and batch rows allow;
+        each gets the lowest free batch row and its pages, reserved in full."""
+        if max_new < 0:
+            raise ValueError(f"{max_new=} must be >= 0")
+        admitted = []
+        while (len(admitted) < max_new and self._queue and self._free_slots
+               and self._queue[0].pages <= self.allocator.num_free):
+            request_id, pages = self._queue.popleft()
+            self._waiting_ids.remove(request_id)
+            entry = Admitted(request_id, heapq.heappop(self._free_slots), self.allocator.allocate(pages))
+            self._running[request_id] = entry
+            admitted.append(entry)
+        return admitted
+
+    def finish(self, request_id: Hashable) -> None:
+        """Release a running request's pages and batch row."""
+        if request_id not in self._running:
+            raise KeyError(f"request {request_id!r} is not running")
+        entry = self._running.pop(request_id)
+        self.allocator.free(entry.pages)
+        heapq.heappush(self._free_slots, entry.slot)
+
+    def page_table(self, pages_per_row: int) -> np.ndarray:
+        """The per-step page table ``i32[max_batch, pages_per_row]``: row ``slot`` lists the pages of the
+        request in that batch row in token order; free rows and unused columns hold the null page."""
+        table = np.full((self.max_batch, pages_per_row), NULL_PAGE, np.int32)
+        for entry in self._running.values():
+            if entry.pages.size > pages_per_row:
+                raise ValueError(f"request {entry.request_id!r} holds {entry.pages.size} pages > {pages_per_row=}")
+            table[entry.slot, : entry.pages.size] = entry.pages
+        return table

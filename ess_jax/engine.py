@@ -1,0 +1,192 @@
+"""The serving engine: paged cache, admission, chunked prefill, continuous batched decode.
+
+The host does bookkeeping (pages, batch rows, stop conditions) in NumPy; the device runs two
+jitted functions, both donating the cache:
+- ``prefill``: one chunk of one request's prompt, ``[1, T]`` with ``T`` from a few bucketed sizes
+  (the last chunk is padded; padding tokens are written to the null page), and the sampled next
+  token after the chunk's last real token;
+- ``decode``: one token for every batch row, ``[max_batch, 1]``; inactive rows are masked.
+Requests join the batch when admitted (their pages reserved for prompt + max_new_tokens) and
+leave when they stop, while the others keep decoding. A request's tokens do not depend on what
+else is in the batch: every row is computed independently and sampled from its own seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+from typing import Sequence
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from tqdm import tqdm
+
+from ess_jax.allocator import Admission, PageAllocator
+from ess_jax.cache import StepMeta
+from ess_jax.sampling import SamplingParams, sample
+
+
+@dataclasses.dataclass
+class Request:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None  # "stop" (an eos token) or "length" (max_new_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    max_batch: int = 8  # decode batch rows
+    page_size: int = 64  # tokens per cache page
+    num_pages: int | None = None  # pages in the pool incl. the null page; default: max_batch full-length requests
+    max_seq_len: int | None = None  # longest prompt + max_new_tokens served; default: max_position_embeddings
+    prefill_chunk: int = 256  # longest prefill chunk; shorter chunks use power-of-two buckets from 16
+
+
+def _buckets(chunk: int) -> tuple[int, ...]:
+    sizes = [16]
+    while sizes[-1] < chunk:
+        sizes.append(min(sizes[-1] * 2, chunk))
+    return tuple(sizes)
+
+
+class Engine:
+    def __init__(self, model, config: EngineConfig = EngineConfig(), *, progress: bool = False):
+        cfg = model.cfg
+        self.model, self.config, self.progress = model, config, progress
+        self.max_seq_len = min(config.max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.pages_per_row = math.ceil(self.max_seq_len / config.page_size)
+        num_pages = config.num_pages or config.max_batch * self.pages_per_row + 1
+        self.allocator = PageAllocator(num_pages, config.page_size)
+        self.admission = Admission(self.allocator, max_batch=config.max_batch,
+                                   max_position_embeddings=self.max_seq_len)
+        self.cache = model.module.init_cache(num_pages, config.page_size)
+        self.buckets = _buckets(config.prefill_chunk)
+        self.requests: dict[int, Request] = {}
+        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "decode_s": 0.0, "prefill_s": 0.0}
+        b = config.max_batch
+        self._lengths = np.zeros(b, np.int32)  # tokens in the cache per batch row
+        self._last = np.zeros(b, np.int32)  # token each row feeds next
+        self._prefill = jax.jit(self._prefill_fn, donate_argnums=3)
+        self._decode = None  # compiled on the first run()
+
+    # ---- device functions ----------------------------------------------------------------------
+    def _prefill_fn(self, params, tokens_BT, meta, cache, last_B, sampling):
+        logits_BTV, cache = nnx.merge(self.model.graphdef, params).step(tokens_BT, meta, cache)
+        logits_BV = jnp.take_along_axis(logits_BTV, last_B[:, None, None], axis=1)[:, 0]
+        return sample(logits_BV, *sampling), cache
+
+    def _decode_fn(self, params, tokens_BT, meta, cache, sampling):
+        logits_BTV, cache = nnx.merge(self.model.graphdef, params).step(tokens_BT, meta, cache)
+        return sample(logits_BTV[:, -1], *sampling), cache
+
+    # ---- requests ------------------------------------------------------------------------------
+    def submit(self, prompt_ids: Sequence[int], max_new_tokens: int,
+               sampling: SamplingParams = SamplingParams()) -> int:
+        """Queue a request; raises ValueError naming the problem if it can never be served."""
+        prompt = [int(t) for t in prompt_ids]
+        vocab = self.model.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            bad = next(t for t in prompt if not 0 <= t < vocab)
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        request_id = len(self.requests)
+        self.admission.submit(request_id, len(prompt), max_new_tokens)
+        self.requests[request_id] = Request(prompt, max_new_tokens, sampling)
+        return request_id
+
+    def run(self) -> list[Request]:
+        """Serve every submitted request to completion; requests in submission order."""
+        if self._decode is None:  # one shape: compile ahead, so decode timings never include compilation
+            b, start = self.config.max_batch, time.perf_counter()
+            self._decode = jax.jit(self._decode_fn, donate_argnums=3).lower(
+                self.model.params, jnp.zeros((b, 1), jnp.int32), self._decode_meta(np.zeros(b, bool)), self.cache,
+                self._sampling_arrays([None] * b)).compile()
+            self.stats["compile_s"] = time.perf_counter() - start
+        bar = tqdm(total=sum(r.max_new_tokens for r in self.requests.values() if r.finish_reason is None),
+                   desc="generate", unit="tok", file=sys.stderr, disable=not self.progress, leave=False)
+        while self.admission.running or self.admission.waiting:
+            for entry in self.admission.admit(self.config.max_batch):
+                self._prefill_request(entry.request_id, entry.slot, entry.pages)
+                bar.update(1)
+            if self.admission.running:
+                bar.update(self._decode_step())
+        bar.close()
+        return [self.requests[i] for i in sorted(self.requests)]
+
+    # ---- host loop -----------------------------------------------------------------------------
+    def _sampling_arrays(self, requests: list[Request | None]):
+        params = [r.sampling if r else SamplingParams() for r in requests]
+        steps = [len(r.output_ids) if r else 0 for r in requests]
+        return (jnp.asarray([p.temperature for p in params], jnp.float32),
+                jnp.asarray([p.top_k for p in params], jnp.int32),
+                jnp.asarray([p.top_p for p in params], jnp.float32),
+                jnp.asarray([p.seed for p in params], jnp.uint32),
+                jnp.asarray(steps, jnp.int32))
+
+    def _prefill_request(self, request_id: int, slot: int, pages: np.ndarray):
+        request = self.requests[request_id]
+        prompt = np.asarray(request.prompt_ids, np.int32)
+        page_table = np.zeros((1, self.pages_per_row), np.int32)
+        page_table[0, : pages.size] = pages
+        start_time, start = time.perf_counter(), 0
+        while start < len(prompt):
+            real = min(self.buckets[-1], len(prompt) - start)
+            size = next(b for b in self.buckets if b >= real)
+            tokens = np.zeros((1, size), np.int32)
+            tokens[0, :real] = prompt[start:start + real]
+            positions = (start + np.arange(size, dtype=np.int32))[None]
+            meta = StepMeta(jnp.asarray(positions), jnp.asarray(np.arange(size)[None] < real), jnp.asarray(page_table))
+            token, self.cache = self._prefill(self.model.params, jnp.asarray(tokens), meta, self.cache,
+                                              jnp.asarray([real - 1], jnp.int32), self._sampling_arrays([request]))
+            start += real
+        self.stats["prefill_tokens"] += len(prompt)
+        self.stats["prefill_s"] += time.perf_counter() - start_time
+        self._lengths[slot] = len(prompt)
+        self._append(request_id, slot, int(token[0]))
+
+    def _decode_step(self) -> int:
+        running = self.admission.running
+        rows: list[Request | None] = [None] * self.config.max_batch
+        for request_id, entry in running.items():
+            rows[entry.slot] = self.requests[request_id]
+        active = np.array([r is not None for r in rows])
+        meta = self._decode_meta(active)
+        start = time.perf_counter()
+        tokens, self.cache = self._decode(self.model.params, jnp.asarray(self._last[:, None]), meta, self.cache,
+                                          self._sampling_arrays(rows))
+        tokens = np.asarray(tokens)
+        self.stats["decode_s"] += time.perf_counter() - start
+        self._lengths += active
+        self.stats["decode_tokens"] += len(running)
+        for request_id, entry in running.items():
+            self._append(request_id, entry.slot, int(tokens[entry.slot]))
+        return len(running)
+
+    def _decode_meta(self, active_B: np.ndarray) -> StepMeta:
+        return StepMeta(jnp.asarray(self._lengths[:, None]), jnp.asarray(active_B[:, None]),
+                        jnp.asarray(self.admission.page_table(self.pages_per_row)))
+
+    def _append(self, request_id: int, slot: int, token: int):
+        request = self.requests[request_id]
+        request.output_ids.append(token)
+        self._last[slot] = token
+        if token in self.model.cfg.eos_token_id:
+            request.finish_reason = "stop"
+        elif len(request.output_ids) >= request.max_new_tokens:
+            request.finish_reason = "length"
+        if request.finish_reason is not None:
+            self.admission.finish(request_id)
+            self._lengths[slot] = 0
+
+    def cache_bytes(self) -> dict[str, int]:
+        """Device bytes of the page pool, and what the served requests' reserved pages occupy."""
+        per_token = self.cache.nbytes_per_token()
+        reserved = sum(self.allocator.pages_for(len(r.prompt_ids) + r.max_new_tokens) for r in self.requests.values())
+        pool = sum(x.nbytes for x in jax.tree.leaves(self.cache))
+        return {"device_bytes": int(pool), "host_bytes": 0,
+                "resident_device_bytes": int(reserved * self.config.page_size * per_token)}

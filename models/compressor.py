@@ -1,0 +1,213 @@
+"""DeepSeek-V4 KV compressors and the CSA lightning indexer (DOMAIN.md 2.4, 2.5).
+
+A compressor turns every ``m`` tokens (one window) into one entry of width ``D`` by per-channel gated
+softmax pooling:
+
+    a_j = W_kv x_j,   z_j = W_gate x_j + B[j mod m]          (B: ``position_bias [m, coff*D]``)
+    C_e[ch] = sum_j softmax_j(z_j[ch]) a_j[ch]               then kv_norm, RoPE at position e*m
+
+- HCA (``overlap=False``, coff 1): entry ``e`` pools window ``e`` (tokens ``e*m .. e*m+m-1``).
+- CSA and its indexer (``overlap=True``, coff 2): the projections are ``2D`` wide. Entry ``e`` pools 2m
+  slots: window ``e-1``'s first halves ``[:D]`` and window ``e``'s second halves ``[D:]``; for ``e = 0``
+  the previous-window slots have logit -inf and value 0.
+
+Query ``t`` sees entry ``e`` iff ``e < (t + 1) // m`` (the window is closed).
+
+Two forms over the same parameters:
+- ``__call__(x)``: every complete window of a whole sequence (the training / full-forward form);
+- ``step(x, positions, ring_kv, ring_gate, entries)``: appends ``T`` tokens to a request. The per-request
+  state is a ring of the projected ``(a, z + B)`` of the last ``coff * m`` positions (slot ``s % (coff*m)``:
+  the open window's pending tokens and, for CSA, the previous window's first halves); entries whose
+  window closes during the step are written into the growing ``entries`` buffer at their index.
+Both give the same entries for any split of a sequence into steps.
+
+Axis letters: ess_jax.notation; ``U`` counts a compressor's pooling slots (m or 2m), ``Y`` its projection
+width (coff * D), ``E`` candidate entries of one step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ess_jax.config import RopeConfig
+from ess_jax.models.layers import Linear, apply_rope_interleaved, rope_cos_sin, rope_inv_freq
+
+
+@dataclasses.dataclass(frozen=True)
+class TailRope:
+    """Interleaved RoPE (pairs ``(2i, 2i+1)``) on the trailing ``dim`` channels of a vector (DOMAIN 2.3)."""
+
+    rope: RopeConfig
+    dim: int
+
+    def cos_sin(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """cos, sin ``f32[..., dim/2]`` for integer positions ``[...]``."""
+        inv_freq = rope_inv_freq(self.rope, self.dim)
+        return rope_cos_sin(positions, inv_freq, self.rope.cos_sin_scale)
+
+    def apply(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        """Rotate ``x[..., -dim:]``; cos/sin are ``[B, T, dim/2]`` and broadcast over axes between T and the last."""
+        return jnp.concatenate([x[..., : -self.dim], apply_rope_interleaved(x[..., -self.dim:], cos, sin)], axis=-1)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm with a float32 weight, multiplied in float32 and cast once (DeepSeek-V4's norms)."""
+
+    def __init__(self, dim: int, eps: float):
+        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (self.weight[...] * x32).astype(x.dtype)
+
+
+class Compressor(nnx.Module):
+    """``kv_proj``, ``gate_proj`` (``[coff*D, hidden]``), ``position_bias [m, coff*D]``, ``kv_norm [D]``."""
+
+    def __init__(self, hidden: int, dim: int, rate: int, *, overlap: bool, rope: TailRope, eps: float, dtype,
+                 rngs: nnx.Rngs):
+        width = (2 if overlap else 1) * dim
+        self.kv_proj = Linear(hidden, width, dtype=dtype, rngs=rngs)
+        self.gate_proj = Linear(hidden, width, dtype=dtype, rngs=rngs)
+        self.position_bias = nnx.Param(jnp.zeros((rate, width), jnp.float32))
+        self.kv_norm = RMSNorm(dim, eps)
+        self.dim, self.rate, self.overlap, self.rope = dim, rate, overlap, rope
+
+    @property
+    def ring_size(self) -> int:
+        """Positions the step form keeps per request: the open window, plus the previous one for CSA."""
+        return (2 if self.overlap else 1) * self.rate
+
+    def project(self, x_BTD: jax.Array, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``a [B, T, Y]`` (x's dtype) and gate logits plus position bias ``z f32[B, T, Y]``."""
+        kv_BTY = self.kv_proj(x_BTD)
+        gate_BTY = self.gate_proj(x_BTD).astype(jnp.float32) + self.position_bias[...][positions_BT % self.rate]
+        return kv_BTY, gate_BTY
+
+    def _slots(self, kv_BEUY: jax.Array, gate_BEUY: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """CSA: slots ``[:m]`` take the first halves (previous window), ``[m:]`` the second halves."""
+        if not self.overlap:
+            return kv_BEUY, gate_BEUY
+        m, d = self.rate, self.dim
+        kv = jnp.concatenate([kv_BEUY[:, :, :m, :d], kv_BEUY[:, :, m:, d:]], axis=2)
+        gate = jnp.concatenate([gate_BEUY[:, :, :m, :d], gate_BEUY[:, :, m:, d:]], axis=2)
+        return kv, gate
+
+    def pool(self, kv_BEUD: jax.Array, gate_BEUD: jax.Array, entry_BE: jax.Array) -> jax.Array:
+        """Softmax-pool the slots of each entry, kv_norm, RoPE at the window's first position ``[B, E, D]``."""
+        weights = jax.nn.softmax(gate_BEUD, axis=2).astype(kv_BEUD.dtype)
+        pooled_BED = self.kv_norm(jnp.sum(kv_BEUD * weights, axis=2))
+        cos, sin = self.rope.cos_sin(entry_BE * self.rate)
+        return self.rope.apply(pooled_BED, cos, sin)
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        """Entries ``[B, T // m, D]`` of every complete window of a whole sequence."""
+        b, t, _ = x_BTD.shape
+        m, n = self.rate, t // self.rate
+        if n == 0:
+            return jnp.zeros((b, 0, self.dim), x_BTD.dtype)
+        kv_BTY, gate_BTY = self.project(x_BTD, jnp.broadcast_to(jnp.arange(t), (b, t)))
+        kv_BEUY = kv_BTY[:, : n * m].reshape(b, n, m, -1)
+        gate_BEUY = gate_BTY[:, : n * m].reshape(b, n, m, -1)
+        if self.overlap:  # prepend each window's predecessor; window -1 contributes nothing
+            kv_BEUY = jnp.concatenate([jnp.pad(kv_BEUY[:, :-1], ((0, 0), (1, 0), (0, 0), (0, 0))), kv_BEUY], axis=2)
+            prev_gate = jnp.pad(gate_BEUY[:, :-1], ((0, 0), (1, 0), (0, 0), (0, 0)), constant_values=-jnp.inf)
+            gate_BEUY = jnp.concatenate([prev_gate, gate_BEUY], axis=2)
+        kv_BEUD, gate_BEUD = self._slots(kv_BEUY, gate_BEUY)
+        return self.pool(kv_BEUD, gate_BEUD, jnp.broadcast_to(jnp.arange(n), (b, n)))
+
+    def step(self, x_BTD: jax.Array, positions_BT: jax.Array, ring_kv_BUY: jax.Array, ring_gate_BUY: jax.Array,
+             entries_BMD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Append ``T`` tokens at ``positions_BT`` (consecutive per request, starting at ``p0``).
+
+        Returns the entries buffer with every window that closed in this step written at its index
+        (windows past the buffer's capacity are dropped) and the updated rings.
+        """
+        b, t, _ = x_BTD.shape
+        m, ring = self.rate, self.ring_size
+        kv_BTY, gate_BTY = self.project(x_BTD, positions_BT)
+        p0_B = positions_BT[:, 0]
+        # Entries whose last token lies in [p0, p0 + T): at most ceil(T / m) of them per request.
+        entry_BE = p0_B[:, None] // m + jnp.arange(-(-t // m))[None, :]
+        closes_BE = (entry_BE + 1) * m <= (p0_B + t)[:, None]
+        first_BE = entry_BE * m - (m if self.overlap else 0)
+        src_BEU = first_BE[..., None] + jnp.arange(ring)  # source positions of each entry's slots
+        flat = src_BEU.reshape(b, -1)
+        from_new = flat >= p0_B[:, None]
+        new_idx = jnp.clip(flat - p0_B[:, None], 0, t - 1)[..., None]
+        ring_idx = (flat % ring)[..., None]
+        kv = jnp.where(from_new[..., None], jnp.take_along_axis(kv_BTY, new_idx, axis=1),
+                       jnp.take_along_axis(ring_kv_BUY, ring_idx, axis=1).astype(kv_BTY.dtype))
+        gate = jnp.where(from_new[..., None], jnp.take_along_axis(gate_BTY, new_idx, axis=1),
+                         jnp.take_along_axis(ring_gate_BUY, ring_idx, axis=1))
+        before_start = (flat < 0)[..., None]  # the window before entry 0
+        kv = jnp.where(before_start, jnp.zeros_like(kv), kv).reshape(src_BEU.shape + kv.shape[-1:])
+        gate = jnp.where(before_start, -jnp.inf, gate).reshape(src_BEU.shape + gate.shape[-1:])
+        new_BED = self.pool(*self._slots(kv, gate), entry_BE)
+        batch_B1 = jnp.arange(b)[:, None]
+        write_BE = jnp.where(closes_BE, entry_BE, entries_BMD.shape[1])
+        entries_BMD = entries_BMD.at[batch_B1, write_BE].set(new_BED.astype(entries_BMD.dtype), mode="drop")
+        # Only the last `ring` new tokens reach the ring (earlier ones would collide on a slot).
+        slot_BT = jnp.where(jnp.arange(t)[None, :] >= t - ring, positions_BT % ring, ring)
+        ring_kv_BUY = ring_kv_BUY.at[batch_B1, slot_BT].set(kv_BTY.astype(ring_kv_BUY.dtype), mode="drop")
+        ring_gate_BUY = ring_gate_BUY.at[batch_B1, slot_BT].set(gate_BTY, mode="drop")
+        return entries_BMD, ring_kv_BUY, ring_gate_BUY
+
+
+class IndexerScorer(nnx.Module):
+    """``weights_proj [I, hidden]``: the per-head weights of the index score."""
+
+    def __init__(self, hidden: int, n_heads: int, *, dtype, rngs: nnx.Rngs):
+        self.weights_proj = Linear(hidden, n_heads, dtype=dtype, rngs=rngs)
+
+
+class Indexer(Compressor):
+    """The CSA lightning indexer: its own overlapping compressor at ``index_head_dim`` (J) for the keys,
+    ``q_b_proj [I*J, q_lora_rank]`` for the queries (from the attention's q-LoRA residual) and the scorer.
+
+        I_t,e = sum_h w_t,h * J^-1/2 * ReLU(q_t,h . K_e) * I^-1/2,     w_t = weights_proj x_t
+    """
+
+    def __init__(self, hidden: int, q_lora_rank: int, n_heads: int, head_dim: int, rate: int, top_k: int, *,
+                 rope: TailRope, eps: float, dtype, rngs: nnx.Rngs):
+        super().__init__(hidden, head_dim, rate, overlap=True, rope=rope, eps=eps, dtype=dtype, rngs=rngs)
+        self.q_b_proj = Linear(q_lora_rank, n_heads * head_dim, dtype=dtype, rngs=rngs)
+        self.scorer = IndexerScorer(hidden, n_heads, dtype=dtype, rngs=rngs)
+        self.n_heads, self.top_k = n_heads, top_k
+
+    def scores(self, x_BTD: jax.Array, q_resid_BTQ: jax.Array, keys_BMJ: jax.Array, visible_BTM: jax.Array,
+               cos: jax.Array, sin: jax.Array) -> jax.Array:
+        """Index scores ``f32[B, T, M]``; -inf where ``visible_BTM`` is False. cos/sin: the query positions'."""
+        b, t, _ = x_BTD.shape
+        q_BTIJ = self.rope.apply(self.q_b_proj(q_resid_BTQ).reshape(b, t, self.n_heads, self.dim), cos, sin)
+        dots_BTIM = jnp.einsum("btij,bmj->btim", q_BTIJ.astype(jnp.float32), keys_BMJ.astype(jnp.float32))
+        relu_BTIM = jax.nn.relu(dots_BTIM) * self.dim**-0.5
+        weights_BTI = self.scorer.weights_proj(x_BTD).astype(jnp.float32) * self.n_heads**-0.5
+        scores_BTM = jnp.einsum("bti,btim->btm", weights_BTI, relu_BTIM)
+        return jnp.where(visible_BTM, scores_BTM, -jnp.inf)
+
+    def topk(self, scores_BTM: jax.Array) -> jax.Array:
+        """Top-k entry ids ``i32[B, T, K]``, ``K = min(index_topk, M)``; -1 where fewer entries are visible."""
+        values, ids = jax.lax.top_k(scores_BTM, min(self.top_k, scores_BTM.shape[-1]))
+        return jnp.where(values > -jnp.inf, ids, -1).astype(jnp.int32)
+
+
+class CSACompressor(Compressor):
+    """The CSA main compressor (D = head_dim, overlapping windows) with its ``indexer`` child."""
+
+    def __init__(self, hidden: int, head_dim: int, rate: int, *, indexer: Indexer, rope: TailRope, eps: float,
+                 dtype, rngs: nnx.Rngs):
+        super().__init__(hidden, head_dim, rate, overlap=True, rope=rope, eps=eps, dtype=dtype, rngs=rngs)
+        self.indexer = indexer
+
+
+def visible_entries(positions_BT: jax.Array, n_entries: int, rate: int) -> jax.Array:
+    """``bool[B, T, M]``: query ``t`` sees entry ``e`` iff ``e < (t + 1) // rate``."""
+    return np.arange(n_entries)[None, None, :] < ((positions_BT + 1) // rate)[..., None]

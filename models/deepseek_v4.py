@@ -1,0 +1,448 @@
+"""DeepSeek-V4: sliding-window / compressed-sparse / heavily-compressed attention, mHC, hash-routed MoE.
+
+Every layer attends to its last ``sliding_window`` keys; a CSA layer adds the indexer's top-k of its
+4:1 compressed entries, an HCA layer all of its 128:1 entries, all in one softmax with a learned
+per-head sink (DOMAIN.md 2.1-2.5). Keys are values (one shared K = V head of ``head_dim``). The
+residual is ``hc_mult`` streams mixed by mHC (models/mhc.py); the MoE routes by ``tid2eid[token]`` on
+hash layers and by top-k of ``score + e_score_correction_bias`` elsewhere, with SwiGLU clamped at
+``swiglu_limit`` (DOMAIN.md 2.7).
+
+Two forward forms over the same parameters:
+- ``__call__(tokens)``: the full causal forward (training / reference form): dense masked attention
+  over every window key and compressed entry, the indexer's top-k entering as a mask, as in
+  transformers.
+- ``step(tokens, cache)``: the cached form for any number of new tokens per request. The window
+  keys, compressor rings and compressed entries live in an explicit ``V4Cache``; each query gathers
+  its window rows and its compressed rows (CSA: top-k ids, HCA: all visible) and attends over just
+  those (``ops.sparse_sink_attention``). Prefill in chunks of any sizes gives the one-shot result.
+
+Parameter names mirror transformers' ``DeepseekV4ForCausalLM`` module tree (``checkpoint.hf_name``).
+Axis letters: ess_jax.notation; X = hc streams, G = output groups, O = o-LoRA rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ess_jax import ops
+from ess_jax.config import ModelConfig
+from ess_jax.models import mhc
+from ess_jax.models.compressor import CSACompressor, Compressor, Indexer, RMSNorm, TailRope, visible_entries
+from ess_jax.models.layers import Linear
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+
+
+class Buffer(nnx.Variable):
+    """A persistent, non-trained tensor (a transformers buffer: ``tid2eid``, ``e_score_correction_bias``)."""
+
+
+# ---- cache -------------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class V4State:
+    """Fixed-size per-request state: what the next tokens need besides the compressed entries.
+
+    ``n_win`` = sliding_window; ``m`` / ``m'`` the CSA / HCA compress rates; Lc / Lh the number of
+    CSA / HCA layers (in layer order). Position ``s`` lives at ring slot ``s % ring``.
+    """
+
+    window: jax.Array  # [L, B, n_win, H] keys (K = V, kv_norm + RoPE applied) of the last n_win positions
+    csa_kv: jax.Array  # [Lc, B, 2m, 2H] CSA compressor inputs a of the open and the previous window
+    csa_gate: jax.Array  # f32[Lc, B, 2m, 2H] their gate logits + position bias z
+    index_kv: jax.Array  # [Lc, B, 2m, 2J] the same for the indexer's compressor
+    index_gate: jax.Array  # f32[Lc, B, 2m, 2J]
+    hca_kv: jax.Array  # [Lh, B, m', H] HCA compressor inputs of the open window
+    hca_gate: jax.Array  # f32[Lh, B, m', H]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class V4Entries:
+    """Compressed entries, growing by one per closed window; entry ``e`` covers tokens from ``e * m``."""
+
+    csa: jax.Array  # [Lc, B, Mc, H] CSA entries (kv_norm + RoPE at e*m), Mc = capacity // m
+    index_keys: jax.Array  # [Lc, B, Mc, J] the CSA indexer's keys, one per CSA entry
+    hca: jax.Array  # [Lh, B, Mh, H] HCA entries, Mh = capacity // m'
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class V4Cache:
+    state: V4State
+    entries: V4Entries
+    lengths: jax.Array  # i32[B] positions already written per request
+
+
+# ---- attention ---------------------------------------------------------------------------------
+
+
+def _unweighted_rms(x: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+class GroupedLinear(nnx.Module):
+    """Block-diagonal ``o_a_proj``: ``weight [G*O, N*H/G]`` viewed ``[G, O, N*H/G]``, one block per head group."""
+
+    def __init__(self, in_per_group: int, out_per_group: int, groups: int, *, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param((0.02 * jax.random.normal(rngs.params(), (groups * out_per_group, in_per_group),
+                                                          jnp.float32)).astype(dtype))
+        self.groups = groups
+
+    def __call__(self, x_BTGI: jax.Array) -> jax.Array:
+        w_GOI = self.weight[...].reshape(self.groups, -1, x_BTGI.shape[-1])
+        return jnp.einsum("btgi,goi->btgo", x_BTGI, w_GOI)
+
+
+class Attention(nnx.Module):
+    """Shared-KV attention over a sliding window plus, for CSA/HCA layers, compressed entries."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+        self.layer_type = cfg.layer_types[layer]
+        self.n_heads, self.head_dim, self.window = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
+        self.o_groups, self.eps = cfg.o_groups, cfg.rms_norm_eps
+        self.scale = cfg.head_dim**-0.5
+        # Sliding layers use the main rope; compressed layers the compress rope (YaRN) for everything.
+        self.rope = TailRope(cfg.rope if self.layer_type == SLIDING else cfg.compress_rope, cfg.qk_rope_head_dim)
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.q_a_proj = Linear(d, cfg.q_lora_rank, dtype=dtype, rngs=rngs)
+        self.q_a_norm = RMSNorm(cfg.q_lora_rank, eps)
+        self.q_b_proj = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype=dtype, rngs=rngs)
+        self.kv_proj = Linear(d, self.head_dim, dtype=dtype, rngs=rngs)
+        self.kv_norm = RMSNorm(self.head_dim, eps)
+        self.o_a_proj = GroupedLinear(self.n_heads * self.head_dim // cfg.o_groups, cfg.o_lora_rank, cfg.o_groups,
+                                      dtype=dtype, rngs=rngs)
+        self.o_b_proj = Linear(cfg.o_groups * cfg.o_lora_rank, d, dtype=dtype, rngs=rngs)
+        self.sinks = nnx.Param(jnp.zeros((self.n_heads,), jnp.float32))
+        if self.layer_type == CSA:
+            indexer = Indexer(d, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim, cfg.compress_rate_csa,
+                              cfg.index_topk, rope=self.rope, eps=eps, dtype=dtype, rngs=rngs)
+            self.compressor = CSACompressor(d, self.head_dim, cfg.compress_rate_csa, indexer=indexer, rope=self.rope,
+                                            eps=eps, dtype=dtype, rngs=rngs)
+        elif self.layer_type == HCA:
+            self.compressor = Compressor(d, self.head_dim, cfg.compress_rate_hca, overlap=False, rope=self.rope,
+                                         eps=eps, dtype=dtype, rngs=rngs)
+        else:
+            self.compressor = None
+
+    def _project(self, x_BTD, cos, sin):
+        """Queries ``[B, T, N, H]`` (unweighted RMSNorm per head, RoPE), the q-LoRA residual, keys ``[B, T, H]``."""
+        b, t, _ = x_BTD.shape
+        q_resid_BTQ = self.q_a_norm(self.q_a_proj(x_BTD))
+        q_BTNH = _unweighted_rms(self.q_b_proj(q_resid_BTQ).reshape(b, t, self.n_heads, self.head_dim), self.eps)
+        q_BTNH = self.rope.apply(q_BTNH, cos, sin)
+        kv_BTH = self.rope.apply(self.kv_norm(self.kv_proj(x_BTD)), cos, sin)
+        return q_BTNH, q_resid_BTQ, kv_BTH
+
+    def _output(self, out_BTNH, cos, sin, dtype):
+        """Undo the rope phase of the values (rotation by -t), then the grouped low-rank output projection."""
+        b, t = out_BTNH.shape[:2]
+        out_BTNH = self.rope.apply(out_BTNH, cos, -sin).astype(dtype)
+        grouped_BTGO = self.o_a_proj(out_BTNH.reshape(b, t, self.o_groups, -1))
+        return self.o_b_proj(grouped_BTGO.reshape(b, t, -1))
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        """Full causal forward over a whole sequence: dense logits, window / compressed / top-k masks."""
+        b, t, _ = x_BTD.shape
+        positions_BT = jnp.broadcast_to(jnp.arange(t), (b, t))
+        cos, sin = self.rope.cos_sin(positions_BT)
+        q_BTNH, q_resid_BTQ, kv_BTH = self._project(x_BTD, cos, sin)
+        s = jnp.arange(t)
+        keys_BSH = kv_BTH
+        visible_BTS = jnp.broadcast_to((s[None, :] <= s[:, None]) & (s[None, :] > s[:, None] - self.window), (b, t, t))
+        if self.compressor is not None and t >= self.compressor.rate:
+            with jax.named_scope("compressor"):
+                entries_BMH = self.compressor(x_BTD)
+            n = entries_BMH.shape[1]
+            visible_BTM = visible_entries(positions_BT, n, self.compressor.rate)
+            if self.layer_type == CSA:
+                with jax.named_scope("indexer"):
+                    indexer = self.compressor.indexer
+                    scores_BTM = indexer.scores(x_BTD, q_resid_BTQ, indexer(x_BTD), visible_BTM, cos, sin)
+                    ids_BTK = indexer.topk(scores_BTM)
+                    picked = jnp.zeros((b, t, n + 1), bool).at[
+                        jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], jnp.where(ids_BTK < 0, n, ids_BTK)
+                    ].set(True)
+                    visible_BTM = picked[..., :n] & visible_BTM
+            keys_BSH = jnp.concatenate([kv_BTH, entries_BMH.astype(kv_BTH.dtype)], axis=1)
+            visible_BTS = jnp.concatenate([visible_BTS, visible_BTM], axis=-1)
+        logits_BTNS = jnp.einsum("btnh,bsh->btns", q_BTNH.astype(jnp.float32), keys_BSH.astype(jnp.float32))
+        logits_BTNS = jnp.where(visible_BTS[:, :, None, :], logits_BTNS * self.scale, -jnp.inf)
+        sink_BTN1 = jnp.broadcast_to(self.sinks[...], (b, t, self.n_heads))[..., None]
+        probs_BTNS = jax.nn.softmax(jnp.concatenate([logits_BTNS, sink_BTN1], axis=-1), axis=-1)[..., :-1]
+        out_BTNH = jnp.einsum("btns,bsh->btnh", probs_BTNS, keys_BSH.astype(jnp.float32))
+        return self._output(out_BTNH, cos, sin, x_BTD.dtype)
+
+    def step(self, x_BTD, positions_BT, window_BWH, comp) -> tuple[jax.Array, jax.Array, tuple]:
+        """Cached forward for ``T`` new tokens per request at ``positions_BT``.
+
+        ``window_BWH`` is the request's window ring ``[B, n_win, H]``; ``comp`` this layer's compressor
+        arrays: CSA ``(ring_kv, ring_gate, entries, index_ring_kv, index_ring_gate, index_keys)``,
+        HCA ``(ring_kv, ring_gate, entries)``, sliding ``()``. Returns ``(out, window, comp)`` updated.
+        """
+        b, t, _ = x_BTD.shape
+        n_win = self.window
+        cos, sin = self.rope.cos_sin(positions_BT)
+        q_BTNH, q_resid_BTQ, kv_BTH = self._project(x_BTD, cos, sin)
+        p0_B1 = positions_BT[:, :1]
+        # Window rows: key positions t - n_win + 1 .. t, from the ring (before p0) or the new keys.
+        pool_BSH = jnp.concatenate([window_BWH.astype(kv_BTH.dtype), kv_BTH], axis=1)
+        key_pos_BTW = positions_BT[..., None] - n_win + 1 + jnp.arange(n_win)
+        slot_BTW = jnp.where(key_pos_BTW < p0_B1[..., None], key_pos_BTW % n_win,
+                             n_win + key_pos_BTW - p0_B1[..., None])
+        rows = [jax.vmap(lambda pool, ids: pool[ids])(pool_BSH, slot_BTW)]
+        valid = [key_pos_BTW >= 0]
+        if self.layer_type == CSA:
+            ring_kv, ring_gate, entries_BMH, index_kv, index_gate, keys_BMJ = comp
+            indexer = self.compressor.indexer
+            with jax.named_scope("compressor"):
+                entries_BMH, ring_kv, ring_gate = self.compressor.step(x_BTD, positions_BT, ring_kv, ring_gate,
+                                                                       entries_BMH)
+            with jax.named_scope("indexer"):
+                keys_BMJ, index_kv, index_gate = indexer.step(x_BTD, positions_BT, index_kv, index_gate, keys_BMJ)
+            if keys_BMJ.shape[1] > 0:  # a cache too small for one entry has nothing to select
+                with jax.named_scope("indexer"):
+                    visible_BTM = visible_entries(positions_BT, keys_BMJ.shape[1], self.compressor.rate)
+                    ids_BTK = indexer.topk(indexer.scores(x_BTD, q_resid_BTQ, keys_BMJ, visible_BTM, cos, sin))
+                rows.append(jax.vmap(lambda e, ids: e[ids])(entries_BMH, jnp.maximum(ids_BTK, 0)))
+                valid.append(ids_BTK >= 0)
+            comp = (ring_kv, ring_gate, entries_BMH, index_kv, index_gate, keys_BMJ)
+        elif self.layer_type == HCA:
+            ring_kv, ring_gate, entries_BMH = comp
+            with jax.named_scope("compressor"):
+                entries_BMH, ring_kv, ring_gate = self.compressor.step(x_BTD, positions_BT, ring_kv, ring_gate,
+                                                                       entries_BMH)
+            n = entries_BMH.shape[1]
+            rows.append(jnp.broadcast_to(entries_BMH[:, None], (b, t) + entries_BMH.shape[1:]))
+            valid.append(visible_entries(positions_BT, n, self.compressor.rate))
+            comp = (ring_kv, ring_gate, entries_BMH)
+        with jax.named_scope("sparse_attention"):
+            rows_BTKH = jnp.concatenate([r.astype(kv_BTH.dtype) for r in rows], axis=2)
+            out_BTNH, _ = ops.sparse_sink_attention(q_BTNH, rows_BTKH, jnp.concatenate(valid, axis=2),
+                                                    self.sinks[...], scale=self.scale)
+        # Only the last n_win new keys reach the ring (earlier ones would collide on a slot).
+        write_BT = jnp.where(jnp.arange(t)[None, :] >= t - n_win, positions_BT % n_win, n_win)
+        window_BWH = window_BWH.at[jnp.arange(b)[:, None], write_BT].set(kv_BTH.astype(window_BWH.dtype), mode="drop")
+        return self._output(out_BTNH, cos, sin, x_BTD.dtype), window_BWH, comp
+
+
+# ---- MoE ---------------------------------------------------------------------------------------
+
+
+def _score(logits: jax.Array, scoring_func: str) -> jax.Array:
+    if scoring_func == "sqrtsoftplus":
+        return jnp.sqrt(jax.nn.softplus(logits))
+    if scoring_func == "sigmoid":
+        return jax.nn.sigmoid(logits)
+    return jax.nn.softmax(logits, axis=-1)
+
+
+class Router(nnx.Module):
+    """``weight [E, D]``; hash layers select ``tid2eid[token] [V, k]``, the others top-k of ``score + bias``.
+
+    Routing weights are the chosen experts' scores, renormalised to sum 1 (except for softmax scoring,
+    as in DeepSeek's reference), times ``routed_scaling_factor``.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, hashed: bool, rngs: nnx.Rngs):
+        e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+        self.weight = nnx.Param(0.02 * jax.random.normal(rngs.params(), (e, cfg.hidden_size), jnp.float32))
+        if hashed:  # random distinct experts per token id until a checkpoint overrides them
+            ids = jnp.argsort(jax.random.uniform(rngs.params(), (cfg.vocab_size, e)), axis=-1)[:, :k]
+            self.tid2eid = Buffer(ids.astype(jnp.int32))
+        else:
+            self.e_score_correction_bias = Buffer(jnp.zeros((e,), jnp.float32))
+        self.hashed, self.top_k = hashed, k
+        self.scoring_func, self.scaling = cfg.scoring_func, cfg.routed_scaling_factor
+
+    def __call__(self, x_AD: jax.Array, tokens_A: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Routing weights ``f32[A, k]`` and expert ids ``i32[A, k]`` for tokens ``[A, D]``."""
+        logits_AE = jnp.einsum("ad,ed->ae", x_AD.astype(jnp.float32), self.weight[...].astype(jnp.float32))
+        scores_AE = _score(logits_AE, self.scoring_func)
+        if self.hashed:
+            experts_AK = self.tid2eid[...][tokens_A]
+        else:
+            _, experts_AK = jax.lax.top_k(scores_AE + self.e_score_correction_bias[...], self.top_k)
+        weights_AK = jnp.take_along_axis(scores_AE, experts_AK, axis=-1)
+        if self.scoring_func != "softmax":
+            weights_AK = weights_AK / (weights_AK.sum(-1, keepdims=True) + 1e-20)
+        return weights_AK * self.scaling, experts_AK.astype(jnp.int32)
+
+
+def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
+    """``silu(min(gate, limit)) * clip(up, -limit, limit)``."""
+    return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
+
+
+class SharedExpert(nnx.Module):
+    """The always-on expert: clamped SwiGLU of width ``moe_intermediate_size``."""
+
+    def __init__(self, hidden: int, intermediate: int, limit: float, *, dtype, rngs: nnx.Rngs):
+        self.gate_proj = Linear(hidden, intermediate, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(hidden, intermediate, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(intermediate, hidden, dtype=dtype, rngs=rngs)
+        self.limit = limit
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+class Experts(nnx.Module):
+    """Routed clamped-SwiGLU experts, packed: ``gate_up_proj [E, 2F, D]`` (gate rows first), ``down_proj [E, D, F]``."""
+
+    def __init__(self, hidden: int, intermediate: int, n_experts: int, limit: float, *, dtype, rngs: nnx.Rngs):
+        normal = lambda shape: (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+        self.gate_up_proj = nnx.Param(normal((n_experts, 2 * intermediate, hidden)))
+        self.down_proj = nnx.Param(normal((n_experts, hidden, intermediate)))
+        self.limit = limit
+
+    def __call__(self, x_AD: jax.Array, weights_AK: jax.Array, experts_AK: jax.Array) -> jax.Array:
+        """Grouped matmuls over expert-sorted token copies; returns the weighted sum ``f32[A, D]``."""
+        tokens, k = experts_AK.shape
+        flat = experts_AK.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        token_of = order // k
+        group_sizes = jnp.bincount(flat, length=self.gate_up_proj.shape[0]).astype(jnp.int32)
+        dims = jax.lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+        h = jax.lax.ragged_dot_general(x_AD[token_of], self.gate_up_proj[...], group_sizes, dims)
+        gate, up = jnp.split(h, 2, axis=-1)
+        y = jax.lax.ragged_dot_general(clamped_swiglu(gate, up, self.limit), self.down_proj[...], group_sizes, dims)
+        y = y.astype(jnp.float32) * weights_AK.reshape(-1)[order][:, None]
+        return jnp.zeros((tokens, x_AD.shape[-1]), jnp.float32).at[token_of].add(y)
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+        limit = cfg.swiglu_limit
+        self.gate = Router(cfg, hashed=cfg.mlp_layer_types[layer] == "hash_moe", rngs=rngs)
+        self.experts = Experts(cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, limit, dtype=dtype,
+                               rngs=rngs)
+        self.shared_experts = SharedExpert(cfg.hidden_size, cfg.moe_intermediate_size, limit, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x_BTD: jax.Array, tokens_BT: jax.Array) -> jax.Array:
+        x_AD = x_BTD.reshape(-1, x_BTD.shape[-1])
+        weights_AK, experts_AK = self.gate(x_AD, tokens_BT.reshape(-1))
+        routed_AD = self.experts(x_AD, weights_AK, experts_AK)
+        return (routed_AD.astype(x_BTD.dtype) + self.shared_experts(x_AD)).reshape(x_BTD.shape)
+
+
+# ---- model -------------------------------------------------------------------------------------
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+        hc = dict(sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps, rngs=rngs)
+        self.self_attn = Attention(cfg, layer, dtype=dtype, rngs=rngs)
+        self.mlp = MoE(cfg, layer, dtype=dtype, rngs=rngs)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn_hc = mhc.HyperConnection(cfg.hidden_size, cfg.hc_mult, **hc)
+        self.ffn_hc = mhc.HyperConnection(cfg.hidden_size, cfg.hc_mult, **hc)
+
+    def _ffn(self, streams_BTXD, tokens_BT):
+        post, comb, x_BTD = self.ffn_hc(streams_BTXD)
+        return mhc.merge(post, comb, self.mlp(self.post_attention_layernorm(x_BTD), tokens_BT), streams_BTXD)
+
+    def __call__(self, streams_BTXD: jax.Array, tokens_BT: jax.Array) -> jax.Array:
+        post, comb, x_BTD = self.attn_hc(streams_BTXD)
+        streams_BTXD = mhc.merge(post, comb, self.self_attn(self.input_layernorm(x_BTD)), streams_BTXD)
+        return self._ffn(streams_BTXD, tokens_BT)
+
+    def step(self, streams_BTXD, tokens_BT, positions_BT, window_BWH, comp):
+        post, comb, x_BTD = self.attn_hc(streams_BTXD)
+        out, window_BWH, comp = self.self_attn.step(self.input_layernorm(x_BTD), positions_BT, window_BWH, comp)
+        streams_BTXD = mhc.merge(post, comb, out, streams_BTXD)
+        return self._ffn(streams_BTXD, tokens_BT), window_BWH, comp
+
+
+class DeepseekV4(nnx.Module):
+    """``DeepseekV4ForCausalLM``: parameter names mirror transformers' module tree."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        if cfg.family != "deepseek_v4":
+            raise ValueError(f"DeepseekV4 needs a deepseek_v4 config, got model_type={cfg.model_type!r}")
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed_tokens = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size)).astype(dtype))
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hc_head = mhc.HyperHead(cfg.hidden_size, cfg.hc_mult, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
+                                     rngs=rngs)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
+
+    def _embed(self, tokens_BT: jax.Array) -> jax.Array:
+        """The embedding copied into all ``hc_mult`` streams ``[B, T, X, D]``."""
+        h_BTD = self.embed_tokens[...][tokens_BT]
+        return jnp.broadcast_to(h_BTD[:, :, None, :], h_BTD.shape[:2] + (self.cfg.hc_mult,) + h_BTD.shape[2:])
+
+    def _head(self, streams_BTXD: jax.Array) -> jax.Array:
+        return self.lm_head(self.norm(self.hc_head(streams_BTXD))).astype(jnp.float32)
+
+    def __call__(self, tokens_BT: jax.Array) -> jax.Array:
+        """Full causal forward: logits ``f32[B, T, V]``."""
+        streams_BTXD = self._embed(tokens_BT)
+        for layer in self.layers:
+            streams_BTXD = layer(streams_BTXD, tokens_BT)
+        return self._head(streams_BTXD)
+
+    def _layer_groups(self) -> tuple[list[int], list[int]]:
+        """Layer indices of the CSA and of the HCA layers (the order of their cache stacks)."""
+        types = self.cfg.layer_types
+        return [i for i, t in enumerate(types) if t == CSA], [i for i, t in enumerate(types) if t == HCA]
+
+    def init_cache(self, batch: int, capacity: int) -> V4Cache:
+        """An empty cache for ``batch`` requests of up to ``capacity`` positions each."""
+        cfg, dtype = self.cfg, self.dtype
+        csa, hca = self._layer_groups()
+        lc, lh, m, mh = len(csa), len(hca), cfg.compress_rate_csa, cfg.compress_rate_hca
+        h, j = cfg.head_dim, cfg.index_head_dim
+        zeros = lambda *shape, dt=dtype: jnp.zeros(shape, dt)
+        state = V4State(
+            window=zeros(cfg.num_hidden_layers, batch, cfg.sliding_window, h),
+            csa_kv=zeros(lc, batch, 2 * m, 2 * h), csa_gate=zeros(lc, batch, 2 * m, 2 * h, dt=jnp.float32),
+            index_kv=zeros(lc, batch, 2 * m, 2 * j), index_gate=zeros(lc, batch, 2 * m, 2 * j, dt=jnp.float32),
+            hca_kv=zeros(lh, batch, mh, h), hca_gate=zeros(lh, batch, mh, h, dt=jnp.float32),
+        )
+        entries = V4Entries(csa=zeros(lc, batch, capacity // m, h), index_keys=zeros(lc, batch, capacity // m, j),
+                            hca=zeros(lh, batch, capacity // mh, h))
+        return V4Cache(state, entries, jnp.zeros((batch,), jnp.int32))
+
+    def step(self, tokens_BT: jax.Array, cache: V4Cache) -> tuple[jax.Array, V4Cache]:
+        """Append ``T`` tokens per request to ``cache``; logits ``f32[B, T, V]`` and the new cache."""
+        b, t = tokens_BT.shape
+        positions_BT = cache.lengths[:, None] + jnp.arange(t)[None, :]
+        st, en = cache.state, cache.entries
+        csa, hca = self._layer_groups()
+        windows, csa_out, hca_out = [], [], []
+        streams_BTXD = self._embed(tokens_BT)
+        for i, layer in enumerate(self.layers):
+            if i in csa:
+                c = csa.index(i)
+                comp = (st.csa_kv[c], st.csa_gate[c], en.csa[c], st.index_kv[c], st.index_gate[c], en.index_keys[c])
+            elif i in hca:
+                c = hca.index(i)
+                comp = (st.hca_kv[c], st.hca_gate[c], en.hca[c])
+            else:
+                comp = ()
+            streams_BTXD, window_BWH, comp = layer.step(streams_BTXD, tokens_BT, positions_BT, st.window[i], comp)
+            windows.append(window_BWH)
+            (csa_out if i in csa else hca_out if i in hca else []).append(comp)
+
+        def stack(group, k, old):
+            return jnp.stack([g[k] for g in group]) if group else old
+
+        state = V4State(window=jnp.stack(windows),
+                        csa_kv=stack(csa_out, 0, st.csa_kv), csa_gate=stack(csa_out, 1, st.csa_gate),
+                        index_kv=stack(csa_out, 3, st.index_kv), index_gate=stack(csa_out, 4, st.index_gate),
+                        hca_kv=stack(hca_out, 0, st.hca_kv), hca_gate=stack(hca_out, 1, st.hca_gate))
+        entries = V4Entries(csa=stack(csa_out, 2, en.csa), index_keys=stack(csa_out, 5, en.index_keys),
+                            hca=stack(hca_out, 2, en.hca))
+        return self._head(streams_BTXD), V4Cache(state, entries, cache.lengths + t)

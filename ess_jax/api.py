@@ -112,9 +112,10 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
     per_prompt = [sampling] * len(encoded) if isinstance(sampling, SamplingParams) else list(sampling)
     if len(per_prompt) != len(encoded):
         raise ValueError(f"{len(per_prompt)} sampling parameter sets for {len(encoded)} prompts")
+    # Size the engine to this workload: no batch rows or page-table columns beyond what it can use.
     longest = max(len(p) for p in encoded) + max_new_tokens
-    if engine.max_seq_len is None:
-        engine = dataclasses.replace(engine, max_seq_len=min(longest, model.cfg.max_position_embeddings))
+    engine = dataclasses.replace(engine, max_batch=min(engine.max_batch, len(encoded)),
+                                 max_seq_len=engine.max_seq_len or min(longest, model.cfg.max_position_embeddings))
     start = time.perf_counter()
     server = Engine(model, engine, progress=progress)
     for i, (prompt, params) in enumerate(zip(encoded, per_prompt)):

@@ -47,9 +47,32 @@ class EngineConfig:
     max_seq_len: int | None = None  # longest prompt + max_new_tokens served; default: max_position_embeddings
     prefill_chunk: int = 256  # longest prefill chunk; shorter chunks use power-of-two buckets from 16
 
+    def __post_init__(self):
+        for name in ("max_batch", "page_size", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+
+def _prefill(graphdef, params, tokens_BT, meta: StepMeta, cache, last_B, sampling):
+    """One prefill chunk; the token sampled after each row's last real token ``i32[B]``."""
+    logits_BTV, cache = nnx.merge(graphdef, params).step(tokens_BT, meta, cache)
+    logits_BV = jnp.take_along_axis(logits_BTV, last_B[:, None, None], axis=1)[:, 0]
+    return sample(logits_BV, *sampling), cache
+
+
+def _decode(graphdef, params, tokens_BT, meta: StepMeta, cache, sampling):
+    """One decode step for every batch row; the sampled tokens ``i32[B]``."""
+    logits_BTV, cache = nnx.merge(graphdef, params).step(tokens_BT, meta, cache)
+    return sample(logits_BTV[:, -1], *sampling), cache
+
+
+# Module-level jits: engines over the same model and shapes share compiled executables.
+_PREFILL = jax.jit(_prefill, static_argnums=0, donate_argnums=4)
+_DECODE = jax.jit(_decode, static_argnums=0, donate_argnums=4)
+
 
 def _buckets(chunk: int) -> tuple[int, ...]:
-    sizes = [16]
+    sizes = [min(16, chunk)]
     while sizes[-1] < chunk:
         sizes.append(min(sizes[-1] * 2, chunk))
     return tuple(sizes)
@@ -72,18 +95,7 @@ class Engine:
         b = config.max_batch
         self._lengths = np.zeros(b, np.int32)  # tokens in the cache per batch row
         self._last = np.zeros(b, np.int32)  # token each row feeds next
-        self._prefill = jax.jit(self._prefill_fn, donate_argnums=3)
         self._decode = None  # compiled on the first run()
-
-    # ---- device functions ----------------------------------------------------------------------
-    def _prefill_fn(self, params, tokens_BT, meta, cache, last_B, sampling):
-        logits_BTV, cache = nnx.merge(self.model.graphdef, params).step(tokens_BT, meta, cache)
-        logits_BV = jnp.take_along_axis(logits_BTV, last_B[:, None, None], axis=1)[:, 0]
-        return sample(logits_BV, *sampling), cache
-
-    def _decode_fn(self, params, tokens_BT, meta, cache, sampling):
-        logits_BTV, cache = nnx.merge(self.model.graphdef, params).step(tokens_BT, meta, cache)
-        return sample(logits_BTV[:, -1], *sampling), cache
 
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], max_new_tokens: int,
@@ -103,9 +115,9 @@ class Engine:
         """Serve every submitted request to completion; requests in submission order."""
         if self._decode is None:  # one shape: compile ahead, so decode timings never include compilation
             b, start = self.config.max_batch, time.perf_counter()
-            self._decode = jax.jit(self._decode_fn, donate_argnums=3).lower(
-                self.model.params, jnp.zeros((b, 1), jnp.int32), self._decode_meta(np.zeros(b, bool)), self.cache,
-                self._sampling_arrays([None] * b)).compile()
+            self._decode = _DECODE.lower(
+                self.model.graphdef, self.model.params, jnp.zeros((b, 1), jnp.int32),
+                self._decode_meta(np.zeros(b, bool)), self.cache, self._sampling_arrays([None] * b)).compile()
             self.stats["compile_s"] = time.perf_counter() - start
         bar = tqdm(total=sum(r.max_new_tokens for r in self.requests.values() if r.finish_reason is None),
                    desc="generate", unit="tok", file=sys.stderr, disable=not self.progress, leave=False)
@@ -141,8 +153,9 @@ class Engine:
             tokens[0, :real] = prompt[start:start + real]
             positions = (start + np.arange(size, dtype=np.int32))[None]
             meta = StepMeta(jnp.asarray(positions), jnp.asarray(np.arange(size)[None] < real), jnp.asarray(page_table))
-            token, self.cache = self._prefill(self.model.params, jnp.asarray(tokens), meta, self.cache,
-                                              jnp.asarray([real - 1], jnp.int32), self._sampling_arrays([request]))
+            token, self.cache = _PREFILL(self.model.graphdef, self.model.params, jnp.asarray(tokens), meta,
+                                         self.cache, jnp.asarray([real - 1], jnp.int32),
+                                         self._sampling_arrays([request]))
             start += real
         self.stats["prefill_tokens"] += len(prompt)
         self.stats["prefill_s"] += time.perf_counter() - start_time

@@ -1,8 +1,11 @@
-"""``python -m ess_jax.generate``: prompts in, greedy text out.
+"""``python -m ess_jax.generate``: prompts in, text out, with continuous batching.
 
 Examples:
     python -m ess_jax.generate --prompt "Hello"                      # the embedded tiny-v32 preset
     python -m ess_jax.generate --model path/to/hf_checkpoint --prompt-ids 1,2,3 --json
+    python -m ess_jax.generate --prompt a --prompt b --temperature 0.8 --top-p 0.9 --seed 7
+
+Errors (bad flags, prompts, checkpoints) print one line starting with "error:" and exit with 2.
 """
 
 from __future__ import annotations
@@ -12,25 +15,53 @@ import json
 import sys
 
 from ess_jax.api import DTYPES, generate, load_model
+from ess_jax.engine import EngineConfig
+from ess_jax.sampling import SamplingParams
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        self.exit(2, f"error: {message} (see --help)\n")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m ess_jax.generate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="python -m ess_jax.generate", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny-v32",
-                   help="preset name (tiny-v32, random weights) or a HuggingFace checkpoint directory "
-                        "(config.json + *.safetensors). Default: tiny-v32")
+                   help="preset name (tiny-v32, random weights from --weights-seed) or a HuggingFace checkpoint "
+                        "directory (config.json + *.safetensors [+ tokenizer.json]). Default: tiny-v32")
     # All prompt flags append to one list, so requests keep their command-line order.
     p.add_argument("--prompt", dest="prompts", action="append", type=lambda s: ("text", s),
-                   help="a text prompt (repeatable; byte-level tokenizer for presets)")
+                   help="a text prompt (repeatable); tokenized with the checkpoint's tokenizer.json, or byte-level")
     p.add_argument("--prompt-file", dest="prompts", action="append", type=lambda s: ("file", s),
                    help="a file whose whole text is one prompt (repeatable)")
     p.add_argument("--prompt-ids", dest="prompts", action="append", type=lambda s: ("ids", s),
                    help="a prompt as comma-separated token ids, e.g. 1,2,3 (repeatable)")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
+    p.add_argument("--max-new-tokens", type=int, default=32,
+                   help="tokens to generate per prompt; a request also stops at an eos token (default 32)")
+    sampling = p.add_argument_group("sampling (greedy by default)")
+    sampling.add_argument("--greedy", action="store_true", help="always take the most likely token (the default)")
+    sampling.add_argument("--temperature", type=float, default=0.0,
+                          help="softmax temperature; 0 is greedy (default 0)")
+    sampling.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = all")
+    sampling.add_argument("--top-p", type=float, default=1.0,
+                          help="sample from the smallest set of tokens whose probability reaches p (default 1)")
+    sampling.add_argument("--seed", type=int, default=0,
+                          help="sampling seed; prompt i uses seed + i, so runs are reproducible (default 0)")
+    cache = p.add_argument_group("cache and batching")
+    cache.add_argument("--offload", choices=["none"], default="none",
+                       help="where the sparse part of the KV cache lives; 'none' keeps all of it on the device")
+    cache.add_argument("--max-batch", type=int, default=8, help="decode batch rows (default 8)")
+    cache.add_argument("--page-size", type=int, default=64, help="tokens per cache page (default 64)")
+    cache.add_argument("--num-pages", type=int, default=None,
+                       help="pages in the device pool, page 0 included; default: enough for --max-batch requests "
+                            "of the longest prompt + --max-new-tokens")
+    cache.add_argument("--prefill-chunk", type=int, default=256,
+                       help="longest prefill chunk in tokens; shorter chunks use power-of-two buckets (default 256)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter and cache dtype")
-    p.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--weights-seed", type=int, default=0, help="seed of a preset's random weights (default 0)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: model, family, offload, requests, metrics (see README)")
     return p.parse_args(argv)
 
 
@@ -58,8 +89,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         prompts = _prompts(args)
-        model = load_model(args.model, args.dtype, seed=args.seed)
-        result = generate(model, prompts, args.max_new_tokens)
+        if args.greedy and args.temperature > 0:
+            raise ValueError("--greedy contradicts --temperature > 0; pass one of them")
+        sampling = [SamplingParams(args.temperature, args.top_k, args.top_p, args.seed + i)
+                    for i in range(len(prompts))]
+        engine = EngineConfig(max_batch=args.max_batch, page_size=args.page_size, num_pages=args.num_pages,
+                              prefill_chunk=args.prefill_chunk)
+        model = load_model(args.model, args.dtype, seed=args.weights_seed)
+        result = generate(model, prompts, args.max_new_tokens, sampling=sampling, engine=engine,
+                          progress=not args.json)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -67,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({
             "model": model.name, "family": model.cfg.family,
-            "offload": {"mode": "none", "pool_size": None, "fetch": "none"},
+            "offload": {"mode": args.offload, "pool_size": None, "fetch": "none"},
             "requests": [{"prompt_ids": ids, "output_ids": out, "text": text, "finish_reason": reason}
                          for ids, out, text, reason in zip(encoded, result.output_ids, result.texts,
                                                            result.finish_reasons)],
@@ -78,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{len(ids)} prompt tokens -> {len(out)} new] {text!r}")
         m = result.metrics
         print(f"prefill {m['prefill_tokens']} tokens, decode {m['decode_tokens']} tokens at "
-              f"{m['decode_tokens_per_s']:.1f} tokens/s, wall {m['wall_s']:.2f} s", file=sys.stderr)
+              f"{m['decode_tokens_per_s']:.1f} tokens/s, wall {m['wall_s']:.2f} s, "
+              f"cache {m['cache']['device_bytes'] / 2**20:.1f} MiB on the device", file=sys.stderr)
     return 0
 
 

@@ -11,9 +11,12 @@ X = pages per request in the page table).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from ess_jax import ops
 
 
 @jax.tree_util.register_dataclass
@@ -28,25 +31,38 @@ class StepMeta:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class PagedCacheV32:
-    """DeepSeek-V3.2's cache: per layer, one latent row and one indexer key per token, paged."""
+class DeviceLatents:
+    """V3.2 latent rows, every position resident on the device in pages (``--offload none``)."""
 
-    latent: jax.Array  # [L, G, Z, W] latent rows [c (C) | k_rope (R, interleaved)]
+    pages: jax.Array  # [L, G, Z, W] latent rows [c (C) | k_rope (R, interleaved)]
+
+    def attend(self, layer: int, meta: StepMeta, rows_BTW: jax.Array, ids_BTK: jax.Array,
+               q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, scale: float) -> tuple[jax.Array, DeviceLatents]:
+        """Store this step's rows, then absorbed MLA over the rows at ``ids_BTK`` (-1 = none).
+        Returns the attended latent ``f32[B, T, N, C]`` and the updated store."""
+        page_BT, offset_BT = write_slots(meta, self.pages.shape[2])
+        pages = self.pages.at[layer, page_BT, offset_BT].set(rows_BTW.astype(self.pages.dtype))
+        rows_BTKW = rows_at(pages[layer], meta.page_table, ids_BTK)
+        out_BTNC, _ = ops.sparse_mla(q_latent_BTNC, q_rope_BTNR, rows_BTKW, ids_BTK >= 0, scale=scale)
+        return out_BTNC, DeviceLatents(pages)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedCacheV32:
+    """DeepSeek-V3.2's cache: per layer one indexer key (always on the device) and one latent row per
+    token. ``latent`` is any store with an ``attend`` method: ``DeviceLatents`` or the offloaded tier."""
+
     index_keys: jax.Array  # [L, G, Z, J] indexer keys (LayerNorm + RoPE applied)
+    latent: Any  # DeviceLatents | ess_jax.tier.TieredLatents
 
     @property
     def page_size(self) -> int:
-        return self.latent.shape[2]
+        return self.index_keys.shape[2]
 
     @property
     def num_pages(self) -> int:
-        return self.latent.shape[1]
-
-    def nbytes_per_token(self) -> int:
-        """Device bytes one token occupies across all layers."""
-        layers = self.latent.shape[0]
-        return layers * (self.latent.shape[-1] * self.latent.dtype.itemsize
-                         + self.index_keys.shape[-1] * self.index_keys.dtype.itemsize)
+        return self.index_keys.shape[1]
 
 
 def write_slots(meta: StepMeta, page_size: int) -> tuple[jax.Array, jax.Array]:
@@ -60,3 +76,12 @@ def gather_positions(pages_GZX: jax.Array, page_table_BX: jax.Array) -> jax.Arra
     """A request's rows in position order: ``[G, Z, ...]`` pages -> ``[B, X * Z, ...]``."""
     rows = pages_GZX[page_table_BX]  # [B, X, Z, ...]
     return rows.reshape(rows.shape[0], rows.shape[1] * rows.shape[2], *rows.shape[3:])
+
+
+def rows_at(pages_GZW: jax.Array, page_table_BX: jax.Array, ids_BTK: jax.Array) -> jax.Array:
+    """Rows at request positions ``ids_BTK`` (-1 reads position 0; mask it): ``[B, T, K, W]``."""
+    b = ids_BTK.shape[0]
+    page_size = pages_GZW.shape[1]
+    safe_ids_BTK = jnp.maximum(ids_BTK, 0)
+    pages_BTK = jnp.take_along_axis(page_table_BX, (safe_ids_BTK // page_size).reshape(b, -1), axis=1)
+    return pages_GZW[pages_BTK.reshape(ids_BTK.shape), safe_ids_BTK % page_size]

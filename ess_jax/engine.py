@@ -55,14 +55,14 @@ class EngineConfig:
 
 def _prefill(graphdef, params, tokens_BT, meta: StepMeta, cache, last_B, sampling):
     """One prefill chunk; the token sampled after each row's last real token ``i32[B]``."""
-    logits_BTV, cache = nnx.merge(graphdef, params).step(tokens_BT, meta, cache)
+    logits_BTV, _, cache = nnx.merge(graphdef, params).step(tokens_BT, meta, cache)
     logits_BV = jnp.take_along_axis(logits_BTV, last_B[:, None, None], axis=1)[:, 0]
     return sample(logits_BV, *sampling), cache
 
 
 def _decode(graphdef, params, tokens_BT, meta: StepMeta, cache, sampling):
     """One decode step for every batch row; the sampled tokens ``i32[B]``."""
-    logits_BTV, cache = nnx.merge(graphdef, params).step(tokens_BT, meta, cache)
+    logits_BTV, _, cache = nnx.merge(graphdef, params).step(tokens_BT, meta, cache)
     return sample(logits_BTV[:, -1], *sampling), cache
 
 
@@ -198,7 +198,7 @@ class Engine:
 
     def cache_bytes(self) -> dict[str, int]:
         """Device bytes of the page pool, and what the served requests' reserved pages occupy."""
-        per_token = self.cache.nbytes_per_token()
+        per_token = sum(x[:, 0, 0].nbytes for x in (self.cache.index_keys, self.cache.latent.pages))
         reserved = sum(self.allocator.pages_for(len(r.prompt_ids) + r.max_new_tokens) for r in self.requests.values())
         pool = sum(x.nbytes for x in jax.tree.leaves(self.cache))
         return {"device_bytes": int(pool), "host_bytes": 0,

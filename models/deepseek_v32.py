@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ess_jax import ops
-from ess_jax.cache import PagedCacheV32, StepMeta, gather_positions, write_slots
+from ess_jax.cache import DeviceLatents, PagedCacheV32, StepMeta, gather_positions, write_slots
 from ess_jax.config import ModelConfig
 from ess_jax.models.layers import (
     MLP, LayerNorm, Linear, MoE, RMSNorm, Router, apply_rope_half, apply_rope_interleaved, rope_cos_sin,
@@ -123,17 +122,15 @@ class MLA(nnx.Module):
         out_BTNV = jnp.einsum("bnts,bsnv->btnv", probs_BNTS, v_BSNV)
         return self.o_proj(out_BTNV.reshape(b, t, -1))
 
-    def step(self, x_BTD, cos, sin, meta: StepMeta, latent_GZW, keys_GZJ):
-        """Cached forward for ``T`` new tokens per request. Returns ``(out, latent pages, key pages)``."""
+    def step(self, x_BTD, cos, sin, meta: StepMeta, layer: int, cache: PagedCacheV32):
+        """Cached forward for ``T`` new tokens per request: ``(out, top-k ids i32[B, T, K], cache)``."""
         b, t, _ = x_BTD.shape
-        page_size = latent_GZW.shape[1]
         q_nope_BTNH, q_rope_BTNR, q_resid_BTQ, rows_BTW = self._project(x_BTD, cos, sin)
-        page_BT, offset_BT = write_slots(meta, page_size)
-        latent_GZW = latent_GZW.at[page_BT, offset_BT].set(rows_BTW.astype(latent_GZW.dtype))
         with jax.named_scope("indexer"):
-            new_keys_BTJ = self.indexer.keys(x_BTD, cos, sin)
-            keys_GZJ = keys_GZJ.at[page_BT, offset_BT].set(new_keys_BTJ.astype(keys_GZJ.dtype))
-            keys_BSJ = gather_positions(keys_GZJ, meta.page_table)
+            page_BT, offset_BT = write_slots(meta, cache.page_size)
+            new_keys_BTJ = self.indexer.keys(x_BTD, cos, sin).astype(cache.index_keys.dtype)
+            index_keys = cache.index_keys.at[layer, page_BT, offset_BT].set(new_keys_BTJ)
+            keys_BSJ = gather_positions(index_keys[layer], meta.page_table)
             visible_BTS = ((jnp.arange(keys_BSJ.shape[1])[None, None, :] <= meta.positions[..., None])
                            & meta.valid[..., None])
             scores_BTS = self.indexer.scores(x_BTD, q_resid_BTQ, keys_BSJ, visible_BTS, cos, sin)
@@ -141,12 +138,10 @@ class MLA(nnx.Module):
         with jax.named_scope("sparse_mla"):
             w_uk_NHC, w_uv_NVC = self._kv_b()
             q_latent_BTNC = jnp.einsum("btnh,nhc->btnc", q_nope_BTNH, w_uk_NHC)
-            safe_ids_BTK = jnp.maximum(ids_BTK, 0)
-            pages_BTK = jnp.take_along_axis(meta.page_table, (safe_ids_BTK // page_size).reshape(b, -1), axis=1)
-            rows_BTKW = latent_GZW[pages_BTK.reshape(safe_ids_BTK.shape), safe_ids_BTK % page_size]
-            out_BTNC, _ = ops.sparse_mla(q_latent_BTNC, q_rope_BTNR, rows_BTKW, ids_BTK >= 0, scale=self.scale)
+            out_BTNC, latent = cache.latent.attend(layer, meta, rows_BTW, ids_BTK, q_latent_BTNC, q_rope_BTNR,
+                                                   self.scale)
             out_BTNV = jnp.einsum("btnc,nvc->btnv", out_BTNC.astype(x_BTD.dtype), w_uv_NVC)
-        return self.o_proj(out_BTNV.reshape(b, t, -1)), latent_GZW, keys_GZJ
+        return self.o_proj(out_BTNV.reshape(b, t, -1)), ids_BTK, PagedCacheV32(index_keys, latent)
 
 
 class DecoderLayer(nnx.Module):
@@ -167,10 +162,10 @@ class DecoderLayer(nnx.Module):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def step(self, h, cos, sin, meta: StepMeta, latent_GZW, keys_GZJ):
-        out, latent_GZW, keys_GZJ = self.self_attn.step(self.input_layernorm(h), cos, sin, meta, latent_GZW, keys_GZJ)
+    def step(self, h, cos, sin, meta: StepMeta, layer: int, cache: PagedCacheV32):
+        out, ids_BTK, cache = self.self_attn.step(self.input_layernorm(h), cos, sin, meta, layer, cache)
         h = h + out
-        return h + self.mlp(self.post_attention_layernorm(h)), latent_GZW, keys_GZJ
+        return h + self.mlp(self.post_attention_layernorm(h)), ids_BTK, cache
 
 
 class DeepseekV32(nnx.Module):
@@ -198,21 +193,21 @@ class DeepseekV32(nnx.Module):
         return self.lm_head(self.norm(h)).astype(jnp.float32)
 
     def init_cache(self, num_pages: int, page_size: int) -> PagedCacheV32:
-        """An empty paged cache of ``num_pages`` pages (page 0 is the null page) of ``page_size`` tokens."""
+        """An empty, fully resident paged cache: ``num_pages`` pages (page 0 is the null page)."""
         cfg, n = self.cfg, len(self.layers)
         return PagedCacheV32(
-            latent=jnp.zeros((n, num_pages, page_size, cfg.latent_dim), self.dtype),
             index_keys=jnp.zeros((n, num_pages, page_size, cfg.index_head_dim), self.dtype),
+            latent=DeviceLatents(jnp.zeros((n, num_pages, page_size, cfg.latent_dim), self.dtype)),
         )
 
-    def step(self, tokens_BT: jax.Array, meta: StepMeta, cache: PagedCacheV32) -> tuple[jax.Array, PagedCacheV32]:
-        """Write ``T`` tokens per request into ``cache``; their logits ``f32[B, T, V]`` and the new cache."""
+    def step(self, tokens_BT: jax.Array, meta: StepMeta, cache: PagedCacheV32
+             ) -> tuple[jax.Array, jax.Array, PagedCacheV32]:
+        """Write ``T`` tokens per request into ``cache``. Returns their logits ``f32[B, T, V]``, every
+        layer's top-k positions ``i32[L, B, T, K]`` (-1 = none) and the new cache."""
         cos, sin = self._cos_sin(meta.positions)
         h = self.embed_tokens[...][tokens_BT]
-        latents, keys = [], []
+        ids = []
         for i, layer in enumerate(self.layers):
-            h, latent_GZW, keys_GZJ = layer.step(h, cos, sin, meta, cache.latent[i], cache.index_keys[i])
-            latents.append(latent_GZW)
-            keys.append(keys_GZJ)
-        logits = self.lm_head(self.norm(h)).astype(jnp.float32)
-        return logits, PagedCacheV32(jnp.stack(latents), jnp.stack(keys))
+            h, ids_BTK, cache = layer.step(h, cos, sin, meta, i, cache)
+            ids.append(ids_BTK)
+        return self.lm_head(self.norm(h)).astype(jnp.float32), jnp.stack(ids), cache

@@ -78,11 +78,11 @@ class PagedRun:
         valid_BT = np.ones((b, t), bool) if valid_BT is None else np.asarray(valid_BT)
         positions = self.lengths[:, None] + np.arange(t, dtype=np.int32)[None]
         meta = StepMeta(jnp.asarray(positions), jnp.asarray(valid_BT), jnp.asarray(self.page_table))
-        logits, self.cache = self._step(self.params, jnp.asarray(tokens_BT), meta, self.cache)
+        logits, self.ids, self.cache = self._step(self.params, jnp.asarray(tokens_BT), meta, self.cache)
         self.lengths += valid_BT.sum(1).astype(np.int32)
         return np.asarray(logits)
 
     def rows(self, layer: int, request: int) -> np.ndarray:
         """The request's cached latent rows in position order."""
-        latent = np.asarray(self.cache.latent[layer])[self.page_table[request]]
+        latent = np.asarray(self.cache.latent.pages[layer])[self.page_table[request]]
         return latent.reshape(-1, latent.shape[-1])[: self.lengths[request]]

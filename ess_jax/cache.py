@@ -46,6 +46,10 @@ class DeviceLatents:
         out_BTNC, _ = ops.sparse_mla(q_latent_BTNC, q_rope_BTNR, rows_BTKW, ids_BTK >= 0, scale=scale)
         return out_BTNC, DeviceLatents(pages)
 
+    def after_step(self, meta: StepMeta) -> DeviceLatents:
+        """Nothing to do after a step: every row is already where it is read from."""
+        return self
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 from tqdm import tqdm
 
+from ess_jax import tier
 from ess_jax.allocator import Admission, PageAllocator
 from ess_jax.cache import StepMeta
 from ess_jax.sampling import SamplingParams, sample
@@ -46,29 +47,57 @@ class EngineConfig:
     num_pages: int | None = None  # pages in the pool incl. the null page; default: max_batch full-length requests
     max_seq_len: int | None = None  # longest prompt + max_new_tokens served; default: max_position_embeddings
     prefill_chunk: int = 256  # longest prefill chunk; shorter chunks use power-of-two buckets from 16
+    offload: str = "none"  # "ess": latent rows in host memory behind an LRU device pool (ess_jax.tier)
+    pool_size: int | None = None  # ess: pool slots per (layer, request); wins over pool_ratio
+    pool_ratio: float = 0.2  # ess: pool slots as a fraction of the longest request's entries
+    fetch: str = "inline"  # ess: "inline" or "split" (ess_jax.tier)
+    host_cache_mb: float | None = None  # ess: host store budget; sets the page count when given
 
     def __post_init__(self):
         for name in ("max_batch", "page_size", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.offload not in ("none", "ess"):
+            raise ValueError(f"--offload {self.offload!r} is not a mode; use 'ess' or 'none'")
+        if self.fetch not in tier.FETCH_BACKENDS:
+            raise ValueError(f"--fetch {self.fetch!r} is not a fetch backend; use one of "
+                             f"{', '.join(tier.FETCH_BACKENDS)}")
 
 
 def _prefill(graphdef, params, tokens_BT, meta: StepMeta, cache, last_B, sampling):
-    """One prefill chunk; the token sampled after each row's last real token ``i32[B]``."""
-    logits_BTV, _, cache = nnx.merge(graphdef, params).step(tokens_BT, meta, cache)
+    """One prefill chunk. Returns the token sampled after each row's last real token ``i32[B]``, the
+    top-k ids of the chunk's last ``WARMUP_QUERIES`` real tokens ``i32[L, B, Q, K]`` (-1 before the
+    chunk) and the cache."""
+    logits_BTV, ids_LBTK, cache = nnx.merge(graphdef, params).step(tokens_BT, meta, cache)
     logits_BV = jnp.take_along_axis(logits_BTV, last_B[:, None, None], axis=1)[:, 0]
-    return sample(logits_BV, *sampling), cache
+    window_BQ = last_B[:, None] - tier.WARMUP_QUERIES + 1 + jnp.arange(tier.WARMUP_QUERIES)
+    ids_LBQK = jnp.take_along_axis(ids_LBTK, jnp.maximum(window_BQ, 0)[None, :, :, None], axis=2)
+    ids_LBQK = jnp.where((window_BQ >= 0)[None, :, :, None], ids_LBQK, -1)
+    return sample(logits_BV, *sampling), ids_LBQK, cache
 
 
 def _decode(graphdef, params, tokens_BT, meta: StepMeta, cache, sampling):
     """One decode step for every batch row; the sampled tokens ``i32[B]``."""
     logits_BTV, _, cache = nnx.merge(graphdef, params).step(tokens_BT, meta, cache)
+    cache = dataclasses.replace(cache, latent=cache.latent.after_step(meta))
     return sample(logits_BTV[:, -1], *sampling), cache
+
+
+def _admit_offloaded(cache, scratch, scratch_table_X, pages_X, slot, prompt_len, ids_LQK):
+    """After an offloaded prefill: the prompt's indexer keys into their global pages, its latent rows
+    into the host store (inline), and the request's pool rows warmed."""
+    index_keys = cache.index_keys.at[:, pages_X].set(scratch.index_keys[:, scratch_table_X])
+    latent = cache.latent
+    if latent.store is None:
+        latent = tier.store_prompt(latent, scratch.latent.pages, scratch_table_X, pages_X)
+    latent = tier.warm(latent, scratch.latent.pages, scratch_table_X, pages_X, slot, prompt_len, ids_LQK)
+    return dataclasses.replace(cache, index_keys=index_keys, latent=latent)
 
 
 # Module-level jits: engines over the same model and shapes share compiled executables.
 _PREFILL = jax.jit(_prefill, static_argnums=0, donate_argnums=4)
 _DECODE = jax.jit(_decode, static_argnums=0, donate_argnums=4)
+_ADMIT_OFFLOADED = jax.jit(_admit_offloaded, donate_argnums=0)
 
 
 def _buckets(chunk: int) -> tuple[int, ...]:
@@ -85,13 +114,38 @@ class Engine:
         self.max_seq_len = min(config.max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.pages_per_row = math.ceil(self.max_seq_len / config.page_size)
         num_pages = config.num_pages or config.max_batch * self.pages_per_row + 1
+        module = model.module
+        self.pool_slots = None
+        if config.offload == "ess":
+            if cfg.family != "deepseek_v32":
+                raise ValueError(f"--offload ess is implemented for deepseek_v32; {cfg.family} (HiSparse) is not "
+                                 "yet: use --offload none")
+            self.pool_slots = tier.pool_slots(pool_size=config.pool_size, pool_ratio=config.pool_ratio,
+                                              max_seq_len=self.max_seq_len, index_topk=cfg.index_topk)
+            row_bytes = cfg.latent_dim * jnp.dtype(module.dtype).itemsize
+            if config.host_cache_mb is not None:
+                page_bytes = cfg.num_hidden_layers * config.page_size * row_bytes
+                num_pages = int(config.host_cache_mb * 2**20 // page_bytes)
+                if num_pages < 1 + self.pages_per_row:
+                    raise ValueError(
+                        f"--host-cache-mb {config.host_cache_mb} holds {max(num_pages - 1, 0)} pages of "
+                        f"{page_bytes / 2**20:.3f} MiB; the longest request needs {self.pages_per_row}: raise it to at "
+                        f"least {math.ceil((1 + self.pages_per_row) * page_bytes / 2**20)}")
         self.allocator = PageAllocator(num_pages, config.page_size)
         self.admission = Admission(self.allocator, max_batch=config.max_batch,
                                    max_position_embeddings=self.max_seq_len)
-        self.cache = model.module.init_cache(num_pages, config.page_size)
+        self.cache = module.init_cache(num_pages, config.page_size)
+        self.scratch = None
+        if self.pool_slots is not None:
+            self.cache = dataclasses.replace(self.cache, latent=tier.init_tiered(
+                layers=cfg.num_hidden_layers, batch=config.max_batch, slots=self.pool_slots, num_pages=num_pages,
+                page_size=config.page_size, width=cfg.latent_dim, dtype=module.dtype, fetch=config.fetch))
+            # prefill computes on a device scratch for one prompt (a prefill node's view), then hands off
+            self.scratch = module.init_cache(self.pages_per_row + 1, config.page_size)
         self.buckets = _buckets(config.prefill_chunk)
         self.requests: dict[int, Request] = {}
-        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "decode_s": 0.0, "prefill_s": 0.0}
+        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "decode_s": 0.0, "prefill_s": 0.0,
+                      "d2h_rows": 0}
         b = config.max_batch
         self._lengths = np.zeros(b, np.int32)  # tokens in the cache per batch row
         self._last = np.zeros(b, np.int32)  # token each row feeds next
@@ -143,20 +197,37 @@ class Engine:
     def _prefill_request(self, request_id: int, slot: int, pages: np.ndarray):
         request = self.requests[request_id]
         prompt = np.asarray(request.prompt_ids, np.int32)
-        page_table = np.zeros((1, self.pages_per_row), np.int32)
-        page_table[0, : pages.size] = pages
-        start_time, start = time.perf_counter(), 0
+        pages_X = np.zeros(self.pages_per_row, np.int32)
+        pages_X[: pages.size] = pages
+        offloaded = self.scratch is not None
+        # offloaded prompts fill the scratch's pages 1..n, then move to their global pages
+        table_X = np.where(pages_X > 0, np.arange(1, self.pages_per_row + 1), 0).astype(np.int32)
+        cache = self.scratch if offloaded else self.cache
+        start_time, start, windows = time.perf_counter(), 0, []
         while start < len(prompt):
             real = min(self.buckets[-1], len(prompt) - start)
             size = next(b for b in self.buckets if b >= real)
             tokens = np.zeros((1, size), np.int32)
             tokens[0, :real] = prompt[start:start + real]
             positions = (start + np.arange(size, dtype=np.int32))[None]
-            meta = StepMeta(jnp.asarray(positions), jnp.asarray(np.arange(size)[None] < real), jnp.asarray(page_table))
-            token, self.cache = _PREFILL(self.model.graphdef, self.model.params, jnp.asarray(tokens), meta,
-                                         self.cache, jnp.asarray([real - 1], jnp.int32),
-                                         self._sampling_arrays([request]))
+            meta = StepMeta(jnp.asarray(positions), jnp.asarray(np.arange(size)[None] < real),
+                            jnp.asarray((table_X if offloaded else pages_X)[None]))
+            token, ids_LBQK, cache = _PREFILL(self.model.graphdef, self.model.params, jnp.asarray(tokens), meta,
+                                              cache, jnp.asarray([real - 1], jnp.int32),
+                                              self._sampling_arrays([request]))
+            windows.append((real, ids_LBQK[:, 0]))
             start += real
+        if offloaded:
+            self.scratch = cache
+            self.cache = _ADMIT_OFFLOADED(self.cache, self.scratch, jnp.asarray(table_X), jnp.asarray(pages_X),
+                                          slot, len(prompt), _last_queries(windows))
+            latent = self.cache.latent
+            if latent.store is not None:  # split: the prompt's rows go to the NumPy store from here
+                scratch_rows = np.asarray(self.scratch.latent.pages)[:, table_X[: pages.size]]
+                latent.store.array[:, pages] = scratch_rows
+            self.stats["d2h_rows"] += len(prompt) * self.model.cfg.num_hidden_layers
+        else:
+            self.cache = cache
         self.stats["prefill_tokens"] += len(prompt)
         self.stats["prefill_s"] += time.perf_counter() - start_time
         self._lengths[slot] = len(prompt)
@@ -173,6 +244,13 @@ class Engine:
         tokens, self.cache = self._decode(self.model.params, jnp.asarray(self._last[:, None]), meta, self.cache,
                                           self._sampling_arrays(rows))
         tokens = np.asarray(tokens)
+        latent = self.cache.latent
+        if self.scratch is not None:
+            self.stats["d2h_rows"] += int(active.sum()) * self.model.cfg.num_hidden_layers
+            if latent.store is not None:  # split: back up this step's rows, one transfer for all layers
+                positions = self._lengths[active]
+                pages = self.admission.page_table(self.pages_per_row)[active, positions // self.config.page_size]
+                latent.store.array[:, pages, positions % self.config.page_size] = np.asarray(latent.staged)[:, active]
         self.stats["decode_s"] += time.perf_counter() - start
         self._lengths += active
         self.stats["decode_tokens"] += len(running)
@@ -197,9 +275,44 @@ class Engine:
             self._lengths[slot] = 0
 
     def cache_bytes(self) -> dict[str, int]:
-        """Device bytes of the page pool, and what the served requests' reserved pages occupy."""
-        per_token = sum(x[:, 0, 0].nbytes for x in (self.cache.index_keys, self.cache.latent.pages))
+        """Bytes of the real cache arrays: device (the decode-time cache), host (the offload store), and
+        what the served requests' reserved pages would occupy on the device without offload."""
+        cfg, itemsize = self.model.cfg, jnp.dtype(self.model.module.dtype).itemsize
+        per_token = cfg.num_hidden_layers * (cfg.latent_dim + cfg.index_head_dim) * itemsize
         reserved = sum(self.allocator.pages_for(len(r.prompt_ids) + r.max_new_tokens) for r in self.requests.values())
-        pool = sum(x.nbytes for x in jax.tree.leaves(self.cache))
-        return {"device_bytes": int(pool), "host_bytes": 0,
-                "resident_device_bytes": int(reserved * self.config.page_size * per_token)}
+        arrays = jax.tree.leaves(self.cache)
+        host = 0
+        if self.scratch is not None:
+            latent = self.cache.latent
+            host = latent.store.array.nbytes if latent.store is not None else latent.host.nbytes
+            arrays = [x for x in arrays if x is not latent.host]
+        device = sum(x.nbytes for x in arrays)
+        out = {"device_bytes": int(device), "host_bytes": int(host),
+               "resident_device_bytes": int(reserved * self.config.page_size * per_token)}
+        if self.scratch is not None:
+            out["prefill_scratch_bytes"] = int(sum(x.nbytes for x in jax.tree.leaves(self.scratch)))
+        return out
+
+    def offload_metrics(self) -> dict | None:
+        """Tier counters (read from the device once) as the ``--json`` ``metrics.offload`` object."""
+        if self.scratch is None:
+            return None
+        counts = np.asarray(self.cache.latent.counters)  # [L, 3] lookups, hits, misses
+        lookups, hits, misses = (int(x) for x in counts.sum(0))
+        row_bytes = self.model.cfg.latent_dim * jnp.dtype(self.model.module.dtype).itemsize
+        return {"lookups": lookups, "hits": hits, "misses": misses,
+                "hit_rate": hits / lookups if lookups else 0.0,
+                "h2d_bytes": misses * row_bytes, "d2h_bytes": self.stats["d2h_rows"] * row_bytes,
+                "pool_slots": self.pool_slots,
+                "per_layer": [{"layer": i, "lookups": int(c[0]), "hits": int(c[1]), "misses": int(c[2])}
+                              for i, c in enumerate(counts)]}
+
+
+def _last_queries(windows: list[tuple[int, jax.Array]]) -> jax.Array:
+    """The top-k ids ``i32[L, Q, K]`` of the prompt's last ``WARMUP_QUERIES`` positions, from the
+    per-chunk windows (each chunk's last Q real tokens, -1 before the chunk)."""
+    q = tier.WARMUP_QUERIES
+    real, ids = windows[-1]
+    if real >= q or len(windows) == 1:
+        return ids
+    return jnp.concatenate([windows[-2][1][:, real:], ids[:, q - real:]], axis=1)

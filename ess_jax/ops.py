@@ -52,3 +52,17 @@ def sparse_sink_attention(q_BTNH: jax.Array, rows_BTKH: jax.Array, valid_BTK: ja
     safe_lse_BTN = jnp.where(jnp.isfinite(lse_BTN), lse_BTN, 0.0)
     probs_BTNK = jnp.exp(logits_BTNK - safe_lse_BTN[..., None])
     return jnp.einsum("btnk,btkh->btnh", probs_BTNK, rows_BTKH), lse_BTN
+
+
+def merge_attention(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array) -> jax.Array:
+    """Combine attention over two disjoint row sets: ``out [..., C]`` with ``lse [...]`` each.
+
+    Exact up to float rounding: the softmax over the union weighs each half by
+    ``exp(lse_half - lse_union)``. Halves with no rows (``lse = -inf``) contribute nothing; if both
+    are empty the result is 0.
+    """
+    lse = jnp.logaddexp(lse_a, lse_b)
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    weight_a = jnp.where(jnp.isfinite(lse_a), jnp.exp(lse_a - safe), 0.0)
+    weight_b = jnp.where(jnp.isfinite(lse_b), jnp.exp(lse_b - safe), 0.0)
+    return out_a * weight_a[..., None] + out_b * weight_b[..., None]

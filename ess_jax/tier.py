@@ -1,0 +1,284 @@
+"""The ESS tier for DeepSeek-V3.2: latent rows in host memory, an LRU working set on the device.
+
+Every latent row of every admitted request lives in a host store ``[L, G, Z, W]`` (the same page
+ids as the indexer keys, which stay on the device). Each (layer, batch row) owns ``P`` device pool
+slots. A decode step, per layer (``TieredLatents.attend``):
+
+1. the indexer's top-k positions resolve to slots through the residency map ``position -> slot``,
+   kept in pages beside the indexer keys, so a hit costs one gather, not a k x P comparison;
+2. hits refresh their last-use stamp; the new entry and every miss take the least recently used
+   slots that no hit of this step holds;
+3. missed rows are fetched from the host store (``inline``: a host-side gather under
+   ``compute_on('device_host')`` and an in-step ``device_put`` to device memory; ``split``: a host
+   callback at the fetch point gathers them from a NumPy store, one batched transfer per layer);
+4. attention runs over the hits and over the misses separately and the halves merge exactly by
+   log-sum-exp (ESS Dual-Attention), so the transfer can hide behind the hit half;
+5. the new rows are staged; after the step they are written to the host store, batched over layers
+   (inside the compiled step for ``inline``).
+Lookups, hits and misses are counted on the device and read once at the end.
+
+With ``P >=`` a request's entries nothing is ever evicted and the tier equals the resident cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax.experimental.compute_on import compute_on
+
+from ess_jax import ops
+from ess_jax.cache import StepMeta, write_slots
+
+FETCH_BACKENDS = ("inline", "split")
+EMPTY = -(2**30)  # last-use stamp of an empty slot: older than anything
+WARMUP_QUERIES = 32  # prompt positions whose top-k warm the pool (ESS LRU-Warmup)
+
+
+class HostStore:
+    """The ``split`` backend's host store: a NumPy array ``[L, G, Z, W]``, identified by object."""
+
+    def __init__(self, shape, dtype):
+        self.array = np.zeros(shape, dtype)
+
+    def gather(self, layer: int, page_BK: np.ndarray, offset_BK: np.ndarray) -> np.ndarray:
+        return self.array[layer, page_BK, offset_BK]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TieredLatents:
+    """V3.2 latent rows behind an LRU device pool (R = batch rows, P = pool slots per row)."""
+
+    pool: jax.Array  # [L, R, P, W] working-set rows
+    slot_entry: jax.Array  # i32[L, R, P] position held by each slot, -1 = empty
+    slot_last_use: jax.Array  # i32[L, R, P] clock of the last use, EMPTY for empty slots
+    resident_slot: jax.Array  # i32[L, G, Z] slot holding each position, -1 = host only
+    staged: jax.Array  # [L, R, W] rows written this step, backed up to the host after it
+    counters: jax.Array  # i32[L, 3] lookups, hits, misses since the engine started
+    clock: jax.Array  # i32[] decode steps so far
+    host: jax.Array | None  # inline: [L, G, Z, W] pinned_host store; split: None
+    store: HostStore | None = dataclasses.field(default=None, metadata=dict(static=True))  # split only
+
+    @property
+    def fetch(self) -> str:
+        return "split" if self.store is not None else "inline"
+
+    def attend(self, layer: int, meta: StepMeta, rows_BTW: jax.Array, ids_BTK: jax.Array,
+               q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, scale: float) -> tuple[jax.Array, TieredLatents]:
+        """One decode token per row (T = 1): resolve, fetch misses, dual attention, update the pool."""
+        if ids_BTK.shape[1] != 1:
+            raise ValueError(f"the tier serves decode steps of one token per request, got T={ids_BTK.shape[1]}")
+        b, _, k = ids_BTK.shape
+        page_size = self.resident_slot.shape[2]
+        ids_BK, new_row_BW = ids_BTK[:, 0], rows_BTW[:, 0].astype(self.pool.dtype)
+        position_B, active_B = meta.positions[:, 0], meta.valid[:, 0]
+        page_BK, offset_BK = _locate(meta.page_table, ids_BK, page_size)
+        known_BK = jnp.where(ids_BK >= 0, self.resident_slot[layer, page_BK, offset_BK], -1)
+        with jax.named_scope("resolve"):
+            res = jax.vmap(_resolve)(ids_BK, known_BK, position_B, active_B, self.slot_entry[layer],
+                                     self.slot_last_use[layer], jnp.broadcast_to(self.clock, (b,)))
+        with jax.named_scope("fetch"):
+            miss_page_BK = jnp.where(res.miss_K, page_BK, 0)
+            miss_offset_BK = jnp.where(res.miss_K, offset_BK, 0)
+            fetched_BKW = self._fetch(layer, miss_page_BK, miss_offset_BK)
+        with jax.named_scope("dual_attention"):
+            pool_BPW = self.pool[layer]
+            hit_rows_BKW = jnp.where(res.is_new_K[..., None], new_row_BW[:, None],
+                                     jnp.take_along_axis(pool_BPW, jnp.maximum(res.slot_K, 0)[..., None], axis=1))
+            hit_BK = res.hit_K | res.is_new_K
+            out_hit, lse_hit = ops.sparse_mla(q_latent_BTNC, q_rope_BTNR, hit_rows_BKW[:, None], hit_BK[:, None],
+                                              scale=scale)
+            out_miss, lse_miss = ops.sparse_mla(q_latent_BTNC, q_rope_BTNR, fetched_BKW[:, None],
+                                                res.miss_K[:, None], scale=scale)
+            out_BTNC = ops.merge_attention(out_hit, lse_hit, out_miss, lse_miss)
+        with jax.named_scope("pool_update"):
+            # the new entry and the fetched misses go into their slots; masked writes are dropped
+            p, g = pool_BPW.shape[1], self.resident_slot.shape[1]
+            write_BJ = jnp.concatenate([active_B[:, None], res.miss_K], axis=1)  # J = 1 + K writes per row
+            slot_BJ = jnp.where(write_BJ, jnp.concatenate([res.new_slot[:, None], res.slot_K], axis=1), p)
+            rows_BJW = jnp.concatenate([new_row_BW[:, None], fetched_BKW], axis=1)
+            pool_BPW = pool_BPW.at[jnp.arange(b)[:, None], slot_BJ].set(rows_BJW, mode="drop")
+            # residency: evicted positions leave first, then the new entry and the misses arrive
+            ev_page_BP, ev_offset_BP = _locate(meta.page_table, jnp.where(res.evicted_P, self.slot_entry[layer], -1),
+                                               page_size)
+            resident = self.resident_slot[layer]
+            resident = resident.at[jnp.where(res.evicted_P, ev_page_BP, g), ev_offset_BP].set(-1, mode="drop")
+            new_page_B1, new_offset_B1 = write_slots(meta, page_size)
+            arrive_page_BJ = jnp.where(write_BJ, jnp.concatenate([new_page_B1, page_BK], axis=1), g)
+            arrive_offset_BJ = jnp.concatenate([new_offset_B1, offset_BK], axis=1)
+            resident = resident.at[arrive_page_BJ, arrive_offset_BJ].set(slot_BJ, mode="drop")
+            counts = jnp.stack([(ids_BK >= 0).sum(), hit_BK.sum(), res.miss_K.sum()]).astype(jnp.int32)
+        return out_BTNC, dataclasses.replace(
+            self,
+            pool=self.pool.at[layer].set(pool_BPW),
+            slot_entry=self.slot_entry.at[layer].set(res.slot_entry_P),
+            slot_last_use=self.slot_last_use.at[layer].set(res.last_use_P),
+            resident_slot=self.resident_slot.at[layer].set(resident),
+            staged=self.staged.at[layer].set(new_row_BW),
+            counters=self.counters.at[layer].add(counts),
+        )
+
+    def _fetch(self, layer: int, page_BK: jax.Array, offset_BK: jax.Array) -> jax.Array:
+        """Rows of the host store at (page, offset) ``[B, K, W]`` on the device."""
+        shape = page_BK.shape + (self.pool.shape[-1],)
+        if self.store is not None:
+            return jax.pure_callback(lambda p, o: self.store.gather(layer, np.asarray(p), np.asarray(o)),
+                                     jax.ShapeDtypeStruct(shape, self.pool.dtype), page_BK, offset_BK)
+        # every operand of a host computation must live in host memory, the layer index included
+        index = jax.device_put((jnp.full_like(page_BK, layer), page_BK, offset_BK), jax.memory.Space.Host)
+        rows = compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)(
+            lambda store, l, p, o: store[l, p, o])(self.host, *index)
+        return jax.device_put(rows, jax.memory.Space.Device)
+
+    def after_step(self, meta: StepMeta) -> TieredLatents:
+        """Advance the LRU clock and back up the staged rows, batched over layers: inline writes the
+        pinned host store inside the compiled step; split leaves it to the engine, which copies
+        ``staged`` into the NumPy store once the step is done."""
+        clock = self.clock + 1
+        if self.store is not None:
+            return dataclasses.replace(self, clock=clock)
+        page_B, offset_B = (x[:, 0] for x in write_slots(meta, self.resident_slot.shape[2]))
+        page_B, offset_B, staged = jax.device_put((page_B, offset_B, self.staged), jax.memory.Space.Host)
+        host = compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)(
+            lambda store, p, o, rows: store.at[:, p, o].set(rows))(self.host, page_B, offset_B, staged)
+        return dataclasses.replace(self, host=host, clock=clock)
+
+
+@dataclasses.dataclass
+class Resolution:
+    slot_K: jax.Array  # i32[K] slot of each selected position (-1 invalid)
+    hit_K: jax.Array  # bool[K] resident before this step
+    miss_K: jax.Array  # bool[K] fetched from the host this step
+    is_new_K: jax.Array  # bool[K] the entry written this step
+    new_slot: jax.Array  # i32[] the slot the new entry takes
+    evicted_P: jax.Array  # bool[P] slots whose previous entry was evicted
+    slot_entry_P: jax.Array  # i32[P] updated slot -> position table
+    last_use_P: jax.Array  # i32[P] updated stamps
+
+
+jax.tree_util.register_dataclass(Resolution)
+
+
+def _resolve(ids_K, known_K, position, active, slot_entry_P, last_use_P, clock) -> Resolution:
+    """LRU resolution for one (layer, request): ``known_K`` is the residency map's slot per id."""
+    valid_K = ids_K >= 0
+    is_new_K = valid_K & (ids_K == position) & active
+    hit_K = valid_K & ~is_new_K & (known_K >= 0)
+    miss_K = valid_K & ~is_new_K & ~hit_K & active
+    p = slot_entry_P.shape[0]
+    held_P = jnp.zeros(p, bool).at[jnp.where(hit_K, known_K, p)].set(True, mode="drop")
+    order_P = jnp.argsort(jnp.where(held_P, jnp.iinfo(jnp.int32).max, last_use_P), stable=True)
+    new_slot = order_P[0]
+    miss_rank_K = jnp.cumsum(miss_K) - 1
+    miss_slot_K = order_P[jnp.clip(1 + miss_rank_K, 0, p - 1)]
+    slot_K = jnp.where(hit_K, known_K, jnp.where(is_new_K, new_slot, jnp.where(miss_K, miss_slot_K, -1)))
+    taken = miss_K.sum() + active.astype(jnp.int32)
+    taken_P = jnp.zeros(p, bool).at[order_P].set(jnp.arange(p) < taken)
+    evicted_P = taken_P & (slot_entry_P >= 0)
+    entries = jnp.where(taken_P, -1, slot_entry_P)
+    entries = entries.at[jnp.where(active, new_slot, p)].set(position, mode="drop")
+    entries = entries.at[jnp.where(miss_K, miss_slot_K, p)].set(ids_K, mode="drop")
+    stamps = last_use_P.at[jnp.where(hit_K | is_new_K | miss_K, slot_K, p)].set(clock, mode="drop")
+    stamps = stamps.at[jnp.where(active, new_slot, p)].set(clock, mode="drop")
+    return Resolution(slot_K, hit_K, miss_K, is_new_K, new_slot, evicted_P, entries, stamps)
+
+
+def _locate(page_table_BX: jax.Array, ids_BK: jax.Array, page_size: int) -> tuple[jax.Array, jax.Array]:
+    """(page, offset) of request positions ``ids_BK``; -1 maps to the null page."""
+    safe = jnp.maximum(ids_BK, 0)
+    page = jnp.take_along_axis(page_table_BX, safe // page_size, axis=1)
+    return jnp.where(ids_BK >= 0, page, 0), safe % page_size
+
+
+def pool_slots(*, pool_size: int | None, pool_ratio: float | None, max_seq_len: int, index_topk: int) -> int:
+    """Pool slots ``P`` per (layer, request): ``pool_size``, or ``pool_ratio`` of the longest request's
+    entries raised to the minimum. The minimum is top-k + 1 (k hits plus the entry written this step),
+    or every entry when requests are shorter than that."""
+    minimum = min(min(index_topk, max_seq_len) + 1, max_seq_len)
+    if pool_size is not None:
+        if pool_size < minimum:
+            raise ValueError(f"--pool-size {pool_size} is below the minimum {minimum} (index_topk + 1: the top-k "
+                             "hits plus the entry written this step); raise it")
+        return min(pool_size, max_seq_len)
+    if pool_ratio is None or not 0 < pool_ratio <= 1:
+        raise ValueError(f"--pool-ratio {pool_ratio} must be in (0, 1]")
+    return min(max(math.ceil(pool_ratio * max_seq_len), minimum), max_seq_len)
+
+
+def init_tiered(*, layers: int, batch: int, slots: int, num_pages: int, page_size: int, width: int, dtype,
+                fetch: str) -> TieredLatents:
+    """An empty tier; the host store is allocated directly in pinned host memory (inline) or NumPy."""
+    if fetch not in FETCH_BACKENDS:
+        raise ValueError(f"--fetch {fetch!r} is not a fetch backend; use one of {', '.join(FETCH_BACKENDS)}")
+    host_shape = (layers, num_pages, page_size, width)
+    store, host = None, None
+    if fetch == "split":
+        store = HostStore(host_shape, jnp.dtype(dtype))
+    else:
+        # zeros computed on the host side: the store never passes through device memory
+        host = jax.jit(compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)(
+            lambda: jnp.zeros(host_shape, dtype)))()
+    return TieredLatents(
+        pool=jnp.zeros((layers, batch, slots, width), dtype),
+        slot_entry=jnp.full((layers, batch, slots), -1, jnp.int32),
+        slot_last_use=jnp.full((layers, batch, slots), EMPTY, jnp.int32),
+        resident_slot=jnp.full((layers, num_pages, page_size), -1, jnp.int32),
+        staged=jnp.zeros((layers, batch, width), dtype),
+        counters=jnp.zeros((layers, 3), jnp.int32),
+        clock=jnp.zeros((), jnp.int32),
+        host=host,
+        store=store,
+    )
+
+
+def _warm_layer(ids_QK, prompt_len, slots: int, capacity: int):
+    """Pool contents for one layer after prefill: the ``slots`` most recently selected positions of
+    the last prompt queries (their top-k ids in order, ``ids_QK``), or the whole prompt if it fits.
+    Returns ``slot_entry i32[P]`` (-1 empty) and ``last_use i32[P]`` (negative: older than decode)."""
+    flat = ids_QK.reshape(-1)
+    order = jnp.arange(flat.shape[0], dtype=jnp.int32)
+    seen_S = jnp.full((capacity,), -1, jnp.int32).at[jnp.where(flat >= 0, flat, capacity)].max(order, mode="drop")
+    every_S = jnp.where(jnp.arange(capacity) < prompt_len, jnp.arange(capacity, dtype=jnp.int32), -1)
+    seen_S = jnp.where(prompt_len <= slots, every_S, seen_S)
+    stamp, entry = jax.lax.top_k(seen_S, slots)
+    held = stamp >= 0
+    return jnp.where(held, entry, -1), jnp.where(held, stamp - flat.shape[0] - capacity - 1, EMPTY)
+
+
+def warm(tier: TieredLatents, scratch_pages_LGZW, scratch_table_X, pages_X, slot, prompt_len, ids_LQK
+         ) -> TieredLatents:
+    """Fill batch row ``slot``'s pools (every layer) from the prefill scratch: ESS LRU-Warmup with the
+    top-k ids of the last prompt queries. Also clears the residency of the request's pages, which
+    may hold stale slots of an earlier request."""
+    layers, _, slots, _ = tier.pool.shape
+    page_size = tier.resident_slot.shape[2]
+    capacity = pages_X.shape[0] * page_size
+    entry_LP, stamp_LP = jax.vmap(_warm_layer, in_axes=(0, None, None, None))(ids_LQK, prompt_len, slots, capacity)
+    safe = jnp.maximum(entry_LP, 0)
+    rows_LPW = jax.vmap(lambda pages, e: pages[scratch_table_X[e // page_size], e % page_size])(scratch_pages_LGZW,
+                                                                                               safe)
+    resident = tier.resident_slot.at[:, pages_X].set(-1)
+    g = resident.shape[1]
+    page_LP = jnp.where(entry_LP >= 0, pages_X[safe // page_size], g)
+    resident = resident.at[jnp.arange(layers)[:, None], page_LP, safe % page_size].set(
+        jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), entry_LP.shape), mode="drop")
+    return dataclasses.replace(
+        tier,
+        pool=tier.pool.at[:, slot].set(rows_LPW.astype(tier.pool.dtype)),
+        slot_entry=tier.slot_entry.at[:, slot].set(entry_LP),
+        slot_last_use=tier.slot_last_use.at[:, slot].set(stamp_LP),
+        resident_slot=resident,
+    )
+
+
+def store_prompt(tier: TieredLatents, scratch_pages_LGZW, scratch_table_X, pages_X) -> TieredLatents:
+    """Write the prompt's rows from the prefill scratch to the host store (inline backend)."""
+    rows = scratch_pages_LGZW[:, scratch_table_X]  # [L, X, Z, W]; unused columns copy to the null page
+    rows, pages_X = jax.device_put((rows, pages_X), jax.memory.Space.Host)
+    host = compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)(
+        lambda store, p, r: store.at[:, p].set(r))(tier.host, pages_X, rows)
+    return dataclasses.replace(tier, host=host)

@@ -251,7 +251,8 @@ V4_ONLY_FIELDS = frozenset({"head_dim", "layer_types", "compress_rate_csa", "com
 V4_LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 V4_MLP_LAYER_TYPES = ("hash_moe", "moe")
 V4_SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
-_V4_RATIO_TO_LAYER_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+_V4_RATIO_TO_LAYER_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention",
+                           128: "heavily_compressed_attention"}
 
 # transformers' DeepseekV4Config defaults (V4-Flash shapes) for keys a config.json leaves out.
 _V4_HF_DEFAULTS: dict[str, Any] = dict(
@@ -339,14 +340,16 @@ def _check_v4(cfg: ModelConfig) -> None:
     checks = [
         (len(cfg.layer_types) == n, f"layer_types has {len(cfg.layer_types)} entries for num_hidden_layers={n}"),
         (set(cfg.layer_types) <= set(V4_LAYER_TYPES), f"layer_types={cfg.layer_types} must be among {V4_LAYER_TYPES}"),
-        (len(cfg.mlp_layer_types) == n, f"mlp_layer_types has {len(cfg.mlp_layer_types)} entries for num_hidden_layers={n}"),
+        (len(cfg.mlp_layer_types) == n,
+         f"mlp_layer_types has {len(cfg.mlp_layer_types)} entries for num_hidden_layers={n}"),
         (set(cfg.mlp_layer_types) <= set(V4_MLP_LAYER_TYPES),
          f"mlp_layer_types={cfg.mlp_layer_types} must be among {V4_MLP_LAYER_TYPES}"),
         (cfg.compress_rate_csa >= 1 and cfg.compress_rate_hca >= 1,
          f"compress rates must be >= 1 (csa={cfg.compress_rate_csa}, hca={cfg.compress_rate_hca})"),
         (cfg.sliding_window >= 1, f"sliding_window={cfg.sliding_window} must be >= 1"),
         (cfg.qk_rope_head_dim % 2 == 0 and 0 < cfg.qk_rope_head_dim <= cfg.head_dim,
-         f"rope dims head_dim * partial_rotary_factor = {cfg.qk_rope_head_dim} must be even and in (0, head_dim={cfg.head_dim}]"),
+         f"rope dims head_dim * partial_rotary_factor = {cfg.qk_rope_head_dim} must be even and in "
+         f"(0, head_dim={cfg.head_dim}]"),
         (cfg.qk_rope_head_dim <= cfg.index_head_dim,
          f"index_head_dim={cfg.index_head_dim} must be >= the rope dims ({cfg.qk_rope_head_dim})"),
         (cfg.o_groups >= 1 and cfg.num_attention_heads % cfg.o_groups == 0,

@@ -37,6 +37,7 @@ class Request:
     max_new_tokens: int
     sampling: SamplingParams
     output_ids: list[int] = dataclasses.field(default_factory=list)
+    logits: list[np.ndarray] = dataclasses.field(default_factory=list)  # f32[V] per output token, if kept
     finish_reason: str | None = None  # "stop" (an eos token) or "length" (max_new_tokens)
 
 
@@ -52,6 +53,7 @@ class EngineConfig:
     pool_ratio: float = 0.2  # ess: pool slots as a fraction of the longest request's entries
     fetch: str = "inline"  # ess: "inline" or "split" (ess_jax.tier)
     host_cache_mb: float | None = None  # ess: host store budget; sets the page count when given
+    keep_logits: bool = False  # keep each output token's float32 logits in Request.logits
 
     def __post_init__(self):
         for name in ("max_batch", "page_size", "prefill_chunk"):
@@ -73,14 +75,14 @@ def _prefill(graphdef, params, tokens_BT, meta: StepMeta, cache, last_B, samplin
     window_BQ = last_B[:, None] - tier.WARMUP_QUERIES + 1 + jnp.arange(tier.WARMUP_QUERIES)
     ids_LBQK = jnp.take_along_axis(ids_LBTK, jnp.maximum(window_BQ, 0)[None, :, :, None], axis=2)
     ids_LBQK = jnp.where((window_BQ >= 0)[None, :, :, None], ids_LBQK, -1)
-    return sample(logits_BV, *sampling), ids_LBQK, cache
+    return sample(logits_BV, *sampling), logits_BV, ids_LBQK, cache
 
 
 def _decode(graphdef, params, tokens_BT, meta: StepMeta, cache, sampling):
     """One decode step for every batch row; the sampled tokens ``i32[B]``."""
     logits_BTV, _, cache = nnx.merge(graphdef, params).step(tokens_BT, meta, cache)
     cache = dataclasses.replace(cache, latent=cache.latent.after_step(meta))
-    return sample(logits_BTV[:, -1], *sampling), cache
+    return sample(logits_BTV[:, -1], *sampling), logits_BTV[:, -1], cache
 
 
 def _admit_offloaded(cache, scratch, scratch_table_X, pages_X, slot, prompt_len, ids_LQK):
@@ -212,7 +214,7 @@ class Engine:
             positions = (start + np.arange(size, dtype=np.int32))[None]
             meta = StepMeta(jnp.asarray(positions), jnp.asarray(np.arange(size)[None] < real),
                             jnp.asarray((table_X if offloaded else pages_X)[None]))
-            token, ids_LBQK, cache = _PREFILL(self.model.graphdef, self.model.params, jnp.asarray(tokens), meta,
+            token, logits_BV, ids_LBQK, cache = _PREFILL(self.model.graphdef, self.model.params, jnp.asarray(tokens), meta,
                                               cache, jnp.asarray([real - 1], jnp.int32),
                                               self._sampling_arrays([request]))
             windows.append((real, ids_LBQK[:, 0]))
@@ -231,6 +233,8 @@ class Engine:
         self.stats["prefill_tokens"] += len(prompt)
         self.stats["prefill_s"] += time.perf_counter() - start_time
         self._lengths[slot] = len(prompt)
+        if self.config.keep_logits:
+            request.logits.append(np.asarray(logits_BV[0]))
         self._append(request_id, slot, int(token[0]))
 
     def _decode_step(self) -> int:
@@ -241,7 +245,7 @@ class Engine:
         active = np.array([r is not None for r in rows])
         meta = self._decode_meta(active)
         start = time.perf_counter()
-        tokens, self.cache = self._decode(self.model.params, jnp.asarray(self._last[:, None]), meta, self.cache,
+        tokens, logits_BV, self.cache = self._decode(self.model.params, jnp.asarray(self._last[:, None]), meta, self.cache,
                                           self._sampling_arrays(rows))
         tokens = np.asarray(tokens)
         latent = self.cache.latent
@@ -255,6 +259,8 @@ class Engine:
         self._lengths += active
         self.stats["decode_tokens"] += len(running)
         for request_id, entry in running.items():
+            if self.config.keep_logits:
+                self.requests[request_id].logits.append(np.asarray(logits_BV[entry.slot]))
             self._append(request_id, entry.slot, int(tokens[entry.slot]))
         return len(running)
 

@@ -49,8 +49,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sampling.add_argument("--seed", type=int, default=0,
                           help="sampling seed; prompt i uses seed + i, so runs are reproducible (default 0)")
     cache = p.add_argument_group("cache and batching")
-    cache.add_argument("--offload", choices=["none"], default="none",
-                       help="where the sparse part of the KV cache lives; 'none' keeps all of it on the device")
+    cache.add_argument("--offload", choices=["ess", "none"], default="ess",
+                       help="'ess' (default): V3.2 latent rows live in pinned host memory behind an LRU device pool "
+                            "of --pool-size / --pool-ratio slots per layer and request, misses fetched each step; "
+                            "'none': the whole cache on the device. Both give the same tokens")
+    cache.add_argument("--pool-size", type=int, default=None,
+                       help="ess: device pool slots per (layer, request); at least index_topk + 1")
+    cache.add_argument("--pool-ratio", type=float, default=0.2,
+                       help="ess: pool slots as a fraction of the longest request's tokens, raised to "
+                            "index_topk + 1 (default 0.2; --pool-size wins)")
+    cache.add_argument("--fetch", choices=["inline", "split"], default="inline",
+                       help="ess: how missed rows reach the device: 'inline' gathers them host-side inside the "
+                            "compiled step and moves them with an in-step device_put; 'split' calls back to the "
+                            "host at each layer's fetch point and gathers from a NumPy store (default inline)")
+    cache.add_argument("--host-cache-mb", type=float, default=None,
+                       help="ess: host store budget in MiB; sets the page count (default: enough for "
+                            "--max-batch requests of the longest prompt + --max-new-tokens)")
     cache.add_argument("--max-batch", type=int, default=8, help="decode batch rows (default 8)")
     cache.add_argument("--page-size", type=int, default=64, help="tokens per cache page (default 64)")
     cache.add_argument("--num-pages", type=int, default=None,
@@ -94,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         sampling = [SamplingParams(args.temperature, args.top_k, args.top_p, args.seed + i)
                     for i in range(len(prompts))]
         engine = EngineConfig(max_batch=args.max_batch, page_size=args.page_size, num_pages=args.num_pages,
-                              prefill_chunk=args.prefill_chunk)
+                              prefill_chunk=args.prefill_chunk, offload=args.offload, pool_size=args.pool_size,
+                              pool_ratio=args.pool_ratio, fetch=args.fetch, host_cache_mb=args.host_cache_mb)
         model = load_model(args.model, args.dtype, seed=args.weights_seed)
         result = generate(model, prompts, args.max_new_tokens, sampling=sampling, engine=engine,
                           progress=not args.json)
@@ -105,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({
             "model": model.name, "family": model.cfg.family,
-            "offload": {"mode": args.offload, "pool_size": None, "fetch": "none"},
+            "offload": {"mode": args.offload, "pool_size": result.pool_size,
+                        "fetch": args.fetch if args.offload == "ess" else "none"},
             "requests": [{"prompt_ids": ids, "output_ids": out, "text": text, "finish_reason": reason}
                          for ids, out, text, reason in zip(encoded, result.output_ids, result.texts,
                                                            result.finish_reasons)],
@@ -118,6 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prefill {m['prefill_tokens']} tokens, decode {m['decode_tokens']} tokens at "
               f"{m['decode_tokens_per_s']:.1f} tokens/s, wall {m['wall_s']:.2f} s, "
               f"cache {m['cache']['device_bytes'] / 2**20:.1f} MiB on the device", file=sys.stderr)
+        if m["offload"]:
+            o = m["offload"]
+            print(f"offload: {result.pool_size} pool slots, hit rate {o['hit_rate']:.3f} ({o['misses']} misses of "
+                  f"{o['lookups']} lookups), {o['h2d_bytes'] / 2**20:.2f} MiB fetched, host store "
+                  f"{m['cache']['host_bytes'] / 2**20:.1f} MiB, resident would be "
+                  f"{m['cache']['resident_device_bytes'] / 2**20:.1f} MiB", file=sys.stderr)
     return 0
 
 

@@ -21,8 +21,7 @@ Two forms over the same parameters:
   window closes during the step are written into the growing ``entries`` buffer at their index.
 Both give the same entries for any split of a sequence into steps.
 
-Axis letters: ess_jax.notation; ``U`` counts a compressor's pooling slots (m or 2m), ``Y`` its projection
-width (coff * D), ``E`` candidate entries of one step.
+Axis letters: ess_jax.notation (``U`` pooling slots: m or 2m; ``Y`` projection width: coff * D).
 """
 
 from __future__ import annotations
@@ -91,21 +90,21 @@ class Compressor(nnx.Module):
         gate_BTY = self.gate_proj(x_BTD).astype(jnp.float32) + self.position_bias[...][positions_BT % self.rate]
         return kv_BTY, gate_BTY
 
-    def _slots(self, kv_BEUY: jax.Array, gate_BEUY: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def _slots(self, kv_BMUY: jax.Array, gate_BMUY: jax.Array) -> tuple[jax.Array, jax.Array]:
         """CSA: slots ``[:m]`` take the first halves (previous window), ``[m:]`` the second halves."""
         if not self.overlap:
-            return kv_BEUY, gate_BEUY
+            return kv_BMUY, gate_BMUY
         m, d = self.rate, self.dim
-        kv = jnp.concatenate([kv_BEUY[:, :, :m, :d], kv_BEUY[:, :, m:, d:]], axis=2)
-        gate = jnp.concatenate([gate_BEUY[:, :, :m, :d], gate_BEUY[:, :, m:, d:]], axis=2)
+        kv = jnp.concatenate([kv_BMUY[:, :, :m, :d], kv_BMUY[:, :, m:, d:]], axis=2)
+        gate = jnp.concatenate([gate_BMUY[:, :, :m, :d], gate_BMUY[:, :, m:, d:]], axis=2)
         return kv, gate
 
-    def pool(self, kv_BEUD: jax.Array, gate_BEUD: jax.Array, entry_BE: jax.Array) -> jax.Array:
-        """Softmax-pool the slots of each entry, kv_norm, RoPE at the window's first position ``[B, E, D]``."""
-        weights = jax.nn.softmax(gate_BEUD, axis=2).astype(kv_BEUD.dtype)
-        pooled_BED = self.kv_norm(jnp.sum(kv_BEUD * weights, axis=2))
-        cos, sin = self.rope.cos_sin(entry_BE * self.rate)
-        return self.rope.apply(pooled_BED, cos, sin)
+    def pool(self, kv_BMUD: jax.Array, gate_BMUD: jax.Array, entry_BM: jax.Array) -> jax.Array:
+        """Softmax-pool the slots of each entry, kv_norm, RoPE at the window's first position ``[B, M, D]``."""
+        weights = jax.nn.softmax(gate_BMUD, axis=2).astype(kv_BMUD.dtype)
+        pooled_BMD = self.kv_norm(jnp.sum(kv_BMUD * weights, axis=2))
+        cos, sin = self.rope.cos_sin(entry_BM * self.rate)
+        return self.rope.apply(pooled_BMD, cos, sin)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         """Entries ``[B, T // m, D]`` of every complete window of a whole sequence."""
@@ -114,14 +113,14 @@ class Compressor(nnx.Module):
         if n == 0:
             return jnp.zeros((b, 0, self.dim), x_BTD.dtype)
         kv_BTY, gate_BTY = self.project(x_BTD, jnp.broadcast_to(jnp.arange(t), (b, t)))
-        kv_BEUY = kv_BTY[:, : n * m].reshape(b, n, m, -1)
-        gate_BEUY = gate_BTY[:, : n * m].reshape(b, n, m, -1)
+        kv_BMUY = kv_BTY[:, : n * m].reshape(b, n, m, -1)
+        gate_BMUY = gate_BTY[:, : n * m].reshape(b, n, m, -1)
         if self.overlap:  # prepend each window's predecessor; window -1 contributes nothing
-            kv_BEUY = jnp.concatenate([jnp.pad(kv_BEUY[:, :-1], ((0, 0), (1, 0), (0, 0), (0, 0))), kv_BEUY], axis=2)
-            prev_gate = jnp.pad(gate_BEUY[:, :-1], ((0, 0), (1, 0), (0, 0), (0, 0)), constant_values=-jnp.inf)
-            gate_BEUY = jnp.concatenate([prev_gate, gate_BEUY], axis=2)
-        kv_BEUD, gate_BEUD = self._slots(kv_BEUY, gate_BEUY)
-        return self.pool(kv_BEUD, gate_BEUD, jnp.broadcast_to(jnp.arange(n), (b, n)))
+            kv_BMUY = jnp.concatenate([jnp.pad(kv_BMUY[:, :-1], ((0, 0), (1, 0), (0, 0), (0, 0))), kv_BMUY], axis=2)
+            prev_gate = jnp.pad(gate_BMUY[:, :-1], ((0, 0), (1, 0), (0, 0), (0, 0)), constant_values=-jnp.inf)
+            gate_BMUY = jnp.concatenate([prev_gate, gate_BMUY], axis=2)
+        kv_BMUD, gate_BMUD = self._slots(kv_BMUY, gate_BMUY)
+        return self.pool(kv_BMUD, gate_BMUD, jnp.broadcast_to(jnp.arange(n), (b, n)))
 
     def step(self, x_BTD: jax.Array, positions_BT: jax.Array, ring_kv_BUY: jax.Array, ring_gate_BUY: jax.Array,
              entries_BMD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -135,11 +134,11 @@ class Compressor(nnx.Module):
         kv_BTY, gate_BTY = self.project(x_BTD, positions_BT)
         p0_B = positions_BT[:, 0]
         # Entries whose last token lies in [p0, p0 + T): at most ceil(T / m) of them per request.
-        entry_BE = p0_B[:, None] // m + jnp.arange(-(-t // m))[None, :]
-        closes_BE = (entry_BE + 1) * m <= (p0_B + t)[:, None]
-        first_BE = entry_BE * m - (m if self.overlap else 0)
-        src_BEU = first_BE[..., None] + jnp.arange(ring)  # source positions of each entry's slots
-        flat = src_BEU.reshape(b, -1)
+        entry_BM = p0_B[:, None] // m + jnp.arange(-(-t // m))[None, :]
+        closes_BM = (entry_BM + 1) * m <= (p0_B + t)[:, None]
+        first_BM = entry_BM * m - (m if self.overlap else 0)
+        src_BMU = first_BM[..., None] + jnp.arange(ring)  # source positions of each entry's slots
+        flat = src_BMU.reshape(b, -1)
         from_new = flat >= p0_B[:, None]
         new_idx = jnp.clip(flat - p0_B[:, None], 0, t - 1)[..., None]
         ring_idx = (flat % ring)[..., None]
@@ -148,12 +147,12 @@ class Compressor(nnx.Module):
         gate = jnp.where(from_new[..., None], jnp.take_along_axis(gate_BTY, new_idx, axis=1),
                          jnp.take_along_axis(ring_gate_BUY, ring_idx, axis=1))
         before_start = (flat < 0)[..., None]  # the window before entry 0
-        kv = jnp.where(before_start, jnp.zeros_like(kv), kv).reshape(src_BEU.shape + kv.shape[-1:])
-        gate = jnp.where(before_start, -jnp.inf, gate).reshape(src_BEU.shape + gate.shape[-1:])
-        new_BED = self.pool(*self._slots(kv, gate), entry_BE)
+        kv = jnp.where(before_start, jnp.zeros_like(kv), kv).reshape(src_BMU.shape + kv.shape[-1:])
+        gate = jnp.where(before_start, -jnp.inf, gate).reshape(src_BMU.shape + gate.shape[-1:])
+        new_BMD = self.pool(*self._slots(kv, gate), entry_BM)
         batch_B1 = jnp.arange(b)[:, None]
-        write_BE = jnp.where(closes_BE, entry_BE, entries_BMD.shape[1])
-        entries_BMD = entries_BMD.at[batch_B1, write_BE].set(new_BED.astype(entries_BMD.dtype), mode="drop")
+        write_BM = jnp.where(closes_BM, entry_BM, entries_BMD.shape[1])
+        entries_BMD = entries_BMD.at[batch_B1, write_BM].set(new_BMD.astype(entries_BMD.dtype), mode="drop")
         # Only the last `ring` new tokens reach the ring (earlier ones would collide on a slot).
         slot_BT = jnp.where(jnp.arange(t)[None, :] >= t - ring, positions_BT % ring, ring)
         ring_kv_BUY = ring_kv_BUY.at[batch_B1, slot_BT].set(kv_BTY.astype(ring_kv_BUY.dtype), mode="drop")

@@ -180,10 +180,10 @@ class Attention(nnx.Module):
         out_BTNH = jnp.einsum("btns,bsh->btnh", probs_BTNS, keys_BSH.astype(jnp.float32))
         return self._output(out_BTNH, cos, sin, x_BTD.dtype)
 
-    def step(self, x_BTD, positions_BT, window_BWH, comp) -> tuple[jax.Array, jax.Array, tuple]:
+    def step(self, x_BTD, positions_BT, window_BSH, comp) -> tuple[jax.Array, jax.Array, tuple]:
         """Cached forward for ``T`` new tokens per request at ``positions_BT``.
 
-        ``window_BWH`` is the request's window ring ``[B, n_win, H]``; ``comp`` this layer's compressor
+        ``window_BSH`` is the request's window ring ``[B, n_win, H]``; ``comp`` this layer's compressor
         arrays: CSA ``(ring_kv, ring_gate, entries, index_ring_kv, index_ring_gate, index_keys)``,
         HCA ``(ring_kv, ring_gate, entries)``, sliding ``()``. Returns ``(out, window, comp)`` updated.
         """
@@ -193,12 +193,12 @@ class Attention(nnx.Module):
         q_BTNH, q_resid_BTQ, kv_BTH = self._project(x_BTD, cos, sin)
         p0_B1 = positions_BT[:, :1]
         # Window rows: key positions t - n_win + 1 .. t, from the ring (before p0) or the new keys.
-        pool_BSH = jnp.concatenate([window_BWH.astype(kv_BTH.dtype), kv_BTH], axis=1)
-        key_pos_BTW = positions_BT[..., None] - n_win + 1 + jnp.arange(n_win)
-        slot_BTW = jnp.where(key_pos_BTW < p0_B1[..., None], key_pos_BTW % n_win,
-                             n_win + key_pos_BTW - p0_B1[..., None])
-        rows = [jax.vmap(lambda pool, ids: pool[ids])(pool_BSH, slot_BTW)]
-        valid = [key_pos_BTW >= 0]
+        pool_BSH = jnp.concatenate([window_BSH.astype(kv_BTH.dtype), kv_BTH], axis=1)
+        key_pos_BTS = positions_BT[..., None] - n_win + 1 + jnp.arange(n_win)
+        slot_BTS = jnp.where(key_pos_BTS < p0_B1[..., None], key_pos_BTS % n_win,
+                             n_win + key_pos_BTS - p0_B1[..., None])
+        rows = [jax.vmap(lambda pool, ids: pool[ids])(pool_BSH, slot_BTS)]
+        valid = [key_pos_BTS >= 0]
         if self.layer_type == CSA:
             ring_kv, ring_gate, entries_BMH, index_kv, index_gate, keys_BMJ = comp
             indexer = self.compressor.indexer
@@ -229,8 +229,8 @@ class Attention(nnx.Module):
                                                     self.sinks[...], scale=self.scale)
         # Only the last n_win new keys reach the ring (earlier ones would collide on a slot).
         write_BT = jnp.where(jnp.arange(t)[None, :] >= t - n_win, positions_BT % n_win, n_win)
-        window_BWH = window_BWH.at[jnp.arange(b)[:, None], write_BT].set(kv_BTH.astype(window_BWH.dtype), mode="drop")
-        return self._output(out_BTNH, cos, sin, x_BTD.dtype), window_BWH, comp
+        window_BSH = window_BSH.at[jnp.arange(b)[:, None], write_BT].set(kv_BTH.astype(window_BSH.dtype), mode="drop")
+        return self._output(out_BTNH, cos, sin, x_BTD.dtype), window_BSH, comp
 
 
 # ---- MoE ---------------------------------------------------------------------------------------
@@ -356,11 +356,11 @@ class DecoderLayer(nnx.Module):
         streams_BTXD = mhc.merge(post, comb, self.self_attn(self.input_layernorm(x_BTD)), streams_BTXD)
         return self._ffn(streams_BTXD, tokens_BT)
 
-    def step(self, streams_BTXD, tokens_BT, positions_BT, window_BWH, comp):
+    def step(self, streams_BTXD, tokens_BT, positions_BT, window_BSH, comp):
         post, comb, x_BTD = self.attn_hc(streams_BTXD)
-        out, window_BWH, comp = self.self_attn.step(self.input_layernorm(x_BTD), positions_BT, window_BWH, comp)
+        out, window_BSH, comp = self.self_attn.step(self.input_layernorm(x_BTD), positions_BT, window_BSH, comp)
         streams_BTXD = mhc.merge(post, comb, out, streams_BTXD)
-        return self._ffn(streams_BTXD, tokens_BT), window_BWH, comp
+        return self._ffn(streams_BTXD, tokens_BT), window_BSH, comp
 
 
 class DeepseekV4(nnx.Module):
@@ -432,8 +432,8 @@ class DeepseekV4(nnx.Module):
                 comp = (st.hca_kv[c], st.hca_gate[c], en.hca[c])
             else:
                 comp = ()
-            streams_BTXD, window_BWH, comp = layer.step(streams_BTXD, tokens_BT, positions_BT, st.window[i], comp)
-            windows.append(window_BWH)
+            streams_BTXD, window_BSH, comp = layer.step(streams_BTXD, tokens_BT, positions_BT, st.window[i], comp)
+            windows.append(window_BSH)
             (csa_out if i in csa else hca_out if i in hca else []).append(comp)
 
         def stack(group, k, old):

@@ -1,0 +1,159 @@
+"""The ESS tier: exact against the resident cache for every pool size and fetch backend, honest
+accounting, LRU invariants, and clear errors."""
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import ess_jax
+from ess_jax import tier
+from ess_jax.engine import Engine, EngineConfig
+
+FIXTURE = Path(__file__).parent / "fixtures" / "hf-v32-a"  # index_topk 16
+LENGTHS, NEW = (300, 170, 90), 16
+MAX_SEQ = max(LENGTHS) + NEW
+
+
+def close(got, ref):
+    """float32 agreement: 1e-5 of the logits' scale (the hit / miss halves merge by log-sum-exp, so
+    sums are taken in another order than the single-pass softmax)."""
+    got, ref = np.stack(got), np.stack(ref)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * max(1.0, np.abs(ref).max()))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ess_jax.load_model(FIXTURE)
+
+
+def serve(model, **offload):
+    engine = Engine(model, EngineConfig(max_batch=2, page_size=16, prefill_chunk=128, max_seq_len=MAX_SEQ,
+                                        keep_logits=True, **offload))
+    rng = np.random.default_rng(0)
+    for n in LENGTHS:  # three requests, two rows: the third joins when the first leaves
+        engine.submit(rng.integers(0, 256, n).tolist(), NEW)
+    return engine, engine.run()
+
+
+@pytest.fixture(scope="module")
+def resident(model):
+    return serve(model)[1]
+
+
+POOLS = {"top_k+1": dict(pool_size=17), "2*top_k": dict(pool_size=32), "ratio 0.1": dict(pool_ratio=0.1),
+         "ratio 0.5": dict(pool_ratio=0.5), "every entry": dict(pool_size=MAX_SEQ)}
+
+
+@pytest.mark.parametrize("fetch", tier.FETCH_BACKENDS)
+@pytest.mark.parametrize("pool", list(POOLS))
+def test_offload_is_exact(model, resident, pool, fetch):
+    engine, requests = serve(model, offload="ess", fetch=fetch, **POOLS[pool])
+    for got, ref in zip(requests, resident):
+        assert got.output_ids == ref.output_ids
+        close(got.logits, ref.logits)
+    metrics = engine.offload_metrics()
+    row_bytes = model.cfg.latent_dim * 4
+    for layer in metrics["per_layer"]:
+        assert layer["hits"] + layer["misses"] == layer["lookups"] > 0
+    assert metrics["h2d_bytes"] == metrics["misses"] * row_bytes
+    decode_rows = sum(NEW - 1 for _ in LENGTHS)  # the first token of each request comes from prefill
+    assert metrics["d2h_bytes"] == (sum(LENGTHS) + decode_rows) * model.cfg.num_hidden_layers * row_bytes
+    if pool == "top_k+1":
+        assert metrics["misses"] > 0 and engine.pool_slots == 17
+    if pool == "every entry":
+        assert metrics["misses"] == 0  # warm-up put every prompt entry in the pool; nothing is evicted
+
+
+def test_split_and_inline_move_the_same_rows(model):
+    counts = [serve(model, offload="ess", fetch=f, pool_size=20)[0].offload_metrics() for f in tier.FETCH_BACKENDS]
+    assert counts[0] == counts[1]
+
+
+def test_device_bytes_are_the_real_arrays(model):
+    engine, _ = serve(model, offload="ess", pool_ratio=0.1)
+    cache, cfg = engine.cache, model.cfg
+    latent = cache.latent
+    expected = (cache.index_keys.nbytes + latent.pool.nbytes + latent.slot_entry.nbytes + latent.slot_last_use.nbytes
+                + latent.resident_slot.nbytes + latent.staged.nbytes + latent.counters.nbytes + latent.clock.nbytes)
+    report = engine.cache_bytes()
+    assert report["device_bytes"] == expected
+    assert report["host_bytes"] == latent.host.nbytes == cfg.num_hidden_layers * engine.allocator.num_pages * 16 * \
+        cfg.latent_dim * 4
+    assert latent.host.sharding.memory_kind == "pinned_host"
+    # the pool holds a fraction of what the resident latent pages would
+    assert latent.pool.nbytes < 0.5 * report["resident_device_bytes"]
+
+
+def test_long_prompt_far_beyond_the_pool():
+    """tiny-v32 (index_topk 64), a 2048-token prompt, P = 65: inline equals resident."""
+    model = ess_jax.load_model("tiny-v32")
+    prompt = np.random.default_rng(1).integers(0, 256, 2048).tolist()
+    runs = []
+    for offload in (dict(), dict(offload="ess", pool_size=65)):
+        engine = Engine(model, EngineConfig(max_batch=1, page_size=64, prefill_chunk=512, keep_logits=True,
+                                            max_seq_len=2048 + 6, **offload))
+        engine.submit(prompt, 6)
+        runs.append((engine, engine.run()[0]))
+    (_, ref), (engine, got) = runs
+    assert got.output_ids == ref.output_ids
+    close(got.logits, ref.logits)
+    assert engine.offload_metrics()["misses"] > 0
+
+
+def test_bad_offload_settings_are_refused(model):
+    with pytest.raises(ValueError, match="below the minimum 17"):
+        Engine(model, EngineConfig(offload="ess", pool_size=16, max_seq_len=200))
+    with pytest.raises(ValueError, match="--host-cache-mb"):
+        Engine(model, EngineConfig(offload="ess", host_cache_mb=0.01, max_seq_len=200))
+    with pytest.raises(ValueError, match="fetch backend"):
+        EngineConfig(offload="ess", fetch="uva")
+    with pytest.raises(ValueError, match="not a mode"):
+        EngineConfig(offload="disk")
+    with pytest.raises(ValueError, match=r"pool-ratio"):
+        Engine(model, EngineConfig(offload="ess", pool_ratio=1.5, max_seq_len=200))
+
+
+# ---- LRU resolution invariants --------------------------------------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_lru_resolution_invariants(data):
+    """Drive one (layer, request) pool through random top-k sequences and check every step: no slot
+    holds two entries, the residency map and slot table are inverse, a hit keeps its slot, each miss
+    and the new entry land in a slot, and evictions take the least recently used slots."""
+    k = data.draw(st.integers(1, 6))
+    slots = data.draw(st.integers(k + 1, k + 6))
+    resolve = jax.jit(tier._resolve)
+    entry = np.full(slots, -1, np.int32)
+    stamp = np.full(slots, tier.EMPTY, np.int32)
+    resident: dict[int, int] = {}
+    for clock in range(data.draw(st.integers(1, 12))):
+        position = clock + 3  # positions 0..2 exist before decoding starts
+        visible = position + 1
+        chosen = data.draw(st.lists(st.integers(0, position), min_size=1, max_size=min(k, visible), unique=True))
+        ids = np.array(chosen + [-1] * (k - len(chosen)), np.int32)
+        known = np.array([resident.get(int(i), -1) if i >= 0 else -1 for i in ids], np.int32)
+        res = jax.tree.map(np.asarray, resolve(ids, known, np.int32(position), True, entry, stamp, np.int32(clock)))
+        hits = known >= 0
+        assert (res.slot_K[hits] == known[hits]).all()  # a hit keeps its slot
+        assert not res.evicted_P[known[hits]].any()  # and is never evicted in the step that uses it
+        needs = res.miss_K | res.is_new_K
+        assert (res.slot_K[ids >= 0] >= 0).all() and len(set(res.slot_K[ids >= 0].tolist())) == (ids >= 0).sum()
+        # evictions are the least recently used among the slots no hit holds
+        taken = np.flatnonzero(res.evicted_P | ((entry < 0) & (res.slot_entry_P >= 0)))
+        free = [s for s in range(slots) if s not in set(known[hits].tolist())]
+        oldest = sorted(free, key=lambda s: (stamp[s], s))[: needs.sum() + (0 if res.is_new_K.any() else 1)]
+        assert set(taken.tolist()) <= set(oldest)
+        for s in np.flatnonzero(res.evicted_P):
+            del resident[int(entry[s])]
+        for i, s in zip(ids[res.miss_K], res.slot_K[res.miss_K]):
+            resident[int(i)] = int(s)
+        resident[position] = int(res.new_slot)
+        entry, stamp = res.slot_entry_P, res.last_use_P
+        held = entry[entry >= 0]
+        assert len(set(held.tolist())) == len(held)  # no entry in two slots
+        assert resident == {int(e): s for s, e in enumerate(entry) if e >= 0}  # inverse maps

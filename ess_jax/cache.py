@@ -27,6 +27,7 @@ class StepMeta:
     positions: jax.Array  # i32[B, T] absolute position of each token in its request
     valid: jax.Array  # bool[B, T] False for padding tokens and inactive batch rows
     page_table: jax.Array  # i32[B, X] the request's pages in position order; 0 past its reservation
+    rows: jax.Array  # i32[B] the request's batch row, indexing per-request state (V4's window and rings)
 
 
 @jax.tree_util.register_dataclass
@@ -63,6 +64,10 @@ class PagedCacheV32:
     @property
     def page_size(self) -> int:
         return self.index_keys.shape[2]
+
+    def after_step(self, meta: StepMeta) -> PagedCacheV32:
+        """End-of-step work of the latent store (the tier's backup), inside the compiled step."""
+        return dataclasses.replace(self, latent=self.latent.after_step(meta))
 
     @property
     def num_pages(self) -> int:

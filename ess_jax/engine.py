@@ -2,9 +2,9 @@
 
 The host does bookkeeping (pages, batch rows, stop conditions) in NumPy; the device runs two
 jitted functions, both donating the cache:
-- ``prefill``: one chunk of one request's prompt, ``[1, T]`` with ``T`` from a few bucketed sizes
-  (the last chunk is padded; padding tokens are written to the null page), and the sampled next
-  token after the chunk's last real token;
+- ``prefill``: one piece of one request's prompt, ``[1, T]``: pieces of ``prefill_chunk`` tokens,
+  the remainder cut into power-of-two pieces (exact, never padded, so compiles stay bounded),
+  and the token sampled after the prompt's last token;
 - ``decode``: one token for every batch row, ``[max_batch, 1]``; inactive rows are masked.
 Requests join the batch when admitted (their pages reserved for prompt + max_new_tokens) and
 leave when they stop, while the others keep decoding. A request's tokens do not depend on what
@@ -47,7 +47,7 @@ class EngineConfig:
     page_size: int = 64  # tokens per cache page
     num_pages: int | None = None  # pages in the pool incl. the null page; default: max_batch full-length requests
     max_seq_len: int | None = None  # longest prompt + max_new_tokens served; default: max_position_embeddings
-    prefill_chunk: int = 256  # longest prefill chunk; shorter chunks use power-of-two buckets from 16
+    prefill_chunk: int = 256  # longest prefill piece; a shorter remainder is cut into power-of-two pieces
     offload: str = "none"  # "ess": latent rows in host memory behind an LRU device pool (ess_jax.tier)
     pool_size: int | None = None  # ess: pool slots per (layer, request); wins over pool_ratio
     pool_ratio: float = 0.2  # ess: pool slots as a fraction of the longest request's entries
@@ -81,7 +81,7 @@ def _prefill(graphdef, params, tokens_BT, meta: StepMeta, cache, last_B, samplin
 def _decode(graphdef, params, tokens_BT, meta: StepMeta, cache, sampling):
     """One decode step for every batch row; the sampled tokens ``i32[B]``."""
     logits_BTV, _, cache = nnx.merge(graphdef, params).step(tokens_BT, meta, cache)
-    cache = dataclasses.replace(cache, latent=cache.latent.after_step(meta))
+    cache = cache.after_step(meta)
     return sample(logits_BTV[:, -1], *sampling), logits_BTV[:, -1], cache
 
 
@@ -103,7 +103,8 @@ _ADMIT_OFFLOADED = jax.jit(_admit_offloaded, donate_argnums=0)
 
 
 def _buckets(chunk: int) -> tuple[int, ...]:
-    sizes = [min(16, chunk)]
+    """Prefill piece sizes: powers of two up to ``chunk``, and ``chunk`` itself."""
+    sizes = [1]
     while sizes[-1] < chunk:
         sizes.append(min(sizes[-1] * 2, chunk))
     return tuple(sizes)
@@ -136,7 +137,10 @@ class Engine:
         self.allocator = PageAllocator(num_pages, config.page_size)
         self.admission = Admission(self.allocator, max_batch=config.max_batch,
                                    max_position_embeddings=self.max_seq_len)
-        self.cache = module.init_cache(num_pages, config.page_size)
+        if cfg.family == "deepseek_v4":  # per-request rows (state + growing entries), sized for max_seq_len
+            self.cache = module.init_cache(config.max_batch, self.max_seq_len)
+        else:  # pages shared by all requests
+            self.cache = module.init_cache(num_pages, config.page_size)
         self.scratch = None
         if self.pool_slots is not None:
             self.cache = dataclasses.replace(self.cache, latent=tier.init_tiered(
@@ -207,16 +211,14 @@ class Engine:
         cache = self.scratch if offloaded else self.cache
         start_time, start, windows = time.perf_counter(), 0, []
         while start < len(prompt):
-            real = min(self.buckets[-1], len(prompt) - start)
-            size = next(b for b in self.buckets if b >= real)
-            tokens = np.zeros((1, size), np.int32)
-            tokens[0, :real] = prompt[start:start + real]
-            positions = (start + np.arange(size, dtype=np.int32))[None]
-            meta = StepMeta(jnp.asarray(positions), jnp.asarray(np.arange(size)[None] < real),
-                            jnp.asarray((table_X if offloaded else pages_X)[None]))
-            token, logits_BV, ids_LBQK, cache = _PREFILL(self.model.graphdef, self.model.params, jnp.asarray(tokens), meta,
-                                              cache, jnp.asarray([real - 1], jnp.int32),
-                                              self._sampling_arrays([request]))
+            # exact pieces, no padding: the largest bucket that fits, so compiles stay bounded
+            real = max(b for b in self.buckets if b <= len(prompt) - start)
+            meta = StepMeta(jnp.asarray((start + np.arange(real, dtype=np.int32))[None]), jnp.ones((1, real), bool),
+                            jnp.asarray((table_X if offloaded else pages_X)[None]), jnp.asarray([slot], jnp.int32))
+            token, logits_BV, ids_LBQK, cache = _PREFILL(self.model.graphdef, self.model.params,
+                                                         jnp.asarray(prompt[None, start:start + real]), meta, cache,
+                                                         jnp.asarray([real - 1], jnp.int32),
+                                                         self._sampling_arrays([request]))
             windows.append((real, ids_LBQK[:, 0]))
             start += real
         if offloaded:
@@ -248,8 +250,8 @@ class Engine:
         tokens, logits_BV, self.cache = self._decode(self.model.params, jnp.asarray(self._last[:, None]), meta, self.cache,
                                           self._sampling_arrays(rows))
         tokens = np.asarray(tokens)
-        latent = self.cache.latent
         if self.scratch is not None:
+            latent = self.cache.latent
             self.stats["d2h_rows"] += int(active.sum()) * self.model.cfg.num_hidden_layers
             if latent.store is not None:  # split: back up this step's rows, one transfer for all layers
                 positions = self._lengths[active]
@@ -266,7 +268,8 @@ class Engine:
 
     def _decode_meta(self, active_B: np.ndarray) -> StepMeta:
         return StepMeta(jnp.asarray(self._lengths[:, None]), jnp.asarray(active_B[:, None]),
-                        jnp.asarray(self.admission.page_table(self.pages_per_row)))
+                        jnp.asarray(self.admission.page_table(self.pages_per_row)),
+                        jnp.arange(self.config.max_batch, dtype=jnp.int32))
 
     def _append(self, request_id: int, slot: int, token: int):
         request = self.requests[request_id]
@@ -282,10 +285,8 @@ class Engine:
 
     def cache_bytes(self) -> dict[str, int]:
         """Bytes of the real cache arrays: device (the decode-time cache), host (the offload store), and
-        what the served requests' reserved pages would occupy on the device without offload."""
-        cfg, itemsize = self.model.cfg, jnp.dtype(self.model.module.dtype).itemsize
-        per_token = cfg.num_hidden_layers * (cfg.latent_dim + cfg.index_head_dim) * itemsize
-        reserved = sum(self.allocator.pages_for(len(r.prompt_ids) + r.max_new_tokens) for r in self.requests.values())
+        what the served requests would occupy on the device without offload (V3.2: their reserved
+        pages of latent rows and indexer keys; V4, always resident today: the cache itself)."""
         arrays = jax.tree.leaves(self.cache)
         host = 0
         if self.scratch is not None:
@@ -293,8 +294,14 @@ class Engine:
             host = latent.store.array.nbytes if latent.store is not None else latent.host.nbytes
             arrays = [x for x in arrays if x is not latent.host]
         device = sum(x.nbytes for x in arrays)
-        out = {"device_bytes": int(device), "host_bytes": int(host),
-               "resident_device_bytes": int(reserved * self.config.page_size * per_token)}
+        resident = device
+        cfg = self.model.cfg
+        if cfg.family == "deepseek_v32":
+            per_token = cfg.num_hidden_layers * (cfg.latent_dim + cfg.index_head_dim) * self.cache.index_keys.itemsize
+            reserved = sum(self.allocator.pages_for(len(r.prompt_ids) + r.max_new_tokens)
+                           for r in self.requests.values())
+            resident = reserved * self.config.page_size * per_token
+        out = {"device_bytes": int(device), "host_bytes": int(host), "resident_device_bytes": int(resident)}
         if self.scratch is not None:
             out["prefill_scratch_bytes"] = int(sum(x.nbytes for x in jax.tree.leaves(self.scratch)))
         return out

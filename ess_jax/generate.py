@@ -71,7 +71,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        help="pages in the device pool, page 0 included; default: enough for --max-batch requests "
                             "of the longest prompt + --max-new-tokens")
     cache.add_argument("--prefill-chunk", type=int, default=256,
-                       help="longest prefill chunk in tokens; shorter chunks use power-of-two buckets (default 256)")
+                       help="longest prefill piece in tokens; a shorter remainder runs as power-of-two pieces "
+                            "(default 256)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter and cache dtype")
     p.add_argument("--weights-seed", type=int, default=0, help="seed of a preset's random weights (default 0)")
     p.add_argument("--json", action="store_true",

@@ -1,7 +1,21 @@
 """The one place models reach compute kernels through.
 
-Each op has a pure-XLA implementation here; Pallas kernels (pallas_kernels/) plug in behind the
-same signatures. Axis letters: ess_jax.notation.
+Each op has a pure-XLA implementation here; the Pallas kernels (pallas_kernels/) plug in behind the
+same signatures, chosen per call by the keyword-only ``kernels`` argument (the CLI's ``--kernels``):
+
+- ``"xla"`` (the default): the jnp code in this module, on any backend;
+- ``"pallas"``: the Pallas kernel; compiled on GPU, ``interpret=True`` on CPU (slow, for tests);
+  there is no TPU lowering yet, so it raises there;
+- ``"auto"``: Pallas on GPU, XLA on CPU and TPU.
+
+The backend is the default one (``jax.default_backend()``) at trace time. On GPU the kernels go
+through Pallas' default (Triton) lowering, which is unverified on real hardware (see
+pallas_kernels/sparse_mla.py).
+
+Latent rows are float ``[..., C + R]`` or, for ``--cache-dtype fp8``, V3.2 FP8 rows
+``uint8 [..., mla_row_bytes(C, R)]`` (656 bytes for C = 512, R = 64; ess_jax.pallas_kernels.fp8_rows):
+the dtype of the rows is the cache format, and every MLA op here accepts both.
+Axis letters: ess_jax.notation.
 """
 
 from __future__ import annotations
@@ -9,18 +23,58 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ess_jax.pallas_kernels import fp8_rows
+from ess_jax.pallas_kernels import sparse_mla as sparse_mla_kernel
+from ess_jax.pallas_kernels import sparse_v4_attention as v4_kernel
+
+KERNELS = ("auto", "xla", "pallas")
+
+
+def resolve_kernels(kernels: str) -> str:
+    """What ``kernels`` runs as on the default backend: ``"xla"``, ``"pallas"`` or ``"interpret"``
+    (Pallas in interpret mode, on CPU). Raises ValueError for an unknown choice or Pallas on TPU."""
+    if kernels not in KERNELS:
+        raise ValueError(f"--kernels {kernels!r} is not a kernel choice; use one of {', '.join(KERNELS)}")
+    backend = jax.default_backend()
+    if kernels == "xla" or (kernels == "auto" and backend != "gpu"):
+        return "xla"
+    if backend == "tpu":
+        raise ValueError("--kernels pallas: the Pallas kernels have no TPU lowering yet; use --kernels xla or auto")
+    return "interpret" if backend == "cpu" else "pallas"
+
+
+def _identity_ids(valid_BTK: jax.Array) -> jax.Array:
+    """Ids of gathered rows flattened to ``[B * T * K, W]``: row (b, t, k) is ``(b * T + t) * K + k``, -1 if invalid."""
+    ids_BTK = jnp.arange(valid_BTK.size, dtype=jnp.int32).reshape(valid_BTK.shape)
+    return jnp.where(valid_BTK, ids_BTK, -1)
+
+
+def _empty(q_BTNX: jax.Array, lse_fill: jax.Array | float = -jnp.inf) -> tuple[jax.Array, jax.Array]:
+    out = jnp.zeros(q_BTNX.shape, jnp.float32)
+    return out, jnp.broadcast_to(jnp.asarray(lse_fill, jnp.float32), q_BTNX.shape[:-1])
+
+
+# ---- V3.2: absorbed MLA ------------------------------------------------------------------------
+
 
 def sparse_mla(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, rows_BTKW: jax.Array, valid_BTK: jax.Array, *,
-               scale: float) -> tuple[jax.Array, jax.Array]:
+               scale: float, kernels: str = "xla") -> tuple[jax.Array, jax.Array]:
     """Absorbed-form MLA over gathered latent rows.
 
     Each query head scores the ``K`` rows ``[c | k_rope]`` by ``q_latent . c + q_rope . k_rope``
     (times ``scale``), softmaxes in float32 over the valid rows and returns the weighted latent
     ``out f32[B, T, N, C]`` and the log-sum-exp ``lse f32[B, T, N]`` of the scaled scores, so
     partial results over disjoint row sets merge exactly. A query with no valid row returns
-    ``out = 0`` and ``lse = -inf``.
+    ``out = 0`` and ``lse = -inf``. ``rows_BTKW`` may be FP8 rows (uint8, see the module docstring).
     """
     c = q_latent_BTNC.shape[-1]
+    mode = resolve_kernels(kernels)
+    if mode != "xla":
+        b, t, k, w = rows_BTKW.shape
+        return sparse_mla_pool(q_latent_BTNC, q_rope_BTNR, rows_BTKW.reshape(b * t * k, w), _identity_ids(valid_BTK),
+                               scale=scale, kernels=kernels)
+    if rows_BTKW.dtype == jnp.uint8:
+        rows_BTKW = fp8_rows.dequantize_mla_rows(rows_BTKW, latent_dim=c, rope_dim=q_rope_BTNR.shape[-1])
     rows_BTKW = rows_BTKW.astype(jnp.float32)
     latent_BTKC, rope_BTKR = rows_BTKW[..., :c], rows_BTKW[..., c:]
     logits_BTNK = (jnp.einsum("btnc,btkc->btnk", q_latent_BTNC.astype(jnp.float32), latent_BTKC)
@@ -33,8 +87,64 @@ def sparse_mla(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, rows_BTKW: jax.
     return out_BTNC, lse_BTN
 
 
+def sparse_mla_pool(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, pool_PW: jax.Array, ids_BTK: jax.Array, *,
+                    scale: float, kernels: str = "xla") -> tuple[jax.Array, jax.Array]:
+    """``sparse_mla`` over the rows of a flat pool ``[P, W]`` named by global row ids ``i32[B, T, K]``
+    (-1 = none), gathered inside the Pallas kernel (``pallas``) or by XLA first (``xla``).
+
+    The pool is one layer's tier pool ``[R, P, W]`` reshaped to ``[R * P, W]`` (ids ``b * P + slot``)
+    or its resident pages ``[G, Z, W]`` reshaped to ``[G * Z, W]`` (ids from ``paged_row_ids``);
+    float rows or FP8 rows (uint8).
+    """
+    mode = resolve_kernels(kernels)
+    if mode == "xla":
+        valid_BTK = ids_BTK >= 0
+        rows_BTKW = pool_PW[jnp.where(valid_BTK, ids_BTK, 0)]
+        return sparse_mla(q_latent_BTNC, q_rope_BTNR, rows_BTKW, valid_BTK, scale=scale, kernels="xla")
+    if ids_BTK.shape[-1] == 0 or pool_PW.shape[0] == 0:
+        return _empty(q_latent_BTNC)
+    kernel = fp8_rows.sparse_mla_fp8 if pool_PW.dtype == jnp.uint8 else sparse_mla_kernel.sparse_mla
+    return kernel(q_latent_BTNC, q_rope_BTNR, pool_PW, ids_BTK.astype(jnp.int32), scale=scale,
+                  interpret=mode == "interpret")
+
+
+def paged_row_ids(page_table_BX: jax.Array, ids_BTK: jax.Array, page_size: int) -> jax.Array:
+    """Request positions ``ids_BTK`` (-1 = none) -> global row ids into pages ``[G, Z, W]`` viewed as
+    ``[G * Z, W]``: ``page_table[b, pos // Z] * Z + pos % Z`` (FlashMLA's sparse index), -1 kept."""
+    b = ids_BTK.shape[0]
+    safe_BTK = jnp.maximum(ids_BTK, 0)
+    page_BTK = jnp.take_along_axis(page_table_BX, (safe_BTK // page_size).reshape(b, -1), axis=1)
+    rows_BTK = page_BTK.reshape(ids_BTK.shape) * page_size + safe_BTK % page_size
+    return jnp.where(ids_BTK >= 0, rows_BTK, -1).astype(jnp.int32)
+
+
+def mla_row_width(latent_dim: int, rope_dim: int, dtype) -> int:
+    """Width of one stored latent row: ``C + R`` values, or FP8 bytes when ``dtype`` is uint8."""
+    if jnp.dtype(dtype) == jnp.uint8:
+        return fp8_rows.mla_row_bytes(latent_dim, rope_dim)
+    return latent_dim + rope_dim
+
+
+def encode_mla_rows(rows_W: jax.Array, dtype, *, latent_dim: int) -> jax.Array:
+    """Latent rows ``[..., C + R]`` in the cache's storage format: FP8 rows when ``dtype`` is uint8
+    (``fp8_rows.quantize_mla_rows``), else a cast."""
+    if jnp.dtype(dtype) == jnp.uint8:
+        return fp8_rows.quantize_mla_rows(rows_W, latent_dim=latent_dim)
+    return rows_W.astype(dtype)
+
+
+def decode_mla_rows(rows_X: jax.Array, dtype, *, latent_dim: int, rope_dim: int) -> jax.Array:
+    """Stored latent rows -> ``[..., C + R]`` of ``dtype`` (dequantizes FP8 rows)."""
+    if rows_X.dtype == jnp.uint8:
+        return fp8_rows.dequantize_mla_rows(rows_X, latent_dim=latent_dim, rope_dim=rope_dim, dtype=dtype)
+    return rows_X.astype(dtype)
+
+
+# ---- V4: attention with a sink -----------------------------------------------------------------
+
+
 def sparse_sink_attention(q_BTNH: jax.Array, rows_BTKH: jax.Array, valid_BTK: jax.Array, sinks_N: jax.Array, *,
-                          scale: float) -> tuple[jax.Array, jax.Array]:
+                          scale: float, kernels: str = "xla") -> tuple[jax.Array, jax.Array]:
     """DeepSeek-V4 attention over gathered rows with a learned per-head sink (DOMAIN.md 2.5).
 
     Every row is both key and value (V4 shares one K = V head). Each query head scores its ``K``
@@ -44,6 +154,11 @@ def sparse_sink_attention(q_BTNH: jax.Array, rows_BTKH: jax.Array, valid_BTK: ja
     A query with no valid row returns ``out = 0``. Pass ``sinks_N = -inf`` for a plain partial result
     over a subset of rows: such ``(out, lse)`` pairs merge exactly by log-sum-exp.
     """
+    mode = resolve_kernels(kernels)
+    if mode != "xla":
+        b, t, k, h = rows_BTKH.shape
+        return sparse_sink_attention_pool(q_BTNH, rows_BTKH.reshape(b * t * k, h), _identity_ids(valid_BTK), None,
+                                          None, sinks_N, scale=scale, kernels=kernels)
     rows_BTKH = rows_BTKH.astype(jnp.float32)
     logits_BTNK = jnp.einsum("btnh,btkh->btnk", q_BTNH.astype(jnp.float32), rows_BTKH) * scale
     logits_BTNK = jnp.where(valid_BTK[:, :, None, :], logits_BTNK, -jnp.inf)
@@ -52,6 +167,33 @@ def sparse_sink_attention(q_BTNH: jax.Array, rows_BTKH: jax.Array, valid_BTK: ja
     safe_lse_BTN = jnp.where(jnp.isfinite(lse_BTN), lse_BTN, 0.0)
     probs_BTNK = jnp.exp(logits_BTNK - safe_lse_BTN[..., None])
     return jnp.einsum("btnk,btkh->btnh", probs_BTNK, rows_BTKH), lse_BTN
+
+
+def sparse_sink_attention_pool(q_BTNH: jax.Array, window_PH: jax.Array, window_ids_BTK: jax.Array,
+                               entries_MH: jax.Array | None, entry_ids_BTK: jax.Array | None, sinks_N: jax.Array, *,
+                               scale: float, kernels: str = "xla") -> tuple[jax.Array, jax.Array]:
+    """``sparse_sink_attention`` over window rows ``[P, H]`` plus compressed entries ``[M, H]``
+    (``None, None`` for window-only layers), each named by global row ids ``i32[B, T, K]``
+    (-1 = none); gathered inside the Pallas kernel or by XLA first. See
+    pallas_kernels/sparse_v4_attention.py for how the model's arrays map to pools and ids."""
+    mode = resolve_kernels(kernels)
+    sources = [(window_PH, window_ids_BTK)] + ([(entries_MH, entry_ids_BTK)] if entries_MH is not None else [])
+    if mode == "xla":
+        rows, valid = [], []
+        for pool, ids in sources:
+            ok = ids >= 0
+            rows.append(pool[jnp.where(ok, ids, 0)])
+            valid.append(ok)
+        return sparse_sink_attention(q_BTNH, jnp.concatenate(rows, axis=2), jnp.concatenate(valid, axis=2), sinks_N,
+                                     scale=scale, kernels="xla")
+    sources = [(pool, ids) for pool, ids in sources if ids.shape[-1] > 0 and pool.shape[0] > 0]
+    if not sources:
+        return _empty(q_BTNH, sinks_N.astype(jnp.float32))
+    (window, window_ids), *rest = sources
+    entries, entry_ids = rest[0] if rest else (None, None)
+    return v4_kernel.sparse_v4_attention(q_BTNH, window, window_ids.astype(jnp.int32), entries,
+                                         None if entry_ids is None else entry_ids.astype(jnp.int32), sinks_N,
+                                         scale=scale, interpret=mode == "interpret")
 
 
 def merge_attention(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array) -> jax.Array:

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ess_jax import ops
+from ess_jax.cache import StepMeta
 from ess_jax.config import ModelConfig
 from ess_jax.models import mhc
 from ess_jax.models.compressor import CSACompressor, Compressor, Indexer, RMSNorm, TailRope, visible_entries
@@ -78,6 +79,10 @@ class V4Cache:
     state: V4State
     entries: V4Entries
     lengths: jax.Array  # i32[B] positions already written per request
+
+    def after_step(self, meta: StepMeta) -> V4Cache:
+        """Nothing to do after a step: every part of the V4 cache is resident."""
+        return self
 
 
 # ---- attention ---------------------------------------------------------------------------------
@@ -415,8 +420,32 @@ class DeepseekV4(nnx.Module):
                             hca=zeros(lh, batch, capacity // mh, h))
         return V4Cache(state, entries, jnp.zeros((batch,), jnp.int32))
 
-    def step(self, tokens_BT: jax.Array, cache: V4Cache) -> tuple[jax.Array, V4Cache]:
-        """Append ``T`` tokens per request to ``cache``; logits ``f32[B, T, V]`` and the new cache."""
+    def step(self, tokens_BT: jax.Array, meta: StepMeta, cache: V4Cache) -> tuple[jax.Array, jax.Array, V4Cache]:
+        """The engine's step: ``T`` tokens for the requests in batch rows ``meta.rows`` of ``cache``.
+
+        A row whose first position is 0 starts a new request: its state is cleared first. Every token
+        must be real (no padding: the compressors would pool it); inactive rows may run, they only
+        change their own rows. Returns logits ``f32[B, T, V]``, the (empty) top-k ids ``i32[0, B, T, 0]``
+        and the cache.
+        """
+        rows_B, start_B = meta.rows, meta.positions[:, 0]
+        fresh_B = start_B == 0
+
+        def take(x):  # [layers, batch, ...] -> this step's rows, cleared for new requests
+            sub = x[:, rows_B]
+            return jnp.where(fresh_B.reshape((1, -1) + (1,) * (sub.ndim - 2)), jnp.zeros_like(sub), sub)
+
+        sub = V4Cache(jax.tree.map(take, cache.state), jax.tree.map(take, cache.entries), start_B)
+        logits, sub = self.step_contiguous(tokens_BT, sub)
+        put = lambda x, new: x.at[:, rows_B].set(new)
+        cache = V4Cache(jax.tree.map(put, cache.state, sub.state), jax.tree.map(put, cache.entries, sub.entries),
+                        cache.lengths.at[rows_B].set(sub.lengths))
+        b, t = tokens_BT.shape
+        return logits, jnp.zeros((0, b, t, 0), jnp.int32), cache
+
+    def step_contiguous(self, tokens_BT: jax.Array, cache: V4Cache) -> tuple[jax.Array, V4Cache]:
+        """Append ``T`` tokens per request to ``cache`` (batch row b = request b); logits ``f32[B, T, V]``
+        and the new cache."""
         b, t = tokens_BT.shape
         positions_BT = cache.lengths[:, None] + jnp.arange(t)[None, :]
         st, en = cache.state, cache.entries

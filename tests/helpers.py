@@ -77,7 +77,8 @@ class PagedRun:
         b, t = tokens_BT.shape
         valid_BT = np.ones((b, t), bool) if valid_BT is None else np.asarray(valid_BT)
         positions = self.lengths[:, None] + np.arange(t, dtype=np.int32)[None]
-        meta = StepMeta(jnp.asarray(positions), jnp.asarray(valid_BT), jnp.asarray(self.page_table))
+        meta = StepMeta(jnp.asarray(positions), jnp.asarray(valid_BT), jnp.asarray(self.page_table),
+                        jnp.arange(b, dtype=jnp.int32))
         logits, self.ids, self.cache = self._step(self.params, jnp.asarray(tokens_BT), meta, self.cache)
         self.lengths += valid_BT.sum(1).astype(np.int32)
         return np.asarray(logits)

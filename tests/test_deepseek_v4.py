@@ -43,7 +43,7 @@ def hf():
     """The fixture model and its jitted full forward / step (params as arguments, cache donated)."""
     model = ess_jax.load_model(FIXTURE)
     graphdef, params = model.graphdef, model.params
-    step = jax.jit(lambda p, tokens, cache: nnx.merge(graphdef, p).step(tokens, cache), donate_argnums=2)
+    step = jax.jit(lambda p, tokens, cache: nnx.merge(graphdef, p).step_contiguous(tokens, cache), donate_argnums=2)
     ref = np.load(FIXTURE / "reference.npz")
     refs = [(ref[f"prompt_{i}"], ref[f"logits_{i}"], ref[f"generate_{i}"]) for i in range(2)]
     return model, step, refs

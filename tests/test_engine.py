@@ -102,3 +102,25 @@ def test_requests_that_can_never_fit_are_refused(model):
         engine.submit([1, 2, 1000], 4)
     engine.submit([1, 2, 3], 4)  # the refusals left no trace: a good request still runs
     assert len(engine.run()[0].output_ids) == 4
+
+
+V4_FIXTURE = Path(__file__).parent / "fixtures" / "hf-v4-a"
+
+
+def test_v4_engine_matches_transformers_and_is_batch_invariant():
+    """DeepSeek-V4 through the engine: both fixture prompts together give transformers' greedy
+    tokens; a third request joining late (max_batch 2) does not change them."""
+    model = ess_jax.load_model(V4_FIXTURE)
+    ref = np.load(V4_FIXTURE / "reference.npz")
+    prompts = [ref["prompt_0"].tolist(), ref["prompt_1"].tolist(), _prompts([45])[0]]
+    engine = Engine(model, EngineConfig(max_batch=2, prefill_chunk=64))
+    for p, n in zip(prompts, (24, 24, 10)):
+        engine.submit(p, n)
+    together = [r.output_ids for r in engine.run()]
+    for i in range(2):
+        assert together[i] == ref[f"generate_{i}"][len(prompts[i]):].tolist()
+    alone = Engine(model, EngineConfig(max_batch=1, prefill_chunk=64))
+    alone.submit(prompts[2], 10)
+    assert alone.run()[0].output_ids == together[2]
+    with pytest.raises(ValueError, match="--offload none"):
+        Engine(model, EngineConfig(offload="ess"))

@@ -1,0 +1,562 @@
+"""``python -m ess_jax.bench``: resident vs ESS offload, side by side, on a synthetic long context.
+
+One process builds one engine per configuration: resident (``--offload none``) and ESS at each pool
+ratio (``--ratios``) with each fetch backend (``--fetch``). Every repetition submits the same
+``--batch`` random prompts of ``--context`` tokens to every engine in turn (the order alternates
+between repetitions, so slow drift of a shared machine hits all configurations alike) and decodes
+``--new-tokens`` tokens per request (eos ignored, as serving benchmarks do, so every run decodes
+the same number of steps).
+
+What is measured, per configuration:
+- decode tokens/s: batch x measured steps / their summed latency, per repetition; the median is
+  reported. Decode is compiled before the first run (Engine.run), and the first ``--warmup-steps``
+  decode steps of every run are dropped.
+- step latency p50 / p99: every measured step of every repetition. A step is one call of
+  ``Engine._decode_step`` (host bookkeeping, the compiled step, reading the sampled tokens back, and
+  for ``split`` the host backup), timed with ``time.perf_counter`` by ``TimedEngine``, a subclass
+  that wraps that method and changes nothing else.
+- hit rate, overall and per layer, and h2d bytes per step: the tier's device counters
+  (Engine.offload_metrics) over every decode step of every repetition; h2d = misses x row bytes.
+- device / host bytes: Engine.cache_bytes (the decode-time cache arrays; the prefill scratch, a
+  prefill node's memory, is reported apart).
+- capacity gain: requests that fit in a device budget M (``--device-budget-mb``):
+      with offload    floor(M / (device_bytes / batch))
+      without         floor(M / (resident_device_bytes / batch))   (the resident row's own count)
+  resident_device_bytes being what the same requests hold on the device without offload.
+
+Temporal locality (ESS Fig. 2): a separate, resident pass drives the model's paged step for one
+request (the first prompt), prefills it and decodes ``--locality-steps`` greedy steps, and reports
+per layer the overlap ``|K_t & K_t-1| / |K_t|`` of the indexer's top-k sets of adjacent steps (step
+0 compares the first decode step with the last prompt position). The new position is always among
+``K_t`` and never in ``K_t-1``, so with ``k`` picks the overlap is at most ``(k - 1) / k``.
+
+``--peer hf`` times transformers' ``generate`` on the same weights (saved as a HuggingFace
+checkpoint under ``--out``) and prompts, greedy, on this machine, in this Python if torch and
+transformers import, else with ``--peer-python`` (another interpreter that has them).
+
+Outputs: a table on stdout (or ``--json``: one JSON object), and in ``--out`` results.json and PNG
+plots: hit rate per layer, throughput vs pool ratio, locality heatmap.
+
+Errors print one line starting with "error:" and exit with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ENGINE_FAMILIES = ("deepseek_v32",)  # families the engine serves today; deepseek_v4 is pending
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = _Parser(prog="python -m ess_jax.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny-v32",
+                   help="preset name (random weights from --weights-seed) or HuggingFace checkpoint directory; "
+                        "the engine serves deepseek_v32 (default tiny-v32)")
+    p.add_argument("--context", type=int, default=8192, help="prompt tokens per request (default 8192)")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per request and run (default 64)")
+    p.add_argument("--batch", type=int, default=2, help="requests decoded together (default 2)")
+    p.add_argument("--ratios", type=_floats, default=[0.5, 0.2, 0.1],
+                   help="ESS pool ratios, comma-separated (default 0.5,0.2,0.1)")
+    p.add_argument("--fetch", type=_names, default=["inline", "split"],
+                   help="fetch backends to run, comma-separated subset of inline,split (default both)")
+    p.add_argument("--repeats", type=int, default=3, help="repetitions per configuration; medians reported (default 3)")
+    p.add_argument("--warmup-steps", type=int, default=4, help="decode steps dropped at the start of every run (default 4)")
+    p.add_argument("--locality-steps", type=int, default=64,
+                   help="greedy decode steps of the locality pass; 0 skips it (default 64)")
+    p.add_argument("--prefill-chunk", type=int, default=1024, help="engine prefill chunk in tokens (default 1024)")
+    p.add_argument("--device-budget-mb", type=float, default=1024.0,
+                   help="device memory budget (MiB) for the capacity comparison (default 1024)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="parameter and cache dtype")
+    p.add_argument("--weights-seed", type=int, default=0, help="seed of a preset's random weights (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts (default 0)")
+    p.add_argument("--out", default="bench_out", help="folder for results.json and the PNG plots (default bench_out/)")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object instead of the table")
+    p.add_argument("--peer", choices=["hf"], default=None,
+                   help="also time transformers' generate on the same weights and prompts (needs torch + transformers)")
+    p.add_argument("--peer-python", default=None,
+                   help="a Python interpreter with torch + transformers, for --peer hf when this one lacks them")
+    return p.parse_args(argv)
+
+
+def _check(args: argparse.Namespace) -> None:
+    from ess_jax.tier import FETCH_BACKENDS
+
+    for name in ("context", "batch", "repeats", "prefill_chunk"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    if args.warmup_steps < 0 or args.locality_steps < 0:
+        raise ValueError("--warmup-steps and --locality-steps must be >= 0")
+    if args.new_tokens < args.warmup_steps + 2:
+        raise ValueError(f"--new-tokens {args.new_tokens} leaves no measured decode step after --warmup-steps "
+                         f"{args.warmup_steps} (the first token comes from prefill); use at least {args.warmup_steps + 2}")
+    if not args.ratios:
+        raise ValueError("--ratios is empty")
+    for r in args.ratios:
+        if not 0 < r <= 1:
+            raise ValueError(f"--ratios {r} must be in (0, 1]")
+    bad = [f for f in args.fetch if f not in FETCH_BACKENDS]
+    if bad or not args.fetch:
+        raise ValueError(f"--fetch {','.join(args.fetch)!r} must be a subset of {','.join(FETCH_BACKENDS)}")
+    if args.device_budget_mb <= 0:
+        raise ValueError(f"--device-budget-mb {args.device_budget_mb} must be > 0")
+
+
+def _config_of(name: str):
+    from ess_jax.config import PRESETS, ConfigError, ModelConfig
+
+    if name in PRESETS:
+        return ModelConfig.from_preset(name)
+    if Path(name).is_dir():
+        return ModelConfig.from_json(Path(name) / "config.json")
+    raise ConfigError(f"--model {name!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
+
+
+# ---- timing ------------------------------------------------------------------------------------
+
+def _timed_engine_class():
+    from ess_jax.engine import Engine
+
+    class TimedEngine(Engine):
+        """An Engine whose decode steps are timed one by one; ``steps`` holds ``(seconds, d2h_rows)`` per step."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.steps: list[tuple[float, int]] = []
+
+        def _decode_step(self) -> int:
+            rows, start = self.stats["d2h_rows"], time.perf_counter()
+            served = super()._decode_step()
+            self.steps.append((time.perf_counter() - start, self.stats["d2h_rows"] - rows))
+            return served
+
+    return TimedEngine
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    offload: str  # "none" | "ess"
+    pool_ratio: float | None = None
+    fetch: str | None = None
+
+    @property
+    def label(self) -> str:
+        return "resident" if self.offload == "none" else f"ess r={self.pool_ratio:g} {self.fetch}"
+
+
+def run_settings(model, settings: list[Setting], prompts: list[list[int]], args, log) -> list[dict]:
+    """Run every setting ``args.repeats`` times side by side; one result dict per setting."""
+    from ess_jax.engine import EngineConfig
+
+    TimedEngine = _timed_engine_class()
+    cfg = model.cfg
+    row_bytes = cfg.latent_dim * np.dtype(model.module.dtype).itemsize
+    engines = []
+    for s in settings:
+        config = EngineConfig(max_batch=len(prompts), max_seq_len=args.context + args.new_tokens,
+                              prefill_chunk=args.prefill_chunk, offload=s.offload,
+                              pool_ratio=s.pool_ratio if s.pool_ratio is not None else 0.2, fetch=s.fetch or "inline")
+        engines.append(TimedEngine(model, config))
+    tok_s = [[] for _ in settings]
+    steps_ms = [[] for _ in settings]
+    prefill_tok_s = [[] for _ in settings]
+    cache_bytes: list[dict | None] = [None] * len(settings)
+    outputs: list[list[list[int]] | None] = [None] * len(settings)
+    for rep in range(args.repeats):
+        order = list(range(len(settings)))
+        if rep % 2:
+            order.reverse()
+        for i in order:
+            engine = engines[i]
+            for prompt in prompts:
+                engine.submit(prompt, args.new_tokens)
+            first, prefill = len(engine.steps), (engine.stats["prefill_tokens"], engine.stats["prefill_s"])
+            requests = engine.run()[-len(prompts):]
+            prefill_tok_s[i].append((engine.stats["prefill_tokens"] - prefill[0]) / (engine.stats["prefill_s"] - prefill[1]))
+            if outputs[i] is None:
+                outputs[i] = [r.output_ids for r in requests]
+            if cache_bytes[i] is None:  # resident_device_bytes sums every request submitted so far: read it once
+                cache_bytes[i] = engine.cache_bytes()
+            measured = [t for t, _ in engine.steps[first + args.warmup_steps:]]
+            tok_s[i].append(len(prompts) * len(measured) / sum(measured))
+            steps_ms[i] += [1e3 * t for t in measured]
+            log(f"repeat {rep + 1}/{args.repeats}  {settings[i].label:<22} {tok_s[i][-1]:8.1f} tok/s")
+    resident_tok_s = statistics.median(tok_s[0]) if settings[0].offload == "none" else None
+    results = []
+    for s, engine, rates, ms, cb, prefill, output in zip(settings, engines, tok_s, steps_ms, cache_bytes, prefill_tok_s,
+                                                         outputs):
+        steps = len(engine.steps)
+        metrics = engine.offload_metrics()
+        d2h_rows = sum(r for _, r in engine.steps)
+        result = {
+            "offload": s.offload, "pool_ratio": s.pool_ratio, "fetch": s.fetch, "pool_slots": engine.pool_slots,
+            "decode_tokens_per_s": statistics.median(rates), "decode_tokens_per_s_runs": rates,
+            "relative_to_resident": statistics.median(rates) / resident_tok_s if resident_tok_s else None,
+            "step_ms_p50": float(np.percentile(ms, 50)), "step_ms_p99": float(np.percentile(ms, 99)),
+            "step_ms_mean": float(np.mean(ms)), "measured_steps": len(ms), "decode_steps": steps,
+            "hit_rate": metrics["hit_rate"] if metrics else None,
+            "h2d_bytes_per_step": metrics["h2d_bytes"] / steps if metrics else 0.0,
+            "d2h_bytes_per_step": d2h_rows * row_bytes / steps,
+            "per_layer": ([dict(c, hit_rate=c["hits"] / c["lookups"] if c["lookups"] else 0.0)
+                           for c in metrics["per_layer"]] if metrics else None),
+            "device_bytes": cb["device_bytes"], "host_bytes": cb["host_bytes"],
+            "resident_device_bytes": cb["resident_device_bytes"],
+            "prefill_scratch_bytes": cb.get("prefill_scratch_bytes", 0),
+            "prefill_tokens_per_s": statistics.median(prefill), "compile_s": engine.stats.get("compile_s"),
+            "tokens_match_resident": output == outputs[0], "output_ids": output,
+        }
+        results.append(result)
+    budget = args.device_budget_mb * 2**20
+    for r in results:  # without offload, the requests hold resident_device_bytes (the resident row: by definition)
+        per_request = (r["device_bytes"] if r["offload"] == "ess" else r["resident_device_bytes"]) / len(prompts)
+        resident_per_request = r["resident_device_bytes"] / len(prompts)
+        r["device_bytes_per_request"] = per_request
+        r["requests_in_budget"] = int(budget // per_request)
+        r["requests_in_budget_resident"] = int(budget // resident_per_request)
+        r["capacity_gain"] = (r["requests_in_budget"] / r["requests_in_budget_resident"]
+                              if r["requests_in_budget_resident"] else None)
+    return results
+
+
+# ---- temporal locality -------------------------------------------------------------------------
+
+def topk_overlap(current_LK: np.ndarray, previous_LK: np.ndarray) -> np.ndarray:
+    """``|K_t & K_t-1| / |K_t|`` per layer ``f32[L]`` over the valid (>= 0) ids; 0 for an empty ``K_t``."""
+    overlap_L = np.zeros(current_LK.shape[0], np.float32)
+    for layer, (cur, prev) in enumerate(zip(current_LK, previous_LK)):
+        cur = cur[cur >= 0]
+        overlap_L[layer] = np.isin(cur, prev[prev >= 0]).sum() / max(cur.size, 1)
+    return overlap_L
+
+
+def topk_locality(model, prompt: list[int], steps: int, *, page_size: int = 64, chunk: int = 1024) -> np.ndarray:
+    """Overlap ``|K_t & K_t-1| / |K_t|`` of adjacent top-k sets ``f32[L, steps]`` for one request, from a
+    resident pass of the model's paged step: prompt in chunks, then ``steps`` greedy decode steps."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from ess_jax.cache import StepMeta
+
+    graphdef = model.graphdef
+    step = jax.jit(lambda params, tokens, meta, cache: nnx.merge(graphdef, params).step(tokens, meta, cache),
+                   donate_argnums=3)
+    pages = math.ceil((len(prompt) + steps) / page_size)
+    cache = model.module.init_cache(pages + 1, page_size)
+    table_BX = jnp.arange(1, pages + 1, dtype=jnp.int32)[None]  # contiguous pages 1..X (0 is the null page)
+    row_B = jnp.zeros((1,), jnp.int32)
+    chunk = min(chunk, len(prompt))
+    for start in range(0, len(prompt), chunk):
+        real = min(chunk, len(prompt) - start)
+        tokens_BT = np.zeros((1, chunk), np.int32)
+        tokens_BT[0, :real] = prompt[start:start + real]
+        meta = StepMeta(jnp.asarray(start + np.arange(chunk, dtype=np.int32))[None],
+                        jnp.asarray(np.arange(chunk) < real)[None], table_BX, row_B)
+        logits_BTV, ids_LBTK, cache = step(model.params, jnp.asarray(tokens_BT), meta, cache)
+    previous_LK = np.asarray(ids_LBTK[:, 0, real - 1])
+    token = int(jnp.argmax(logits_BTV[0, real - 1]))
+    overlap_LS = np.zeros((previous_LK.shape[0], steps), np.float32)
+    for t in range(steps):
+        meta = StepMeta(jnp.asarray([[len(prompt) + t]], jnp.int32), jnp.ones((1, 1), bool), table_BX, row_B)
+        logits_BTV, ids_LBTK, cache = step(model.params, jnp.asarray([[token]], jnp.int32), meta, cache)
+        current_LK = np.asarray(ids_LBTK[:, 0, 0])
+        overlap_LS[:, t] = topk_overlap(current_LK, previous_LK)
+        previous_LK, token = current_LK, int(jnp.argmax(logits_BTV[0, 0]))
+    return overlap_LS
+
+
+# ---- the transformers peer ---------------------------------------------------------------------
+
+def save_hf_checkpoint(model, directory: Path, raw_config: dict) -> Path:
+    """Write ``model``'s parameters as a transformers checkpoint (per-expert names, as save_pretrained does)."""
+    from flax import nnx
+    from safetensors.numpy import save_file
+    from ess_jax.checkpoint import hf_name
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for path, variable in nnx.to_flat_state(model.params):
+        name, value = hf_name(path), np.asarray(variable[...], np.float32)
+        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2F, D]: gate rows first
+            half = value.shape[1] // 2
+            for e in range(value.shape[0]):
+                tensors[f"{name[:-len('gate_up_proj')]}{e}.gate_proj.weight"] = np.ascontiguousarray(value[e, :half])
+                tensors[f"{name[:-len('gate_up_proj')]}{e}.up_proj.weight"] = np.ascontiguousarray(value[e, half:])
+        elif name.endswith("mlp.experts.down_proj"):  # [E, D, F]
+            for e in range(value.shape[0]):
+                tensors[f"{name[:-len('down_proj')]}{e}.down_proj.weight"] = np.ascontiguousarray(value[e])
+        else:
+            tensors[name] = np.ascontiguousarray(value)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = dict(raw_config, architectures=["DeepseekV32ForCausalLM"], dtype="float32")
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return directory
+
+
+def hf_generate_timing(checkpoint: str, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict:
+    """Time transformers' greedy ``generate`` (no eos) on ``prompts`` from ``checkpoint``. Self-contained:
+    it imports only torch / transformers, so it also runs as a script in another interpreter."""
+    import statistics
+    import time
+
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor(prompts)
+
+    def timed(n: int):
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                                 min_new_tokens=n, eos_token_id=None, pad_token_id=0)
+        return time.perf_counter() - start, out[:, ids.shape[1]:].tolist()
+
+    prefill, full, outputs = [], [], None
+    for _ in range(repeats):
+        prefill.append(timed(1)[0])
+        seconds, outputs = timed(new_tokens)
+        full.append(seconds)
+    prefill_s, full_s = statistics.median(prefill), statistics.median(full)
+    decode_s = max(full_s - prefill_s, 1e-9)
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
+            "prefill_s": prefill_s, "generate_s": full_s,
+            "prefill_tokens_per_s": ids.numel() / prefill_s,
+            "decode_tokens_per_s": ids.shape[0] * (new_tokens - 1) / decode_s, "output_ids": outputs}
+
+
+def run_peer(model, model_name: str, prompts: list[list[int]], args, log) -> dict:
+    """``--peer hf``: the transformers timing, in this Python or through ``--peer-python``."""
+    from importlib.util import find_spec
+
+    in_process = find_spec("torch") is not None and find_spec("transformers") is not None
+    if not in_process and args.peer_python is None:
+        return {"available": False, "reason": "torch and transformers are not importable in this Python; pass "
+                                              "--peer-python /path/to/python that has them"}
+    if Path(model_name).is_dir():
+        checkpoint = Path(model_name)
+    else:
+        from importlib import resources
+        raw = json.loads(resources.files("ess_jax.configs").joinpath(f"{model_name}.json").read_text())
+        checkpoint = save_hf_checkpoint(model, Path(args.out) / f"hf-{model_name}", raw)
+    log(f"peer: transformers generate on {checkpoint} ({'in process' if in_process else args.peer_python})")
+    call = dict(checkpoint=str(checkpoint), prompts=prompts, new_tokens=args.new_tokens, repeats=args.repeats)
+    if in_process:
+        result = hf_generate_timing(**call)
+    else:
+        script = (inspect.getsource(hf_generate_timing) + "\nimport json, sys\n"
+                  "print(json.dumps(hf_generate_timing(**json.loads(sys.stdin.read()))))\n")
+        proc = subprocess.run([args.peer_python, "-c", script], input=json.dumps(call), capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            return {"available": False, "reason": f"{args.peer_python} failed: {tail}"}
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return dict(result, available=True, checkpoint=str(checkpoint), python=args.peer_python or sys.executable)
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    cells = [headers] + rows
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join([fmt(headers), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows])
+
+
+def render(result: dict) -> str:
+    mib = 2**20
+    rows = []
+    for r in result["runs"]:
+        label = "resident" if r["offload"] == "none" else f"ess {r['pool_ratio']:g} {r['fetch']}"
+        rows.append([label, f"{r['decode_tokens_per_s']:.1f}",
+                     f"{r['relative_to_resident']:.2f}" if r["relative_to_resident"] is not None else "-",
+                     f"{r['step_ms_p50']:.2f}", f"{r['step_ms_p99']:.2f}",
+                     f"{r['hit_rate']:.3f}" if r["hit_rate"] is not None else "-",
+                     f"{r['h2d_bytes_per_step'] / 1024:.1f}", f"{r['device_bytes'] / mib:.1f}",
+                     f"{r['host_bytes'] / mib:.1f}", str(r["requests_in_budget"]),
+                     f"{r['capacity_gain']:.2f}x" if r["capacity_gain"] is not None else "-"])
+    s = result["setup"]
+    out = [f"{s['model']}: {s['batch']} x {s['context']}-token prompts, {s['new_tokens']} new tokens, "
+           f"{s['repeats']} repeats (medians), first {s['warmup_steps']} decode steps of each run dropped; "
+           f"{s['machine']}",
+           _table(["config", "tok/s", "vs res", "p50 ms", "p99 ms", "hit rate", "h2d KiB/step", "device MiB",
+                   "host MiB", f"req/{s['device_budget_mb']:g}MiB", "gain"], rows),
+           f"capacity: {result['capacity_formula']}"]
+    for r in result["runs"]:
+        if r["per_layer"]:
+            per_layer = " ".join(f"{c['hit_rate']:.2f}" for c in r["per_layer"])
+            out.append(f"hit rate per layer, ess {r['pool_ratio']:g} {r['fetch']}: {per_layer}")
+    if result["locality"]:
+        means = " ".join(f"{np.mean(x):.2f}" for x in result["locality"])
+        out.append(f"top-k overlap of adjacent steps, mean per layer ({len(result['locality'][0])} steps): {means}")
+    peer = result.get("peer")
+    if peer is not None:
+        if peer["available"]:
+            out.append(f"peer: transformers {peer['transformers']} (torch {peer['torch']}, {peer['threads']} threads) "
+                       f"decode {peer['decode_tokens_per_s']:.1f} tok/s, prefill {peer['prefill_tokens_per_s']:.0f} "
+                       f"tok/s; ess_jax resident / transformers: decode {peer['decode_ratio']:.2f}x, prefill "
+                       f"{peer['prefill_ratio']:.2f}x; greedy tokens agree (leading, per request) on "
+                       f"{peer['tokens_agree']} of {peer['tokens_compared']}")
+        else:
+            out.append(f"peer: unavailable ({peer['reason']})")
+    return "\n".join(out)
+
+
+def write_plots(result: dict, out: Path) -> list[str]:
+    """PNG plots into ``out``: hit rate per layer, throughput vs pool ratio, locality heatmap."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    ess = [r for r in result["runs"] if r["offload"] == "ess"]
+    if ess:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for r in ess:
+            rates = [c["hit_rate"] for c in r["per_layer"]]
+            ax.plot(range(len(rates)), rates, marker="o", linestyle="-" if r["fetch"] == "inline" else "--",
+                    label=f"ratio {r['pool_ratio']:g}, {r['fetch']}")
+        ax.set(xlabel="layer", ylabel="pool hit rate", ylim=(0, 1.02), title="ESS pool hit rate per layer")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "hit_rate_per_layer.png", dpi=120)
+        plt.close(fig)
+        written.append("hit_rate_per_layer.png")
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for fetch in sorted({r["fetch"] for r in ess}):
+            runs = sorted((r for r in ess if r["fetch"] == fetch), key=lambda r: r["pool_ratio"])
+            x = [r["pool_ratio"] for r in runs]
+            y = [r["decode_tokens_per_s"] for r in runs]
+            lo = [y_ - min(r["decode_tokens_per_s_runs"]) for y_, r in zip(y, runs)]
+            hi = [max(r["decode_tokens_per_s_runs"]) - y_ for y_, r in zip(y, runs)]
+            ax.errorbar(x, y, yerr=[lo, hi], marker="o", capsize=3, label=f"ess {fetch}")
+        for r in result["runs"]:
+            if r["offload"] == "none":
+                ax.axhline(r["decode_tokens_per_s"], color="k", linestyle=":", label="resident")
+        ax.set(xlabel="pool ratio", ylabel="decode tokens/s (median, min-max)", title="decode throughput vs pool ratio")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "throughput_vs_ratio.png", dpi=120)
+        plt.close(fig)
+        written.append("throughput_vs_ratio.png")
+    if result["locality"]:
+        locality = np.asarray(result["locality"])
+        fig, ax = plt.subplots(figsize=(7, 0.5 * locality.shape[0] + 1.5))
+        image = ax.imshow(locality, aspect="auto", vmin=0, vmax=1, cmap="viridis", interpolation="nearest")
+        ax.set(xlabel="decode step", ylabel="layer", title="top-k overlap with the previous step")
+        ax.set_yticks(range(locality.shape[0]))
+        fig.colorbar(image, ax=ax)
+        fig.tight_layout()
+        fig.savefig(out / "locality_heatmap.png", dpi=120)
+        plt.close(fig)
+        written.append("locality_heatmap.png")
+    return written
+
+
+def _machine() -> str:
+    import jax
+
+    devices = jax.devices()
+    return f"{platform.machine()} {os.cpu_count()} CPUs, jax {jax.__version__} on {devices[0].platform} ({len(devices)} device)"
+
+
+def bench(args: argparse.Namespace, log) -> dict:
+    from ess_jax.api import load_model
+
+    cfg = _config_of(args.model)
+    if cfg.family not in ENGINE_FAMILIES:
+        raise ValueError(f"--model {args.model} is {cfg.family}: engine and offload support for it is pending "
+                         f"(the engine serves {', '.join(ENGINE_FAMILIES)} today)")
+    if args.context + args.new_tokens > cfg.max_position_embeddings:
+        raise ValueError(f"--context {args.context} + --new-tokens {args.new_tokens} exceeds max_position_embeddings "
+                         f"{cfg.max_position_embeddings}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = load_model(args.model, args.dtype, seed=args.weights_seed)
+    model.cfg = dataclasses.replace(model.cfg, eos_token_id=())  # decode every --new-tokens step: ignore eos
+    rng = np.random.default_rng(args.seed)
+    prompts = [rng.integers(0, cfg.vocab_size, args.context).tolist() for _ in range(args.batch)]
+    settings = [Setting("none")] + [Setting("ess", r, f) for r in args.ratios for f in args.fetch]
+    runs = run_settings(model, settings, prompts, args, log)
+    locality = []
+    if args.locality_steps:
+        log(f"locality: resident pass, {args.context} prompt tokens + {args.locality_steps} decode steps")
+        locality = topk_locality(model, prompts[0], args.locality_steps).tolist()
+    result = {
+        "setup": {"model": args.model, "family": cfg.family, "context": args.context, "new_tokens": args.new_tokens,
+                  "batch": args.batch, "repeats": args.repeats, "warmup_steps": args.warmup_steps,
+                  "index_topk": cfg.index_topk, "layers": cfg.num_hidden_layers, "dtype": args.dtype,
+                  "device_budget_mb": args.device_budget_mb, "machine": _machine()},
+        "capacity_formula": "requests in budget = floor(budget / (device_bytes / batch)); without offload "
+                            "floor(budget / (resident_device_bytes / batch)); gain = their ratio",
+        "runs": runs, "locality": locality,
+    }
+    if args.peer:
+        peer = run_peer(model, args.model, prompts, args, log)
+        if peer["available"]:
+            resident = runs[0]
+            peer.update(decode_ratio=resident["decode_tokens_per_s"] / peer["decode_tokens_per_s"],
+                        prefill_ratio=resident["prefill_tokens_per_s"] / peer["prefill_tokens_per_s"],
+                        tokens_agree=sum(_agreeing_prefix(a, b) for a, b in zip(resident["output_ids"],
+                                                                                 peer["output_ids"])),
+                        tokens_compared=sum(len(o) for o in peer["output_ids"]))
+        result["peer"] = peer
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    result["plots"] = [str(out / name) for name in write_plots(result, out)]
+    return result
+
+
+def _agreeing_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    log = (lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))
+    try:
+        _check(args)
+        result = bench(args, log)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result) if args.json else render(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,390 @@
+"""``python -m ess_jax.plan``: KV bytes per token and concurrent requests per GPU, with and without offload.
+
+For the real presets (deepseek-v3.2, deepseek-v4-flash, deepseek-v4-pro) the planner splits the
+KV cache into its parts (DOMAIN.md 3), each of them *offloaded* (host store + device pool),
+*resident* (on the device, read densely every step) or *fixed* (a per-request state that does not
+grow with the context):
+
+    deepseek_v32, per layer and token: latent row [c | k_rope]   offloaded   bf16 1152 B, FP8 656 B
+                                       indexer key               resident    bf16  256 B, FP8 132 B
+    deepseek_v4, per CSA layer:        main row per 4 tokens     offloaded   bf16 1024 B, FP8 584 B
+                                       indexer key per 4 tokens  resident    bf16 256 B, FP8 132 B, FP4 68 B
+                 per HCA layer:        main row per 128 tokens   resident
+                 per layer:            SWA window of 128 rows    fixed
+                 per CSA / HCA layer:  compressor tails (fp32)   fixed       64 + 16 KiB / 512 KiB
+
+Row formats: FP8 V3.2 latent = C e4m3 + C/128 fp32 scales + R bf16 rope (FlashMLA's 656-byte row);
+FP8 V4 main row = (H - R) e4m3 + R bf16 + (H - R)/64 ue8m0 scales, padded to 8 bytes (584);
+FP8 indexer key = J e4m3 + one fp32 scale (132); FP4 = J/2 e2m1 + J/32 ue8m0 (68); bf16 = 2 bytes a value.
+
+Capacity, for a context of ``S`` tokens and a pool ratio ``r`` (GB = 1e9 bytes throughout):
+
+    resident request   = S * (a + i) + s                 a / i: offloaded / resident bytes per token
+    offloaded request  = S * i + s + sum over offloaded layers of P * row  [+ overheads, below]
+    P                  = min(max(ceil(r * E), min(k, E) + 1), E)   E: entries of the layer, k: index_topk
+                         (ess_jax.tier.pool_slots: the top-k hits plus the entry written this step)
+    max batch          = floor(KV budget / bytes per request)
+    host bytes per GPU = max_batch_offload * S * a       (the host store holds every offloaded row)
+    KV budget          = --kv-budget-gb, or --gpu-mem-gb * --mem-fraction - weights per GPU,
+                         weights per GPU = routed experts / EP + everything else / TP
+                         (release formats: V3.2 FP8 with fp32 128x128 block scales; V4 FP4 experts,
+                         FP8 attention and shared experts, bf16 compressors / indexers / embeddings)
+
+``--accounting ess_jax`` (the default) adds what ess_jax's tier keeps on the device besides rows: the
+residency map (4 bytes per entry of each offloaded layer) and two int32 slot tables (8 bytes per
+pool slot); ``--accounting paper`` counts KV rows only, as ESS's Table 2 does. With paper accounting
+and ``f = i / (a + i)`` the offloaded batch is ``B(r) = B0 / (f + (1 - f) r)`` (DOMAIN.md 4.2; for
+deepseek-v3.2 FP8, f = 8052 / 48068 = 0.1675), up to floors and the pool minimum.
+
+Example (ESS's setting: 82 GB of FP8 KV per GPU; Table 2's baselines 52 at 32K and 13 at 128K):
+    python -m ess_jax.plan --model deepseek-v3.2 --cache-dtype fp8 --kv-budget-gb 82 \\
+        --context 32768 --context 131072 --pool-ratio 0.21 --pool-ratio 0.1 --accounting paper
+
+Errors print one line starting with "error:" and exit with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+from ess_jax.config import PRESETS, ConfigError, ModelConfig
+
+GB = 1e9
+REAL_PRESETS = ("deepseek-v3.2", "deepseek-v4-flash", "deepseek-v4-pro")
+CACHE_DTYPES = ("bfloat16", "fp8")
+INDEX_DTYPES = ("auto", "bfloat16", "fp8", "fp4")
+ACCOUNTINGS = ("ess_jax", "paper")
+MAP_BYTES = 4  # ess_jax residency map: int32 slot per entry (tier.TieredLatents.resident_slot)
+SLOT_TABLE_BYTES = 8  # ess_jax slot tables: int32 slot_entry + int32 slot_last_use per pool slot
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One part of a request's KV cache."""
+
+    name: str
+    where: str  # "offloaded" | "resident" | "fixed"
+    layers: int  # layers holding it
+    row_bytes: int  # bytes of one row (fixed parts: bytes per layer)
+    tokens_per_row: int  # tokens one row covers (1 raw, m compressed); 0 for fixed parts
+    topk: int = 0  # offloaded parts: entries the indexer selects per step
+
+    def entries(self, context: int) -> int:
+        """Rows per layer for a context of ``context`` tokens (closed windows only; the open tail is
+        in the compressor state)."""
+        return context // self.tokens_per_row if self.tokens_per_row else 0
+
+    def bytes_per_token(self) -> float:
+        return self.layers * self.row_bytes / self.tokens_per_row if self.tokens_per_row else 0.0
+
+    def bytes(self, context: int) -> int:
+        """Bytes of this part for one request, every row present."""
+        if not self.tokens_per_row:
+            return self.layers * self.row_bytes
+        return self.layers * self.entries(context) * self.row_bytes
+
+
+def pool_slots(entries: int, ratio: float, topk: int) -> int:
+    """Pool slots per (layer, request); the same rule as ``ess_jax.tier.pool_slots``."""
+    minimum = min(min(topk, entries) + 1, entries)
+    return min(max(math.ceil(ratio * entries), minimum), entries)
+
+
+def _row_bytes(width: int, rope: int, dtype: str, *, kind: str) -> int:
+    """Bytes of one cached row of ``width`` values (the last ``rope`` of them rope dims)."""
+    if dtype == "bfloat16":
+        return 2 * width
+    nope = width - rope
+    if kind == "v32_latent":  # e4m3 + fp32 scale per 128 + bf16 rope (FlashMLA fp8_ds_mla)
+        return nope + 4 * math.ceil(nope / 128) + 2 * rope
+    if kind == "v4_main":  # e4m3 + bf16 rope + ue8m0 scale per 64, padded to 8 bytes (FlashMLA MODEL1)
+        return 8 * math.ceil((nope + 2 * rope + math.ceil(nope / 64)) / 8)
+    raise ValueError(f"no {dtype} row format for {kind}")
+
+
+def _index_bytes(width: int, dtype: str) -> int:
+    return {"bfloat16": 2 * width, "fp8": width + 4, "fp4": width // 2 + math.ceil(width / 32)}[dtype]
+
+
+def cache_parts(cfg: ModelConfig, cache_dtype: str, index_dtype: str = "auto") -> list[Part]:
+    """The KV cache of one request of ``cfg``, part by part, in ``cache_dtype`` rows."""
+    if cache_dtype not in CACHE_DTYPES:
+        raise ValueError(f"--cache-dtype {cache_dtype!r} is not one of {', '.join(CACHE_DTYPES)}")
+    index_dtype = cache_dtype if index_dtype == "auto" else index_dtype
+    index_row = _index_bytes(cfg.index_head_dim, index_dtype)
+    if cfg.family == "deepseek_v32":
+        n = cfg.num_hidden_layers
+        latent = _row_bytes(cfg.latent_dim, cfg.qk_rope_head_dim, cache_dtype, kind="v32_latent")
+        return [Part("latent [c | k_rope]", "offloaded", n, latent, 1, cfg.index_topk),
+                Part("indexer key", "resident", n, index_row, 1)]
+    types = cfg.layer_types
+    n_csa = types.count("compressed_sparse_attention")
+    n_hca = types.count("heavily_compressed_attention")
+    main = _row_bytes(cfg.head_dim, cfg.qk_rope_head_dim, cache_dtype, kind="v4_main")
+    m, m_h = cfg.compress_rate_csa, cfg.compress_rate_hca
+    # official fp32 compressor rings kv_state + score_state [coff * m, coff * D], coff = 2 (CSA) / 1 (HCA)
+    csa_tail = 2 * (2 * m) * (2 * cfg.head_dim) * 4 + 2 * (2 * m) * (2 * cfg.index_head_dim) * 4
+    hca_tail = 2 * m_h * cfg.head_dim * 4
+    parts = [Part("CSA main rows", "offloaded", n_csa, main, m, cfg.index_topk),
+             Part("CSA indexer keys", "resident", n_csa, index_row, m),
+             Part("HCA rows", "resident", n_hca, main, m_h),
+             Part("SWA window", "fixed", cfg.num_hidden_layers, cfg.sliding_window * main, 0),
+             Part("CSA compressor tails (fp32)", "fixed", n_csa, csa_tail, 0),
+             Part("HCA compressor tails (fp32)", "fixed", n_hca, hca_tail, 0)]
+    return [p for p in parts if p.layers]
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestBytes:
+    resident: int  # the whole cache on the device
+    device: int  # with offload: resident + fixed parts, pools and (ess_jax) tier tables
+    host: int  # with offload: the host store (every offloaded row)
+    pool_slots: int | None  # per offloaded layer
+
+
+def request_bytes(parts: list[Part], context: int, ratio: float, accounting: str = "ess_jax") -> RequestBytes:
+    """Bytes of one request of ``context`` tokens, resident and offloaded at pool ratio ``ratio``."""
+    if accounting not in ACCOUNTINGS:
+        raise ValueError(f"--accounting {accounting!r} is not one of {', '.join(ACCOUNTINGS)}")
+    resident = sum(p.bytes(context) for p in parts)
+    device = sum(p.bytes(context) for p in parts if p.where != "offloaded")
+    host, slots = 0, None
+    for p in parts:
+        if p.where != "offloaded":
+            continue
+        entries = p.entries(context)
+        slots = pool_slots(entries, ratio, p.topk)
+        device += p.layers * slots * p.row_bytes
+        if accounting == "ess_jax":
+            device += p.layers * (entries * MAP_BYTES + slots * SLOT_TABLE_BYTES)
+        host += p.bytes(context)
+    return RequestBytes(resident, device, host, slots)
+
+
+# ---- weights per GPU ---------------------------------------------------------------------------
+
+_V32_FP8 = {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "wq_b", "wk", "gate_proj", "up_proj",
+            "down_proj"}
+_V4_FP8 = {"q_a_proj", "q_b_proj", "kv_proj", "o_a_proj", "o_b_proj"}
+
+
+def _fp8_block_bytes(shape: tuple[int, ...], scale_bytes: int) -> int:
+    *lead, out, inp = shape
+    return math.prod(shape) + scale_bytes * math.prod(lead) * math.ceil(out / 128) * math.ceil(inp / 128)
+
+
+def param_bytes(cfg: ModelConfig, path: tuple[str, ...], shape: tuple[int, ...], itemsize: int) -> tuple[str, float]:
+    """(``"routed"`` | ``"other"``, bytes) of one parameter as the official release stores it; parameters
+    kept unquantized count at the model's own dtype (``itemsize``)."""
+    names = [str(p) for p in path]
+    routed = "experts" in names and "shared_experts" not in names
+    leaf = names[-2] if names[-1] == "weight" else names[-1]
+    if cfg.family == "deepseek_v32":
+        if routed or (names[-1] == "weight" and leaf in _V32_FP8):
+            return ("routed" if routed else "other"), _fp8_block_bytes(shape, 4)  # e4m3 + fp32 block scales
+    else:
+        if routed:  # e2m1 + one ue8m0 scale per 32 values
+            return "routed", math.prod(shape) / 2 + math.prod(shape) / 32
+        if names[-1] == "weight" and "compressor" not in names and (leaf in _V4_FP8 or "shared_experts" in names):
+            return "other", _fp8_block_bytes(shape, 1)  # e4m3 + ue8m0 block scales
+    return "other", math.prod(shape) * itemsize
+
+
+def weight_bytes(cfg: ModelConfig) -> dict[str, float]:
+    """Routed-expert and other weight bytes of the whole model (shapes from the NNX model, built abstractly)."""
+    import jax.numpy as jnp
+    from flax import nnx
+    from ess_jax.api import MODEL_CLASSES
+
+    abstract = nnx.eval_shape(lambda: MODEL_CLASSES[cfg.family](cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    totals = {"routed": 0.0, "other": 0.0}
+    for path, variable in nnx.to_flat_state(nnx.state(abstract)):
+        kind, size = param_bytes(cfg, path, tuple(variable.shape), variable.dtype.itemsize)
+        totals[kind] += size
+    return totals
+
+
+def weights_per_gpu(weights: dict[str, float], cfg: ModelConfig, ep: int, tp: int) -> float:
+    """Routed experts split over EP ranks (whole experts), everything else over TP ranks."""
+    return weights["routed"] * math.ceil(cfg.n_routed_experts / ep) / cfg.n_routed_experts + weights["other"] / tp
+
+
+# ---- CLI ---------------------------------------------------------------------------------------
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = _Parser(prog="python -m ess_jax.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", action="append",
+                   help=f"preset ({', '.join(PRESETS)}) or a config.json / checkpoint directory (repeatable; "
+                        f"default: {', '.join(REAL_PRESETS)})")
+    p.add_argument("--cache-dtype", action="append", choices=CACHE_DTYPES,
+                   help="KV row format (repeatable; default: both)")
+    p.add_argument("--index-dtype", choices=INDEX_DTYPES, default="auto",
+                   help="indexer key format; auto = --cache-dtype (fp4: V4's 68-byte keys)")
+    p.add_argument("--context", action="append", type=int, help="tokens per request (repeatable; default 32768, 131072)")
+    p.add_argument("--pool-ratio", action="append", type=float,
+                   help="device pool slots / entries of the request (repeatable; default 0.5, 0.2, 0.1)")
+    budget = p.add_argument_group("KV budget per GPU (GB = 1e9 bytes)")
+    budget.add_argument("--kv-budget-gb", type=float, default=None,
+                        help="KV-cache memory per GPU; wins over the GPU memory / weights estimate")
+    budget.add_argument("--gpu-mem-gb", type=float, default=141.0, help="GPU memory (default 141, an H200)")
+    budget.add_argument("--mem-fraction", type=float, default=0.9,
+                        help="share of GPU memory for weights + KV, the rest for activations (default 0.9)")
+    budget.add_argument("--ep", type=int, default=32,
+                        help="expert-parallel degree: routed experts split over it (default 32, ESS's deployment)")
+    budget.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the other weights (default 1)")
+    budget.add_argument("--weights-gb", type=float, default=None,
+                        help="weight bytes per GPU, instead of the estimate from the release formats and --ep / --tp")
+    p.add_argument("--accounting", choices=ACCOUNTINGS, default="ess_jax",
+                   help="ess_jax (default): KV rows + the tier's residency map and slot tables; paper: KV rows only")
+    p.add_argument("--json", action="store_true", help='print {"models": [...], "rows": [...]} as one JSON object')
+    return p.parse_args(argv)
+
+
+def _load_config(name: str) -> ModelConfig:
+    if name in PRESETS:
+        return ModelConfig.from_preset(name)
+    path = Path(name)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix == ".json" and path.exists():
+        return ModelConfig.from_json(path)
+    raise ConfigError(f"--model {name!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json / checkpoint "
+                      "directory")
+
+
+def _check(args: argparse.Namespace) -> None:
+    for c in args.context:
+        if c < 1:
+            raise ValueError(f"--context {c} must be >= 1")
+    for r in args.pool_ratio:
+        if not 0 < r <= 1:
+            raise ValueError(f"--pool-ratio {r} must be in (0, 1]")
+    if args.kv_budget_gb is not None and args.kv_budget_gb <= 0:
+        raise ValueError(f"--kv-budget-gb {args.kv_budget_gb} must be > 0")
+    if args.gpu_mem_gb <= 0:
+        raise ValueError(f"--gpu-mem-gb {args.gpu_mem_gb} must be > 0")
+    if not 0 < args.mem_fraction <= 1:
+        raise ValueError(f"--mem-fraction {args.mem_fraction} must be in (0, 1]")
+    if args.ep < 1 or args.tp < 1:
+        raise ValueError(f"--ep {args.ep} and --tp {args.tp} must be >= 1")
+    if args.weights_gb is not None and args.weights_gb < 0:
+        raise ValueError(f"--weights-gb {args.weights_gb} must be >= 0")
+
+
+def plan(args: argparse.Namespace) -> dict:
+    """The planner's result: ``{"models": [...], "rows": [...]}`` (the ``--json`` object)."""
+    models, rows = [], []
+    for name in args.model:
+        cfg = _load_config(name)
+        too_long = [c for c in args.context if c > cfg.max_position_embeddings]
+        if too_long:
+            raise ValueError(f"--context {too_long[0]} exceeds {name}'s max_position_embeddings "
+                             f"{cfg.max_position_embeddings}")
+        budget = {"source": "kv-budget-gb"}
+        if args.kv_budget_gb is not None:
+            kv_budget = args.kv_budget_gb * GB
+        else:
+            weights = args.weights_gb * GB if args.weights_gb is not None else weights_per_gpu(
+                weight_bytes(cfg), cfg, args.ep, args.tp)
+            kv_budget = args.gpu_mem_gb * GB * args.mem_fraction - weights
+            budget = {"source": "gpu-mem-gb", "gpu_mem_bytes": args.gpu_mem_gb * GB, "mem_fraction": args.mem_fraction,
+                      "weights_bytes_per_gpu": weights, "ep": args.ep, "tp": args.tp}
+            if kv_budget <= 0:
+                raise ValueError(f"{name}: weights take {weights / GB:.1f} GB per GPU, more than "
+                                 f"{args.mem_fraction} x {args.gpu_mem_gb} GB; raise --ep / --tp or --gpu-mem-gb")
+        budget["kv_budget_bytes"] = kv_budget
+        layouts = []
+        for dtype in args.cache_dtype:
+            parts = cache_parts(cfg, dtype, args.index_dtype)
+            per_token = {w: sum(p.bytes_per_token() for p in parts if p.where == w) for w in ("offloaded", "resident")}
+            total = per_token["offloaded"] + per_token["resident"]
+            layouts.append({"cache_dtype": dtype, "parts": [dataclasses.asdict(p) | {"bytes_per_token": p.bytes_per_token()}
+                                                            for p in parts],
+                            "offloaded_bytes_per_token": per_token["offloaded"],
+                            "resident_bytes_per_token": per_token["resident"],
+                            "bytes_per_token": total, "offloaded_fraction": per_token["offloaded"] / total,
+                            "fixed_bytes_per_request": sum(p.bytes(0) for p in parts if p.where == "fixed")})
+            for context in args.context:
+                for ratio in args.pool_ratio:
+                    req = request_bytes(parts, context, ratio, args.accounting)
+                    resident_batch = int(kv_budget // req.resident)
+                    offload_batch = int(kv_budget // req.device)
+                    rows.append({
+                        "model": name, "context": context, "pool_ratio": ratio, "cache_dtype": dtype,
+                        "index_dtype": dtype if args.index_dtype == "auto" else args.index_dtype,
+                        "accounting": args.accounting, "kv_budget_bytes": kv_budget,
+                        "max_batch_resident": resident_batch, "max_batch_offload": offload_batch,
+                        "capacity_gain": offload_batch / resident_batch if resident_batch else None,
+                        "host_bytes_per_gpu": offload_batch * req.host, "pool_slots": req.pool_slots,
+                        "resident_bytes_per_request": req.resident, "device_bytes_per_request": req.device,
+                        "host_bytes_per_request": req.host,
+                    })
+        models.append({"model": name, "family": cfg.family, "budget": budget, "layouts": layouts})
+    return {"models": models, "rows": rows}
+
+
+def _table(headers: list[str], rows: list[list], right: set[int]) -> str:
+    cells = [headers] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    fmt = lambda r: "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join([fmt(cells[0]), "  ".join("-" * w for w in widths)] + [fmt(r) for r in cells[1:]])
+
+
+def render(result: dict) -> str:
+    out = []
+    for m in result["models"]:
+        b = m["budget"]
+        source = ("--kv-budget-gb" if b["source"] == "kv-budget-gb" else
+                  f"{b['gpu_mem_bytes'] / GB:g} GB x {b['mem_fraction']:g} - weights {b['weights_bytes_per_gpu'] / GB:.1f} GB"
+                  f" (EP {b['ep']}, TP {b['tp']})")
+        out.append(f"{m['model']} ({m['family']}): KV budget {b['kv_budget_bytes'] / GB:.2f} GB per GPU [{source}]")
+        rows = []
+        for lay in m["layouts"]:
+            for p in lay["parts"]:
+                per_row = f"{p['tokens_per_row']}" if p["tokens_per_row"] else "fixed"
+                rows.append([lay["cache_dtype"], p["name"], p["where"], p["layers"], p["row_bytes"], per_row,
+                             f"{p['bytes_per_token']:,.2f}" if p["tokens_per_row"] else f"{p['layers'] * p['row_bytes']:,} / req"])
+            rows.append([lay["cache_dtype"], "total per token", f"offloaded {100 * lay['offloaded_fraction']:.2f} %",
+                         "", "", "", f"{lay['bytes_per_token']:,.2f}"])
+        out.append(_table(["dtype", "part", "where", "layers", "row B", "tokens/row", "B/token"], rows, {3, 4, 5, 6}))
+        out.append("")
+    rows = [[r["model"], r["cache_dtype"], r["context"], f"{r['pool_ratio']:g}", r["pool_slots"],
+             f"{r['resident_bytes_per_request'] / GB:.3f}", f"{r['device_bytes_per_request'] / GB:.3f}",
+             r["max_batch_resident"], r["max_batch_offload"],
+             f"{r['capacity_gain']:.2f}x" if r["capacity_gain"] is not None else "-",
+             f"{r['host_bytes_per_gpu'] / GB:.1f}"] for r in result["rows"]]
+    accounting = result["rows"][0]["accounting"] if result["rows"] else ""
+    out.append(f"Max concurrent requests per GPU ({accounting} accounting; GB = 1e9 bytes)")
+    out.append(_table(["model", "dtype", "context", "ratio", "pool slots", "GB/req resident", "GB/req offload",
+                       "batch resident", "batch offload", "gain", "host GB/GPU"], rows, set(range(2, 11))))
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.model = args.model or list(REAL_PRESETS)
+    args.cache_dtype = args.cache_dtype or list(CACHE_DTYPES)
+    args.context = args.context or [32768, 131072]
+    args.pool_ratio = args.pool_ratio or [0.5, 0.2, 0.1]
+    try:
+        _check(args)
+        result = plan(args)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result) if args.json else render(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

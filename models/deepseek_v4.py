@@ -33,7 +33,7 @@ from ess_jax.cache import StepMeta
 from ess_jax.config import ModelConfig
 from ess_jax.models import mhc
 from ess_jax.models.compressor import CSACompressor, Compressor, Indexer, RMSNorm, TailRope, visible_entries
-from ess_jax.models.layers import Linear
+from ess_jax.models.layers import MLP, Experts, Linear
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
@@ -281,56 +281,13 @@ class Router(nnx.Module):
         return weights_AK * self.scaling, experts_AK.astype(jnp.int32)
 
 
-def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
-    """``silu(min(gate, limit)) * clip(up, -limit, limit)``."""
-    return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
-
-
-class SharedExpert(nnx.Module):
-    """The always-on expert: clamped SwiGLU of width ``moe_intermediate_size``."""
-
-    def __init__(self, hidden: int, intermediate: int, limit: float, *, dtype, rngs: nnx.Rngs):
-        self.gate_proj = Linear(hidden, intermediate, dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(hidden, intermediate, dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(intermediate, hidden, dtype=dtype, rngs=rngs)
-        self.limit = limit
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
-
-
-class Experts(nnx.Module):
-    """Routed clamped-SwiGLU experts, packed: ``gate_up_proj [E, 2F, D]`` (gate rows first), ``down_proj [E, D, F]``."""
-
-    def __init__(self, hidden: int, intermediate: int, n_experts: int, limit: float, *, dtype, rngs: nnx.Rngs):
-        normal = lambda shape: (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-        self.gate_up_proj = nnx.Param(normal((n_experts, 2 * intermediate, hidden)))
-        self.down_proj = nnx.Param(normal((n_experts, hidden, intermediate)))
-        self.limit = limit
-
-    def __call__(self, x_AD: jax.Array, weights_AK: jax.Array, experts_AK: jax.Array) -> jax.Array:
-        """Grouped matmuls over expert-sorted token copies; returns the weighted sum ``f32[A, D]``."""
-        tokens, k = experts_AK.shape
-        flat = experts_AK.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
-        token_of = order // k
-        group_sizes = jnp.bincount(flat, length=self.gate_up_proj.shape[0]).astype(jnp.int32)
-        dims = jax.lax.RaggedDotDimensionNumbers(
-            dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-        h = jax.lax.ragged_dot_general(x_AD[token_of], self.gate_up_proj[...], group_sizes, dims)
-        gate, up = jnp.split(h, 2, axis=-1)
-        y = jax.lax.ragged_dot_general(clamped_swiglu(gate, up, self.limit), self.down_proj[...], group_sizes, dims)
-        y = y.astype(jnp.float32) * weights_AK.reshape(-1)[order][:, None]
-        return jnp.zeros((tokens, x_AD.shape[-1]), jnp.float32).at[token_of].add(y)
-
-
 class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
         limit = cfg.swiglu_limit
         self.gate = Router(cfg, hashed=cfg.mlp_layer_types[layer] == "hash_moe", rngs=rngs)
-        self.experts = Experts(cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, limit, dtype=dtype,
-                               rngs=rngs)
-        self.shared_experts = SharedExpert(cfg.hidden_size, cfg.moe_intermediate_size, limit, dtype=dtype, rngs=rngs)
+        self.experts = Experts(cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, limit=limit,
+                               dtype=dtype, rngs=rngs)
+        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size, limit=limit, dtype=dtype, rngs=rngs)
 
     def __call__(self, x_BTD: jax.Array, tokens_BT: jax.Array) -> jax.Array:
         x_AD = x_BTD.reshape(-1, x_BTD.shape[-1])

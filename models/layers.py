@@ -114,16 +114,24 @@ def apply_rope_half(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 # ---- feed-forward -----------------------------------------------------------------------------
 
 
-class MLP(nnx.Module):
-    """SwiGLU: ``down(silu(gate x) * up x)``."""
+def swiglu(gate: jax.Array, up: jax.Array, limit: float | None) -> jax.Array:
+    """``silu(gate) * up``; with a ``limit`` (V4's swiglu_limit) ``silu(min(gate, limit)) * clip(up, +-limit)``."""
+    if limit is None:
+        return jax.nn.silu(gate) * up
+    return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
 
-    def __init__(self, hidden: int, intermediate: int, *, dtype, rngs: nnx.Rngs):
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(swiglu(gate x, up x))``."""
+
+    def __init__(self, hidden: int, intermediate: int, *, limit: float | None = None, dtype, rngs: nnx.Rngs):
         self.gate_proj = Linear(hidden, intermediate, dtype=dtype, rngs=rngs)
         self.up_proj = Linear(hidden, intermediate, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(intermediate, hidden, dtype=dtype, rngs=rngs)
+        self.limit = limit
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
 class Router(nnx.Module):
@@ -159,9 +167,11 @@ class Router(nnx.Module):
 class Experts(nnx.Module):
     """Routed SwiGLU experts, packed: ``gate_up_proj [E, 2F, D]`` (gate rows first), ``down_proj [E, D, F]``."""
 
-    def __init__(self, hidden: int, intermediate: int, n_experts: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, hidden: int, intermediate: int, n_experts: int, *, limit: float | None = None, dtype,
+                 rngs: nnx.Rngs):
         self.gate_up_proj = nnx.Param(_normal(rngs, (n_experts, 2 * intermediate, hidden), 0.02, dtype))
         self.down_proj = nnx.Param(_normal(rngs, (n_experts, hidden, intermediate), 0.02, dtype))
+        self.limit = limit
 
     def __call__(self, x_AD: jax.Array, weights_AK: jax.Array, experts_AK: jax.Array) -> jax.Array:
         """Grouped matmuls over expert-sorted token copies; returns the weighted sum ``f32[A, D]``."""
@@ -174,7 +184,7 @@ class Experts(nnx.Module):
             dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
         h = jax.lax.ragged_dot_general(x_AD[token_of], self.gate_up_proj[...], group_sizes, dims)
         gate, up = jnp.split(h, 2, axis=-1)
-        y = jax.lax.ragged_dot_general(jax.nn.silu(gate) * up, self.down_proj[...], group_sizes, dims)
+        y = jax.lax.ragged_dot_general(swiglu(gate, up, self.limit), self.down_proj[...], group_sizes, dims)
         y = y.astype(jnp.float32) * weights_AK.reshape(-1)[order][:, None]
         return jnp.zeros((tokens, x_AD.shape[-1]), jnp.float32).at[token_of].add(y)
 

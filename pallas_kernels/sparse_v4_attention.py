@@ -1,0 +1,120 @@
+"""DeepSeek-V4 decode attention over the sliding window plus compressed entries, with the per-head
+sink in the denominator (DOMAIN.md 2.5), fused with the gather of both.
+
+Every row is both key and value (V4 shares one K = V head of width ``H``). For each (request b,
+query token t, head n) the kernel reads the window rows at ``window_ids_BTK[b, t]`` and the
+compressed entries at ``entry_ids_BTK[b, t]`` (CSA: the indexer's picks; HCA: every visible entry)
+straight from their pools and computes, over the union ``J`` of both row sets,
+
+    s_j  = scale * q[b, t, n] . row_j
+    out  = sum_j exp(s_j) row_j / (sum_j exp(s_j) + exp(sinks[n]))          f32[B, T, N, H]
+    lse  = log(sum_j exp(s_j) + exp(sinks[n]))                               f32[B, T, N]
+
+the semantics of ``ess_jax.ops.sparse_sink_attention`` on the gathered rows. Pass ``sinks_N = -inf``
+for a plain partial result over a subset of rows; such (out, lse) pairs merge exactly by
+log-sum-exp. Sliding-window-only layers pass ``entries_MH = entry_ids_BTK = None``.
+
+**Pools and ids** (as in ``sparse_mla``): each pool is one flat row array shared by the batch and
+the ids are global row ids into it, -1 = no row. The model's window ring plus this step's keys
+``[B, S, H]`` -> ``reshape(B * S, H)`` with ids ``b * S + slot``; its entries ``[B, M, H]`` ->
+``reshape(B * M, H)`` with ids ``b * M + entry``.
+
+**Sentinels.** Ids ``< 0`` are skipped, whatever the pool holds. A query with no valid row returns
+``out = 0`` and ``lse = sinks[n]`` (``-inf`` for a ``-inf`` sink).
+
+**Lowering** as ``sparse_mla``: interpret mode on CPU; the default (Triton) GPU lowering builds
+Triton IR for an abstract H200 but is unverified on a GPU; no Mosaic GPU version yet.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ess_jax.pallas_kernels._gather_attention import (KNOBS, check_float, check_ids, check_knobs, check_rank,
+                                                      gather_attention, plain_layout)
+
+
+def check_v4_inputs(q_BTNH, window_PX, window_ids_BTK, entries_MX, entry_ids_BTK, sinks_N, *,
+                    row_width: int | None, pool_names: tuple[str, str]):
+    """Shared by the float and FP8 wrappers: float pools of width H (``row_width=None``) or uint8
+    pools of ``row_width`` bytes. Returns the sources ``[(pool, ids), ...]`` that select rows."""
+    check_rank("q_BTNH", q_BTNH, 4, "[B, T, N, H]")
+    check_float("q_BTNH", q_BTNH)
+    b, t, n, h = q_BTNH.shape
+    float_pools = row_width is None
+    row_width = h if float_pools else row_width
+    check_rank("sinks_N", sinks_N, 1, "[N]")
+    if sinks_N.shape != (n,):
+        raise ValueError(f"sinks_N must be [N] with N = {n} query heads, got {sinks_N.shape}")
+    if (entries_MX is None) != (entry_ids_BTK is None):
+        raise ValueError("entries_MX and entry_ids_BTK go together: pass both, or both None for a window-only layer")
+    sources = [(pool_names[0], window_PX, "window_ids_BTK", window_ids_BTK)]
+    if entries_MX is not None:
+        sources.append((pool_names[1], entries_MX, "entry_ids_BTK", entry_ids_BTK))
+    out = []
+    for pool_name, pool, ids_name, ids in sources:
+        check_rank(pool_name, pool, 2, f"[rows, {row_width}]")
+        if pool.shape[1] != row_width or pool.shape[0] < 1:
+            raise ValueError(f"{pool_name} must be [rows >= 1, {row_width}], got {pool.shape}")
+        if float_pools:
+            check_float(pool_name, pool)
+        elif pool.dtype != jnp.uint8:
+            raise ValueError(f"{pool_name} must hold uint8 FP8 rows, got dtype {pool.dtype}")
+        check_ids(ids_name, ids, b, t)
+        if ids.shape[2] > 0:  # an empty selection contributes nothing
+            out.append((pool, ids))
+    if not out:
+        raise ValueError(f"window_ids_BTK selects no rows (K = 0); got {window_ids_BTK.shape}")
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("scale", *KNOBS))
+def sparse_v4_attention(q_BTNH: jax.Array, window_PH: jax.Array, window_ids_BTK: jax.Array,
+                        entries_MH: jax.Array | None, entry_ids_BTK: jax.Array | None, sinks_N: jax.Array, *,
+                        scale: float, block_h: int = 16, block_k: int = 32, num_splits: int | None = None,
+                        num_warps: int = 4, num_stages: int = 2,
+                        interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """V4 attention over window rows + compressed entries with a sink. Returns ``(out f32[B, T, N, H],
+    lse f32[B, T, N])``. Knobs as ``sparse_mla``."""
+    sources = check_v4_inputs(q_BTNH, window_PH, window_ids_BTK, entries_MH, entry_ids_BTK, sinks_N,
+                              row_width=None, pool_names=("window_PH", "entries_MH"))
+    check_knobs(block_h=block_h, block_k=block_k, num_splits=num_splits)
+    layouts = tuple(plain_layout(q_BTNH.shape[-1], 0, pool.dtype) for pool, _ in sources)
+    return gather_attention(q_BTNH, None, sources, sinks_N, layouts=layouts, scale=scale, block_h=block_h,
+                            block_k=block_k, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
+                            interpret=interpret, name="sparse_v4_attention")
+
+
+def attention_with_sink_reference(q_BTNH, rows_BTKH, valid_BTK, sinks_N, scale):
+    """The math of ``sparse_v4_attention`` on gathered float32 rows (zero where invalid)."""
+    hi = jax.lax.Precision.HIGHEST
+    logits_BTNK = jnp.einsum("btnh,btkh->btnk", q_BTNH.astype(jnp.float32), rows_BTKH, precision=hi) * scale
+    logits_BTNK = jnp.where(valid_BTK[:, :, None, :], logits_BTNK, -jnp.inf)
+    sink_BTN = jnp.broadcast_to(sinks_N.astype(jnp.float32), logits_BTNK.shape[:-1])
+    lse_BTN = jnp.logaddexp(jax.nn.logsumexp(logits_BTNK, axis=-1), sink_BTN)
+    safe_lse_BTN = jnp.where(jnp.isfinite(lse_BTN), lse_BTN, 0.0)
+    probs_BTNK = jnp.exp(logits_BTNK - safe_lse_BTN[..., None])
+    return jnp.einsum("btnk,btkh->btnh", probs_BTNK, rows_BTKH, precision=hi), lse_BTN
+
+
+def gather_rows_reference(pool_PX, ids_BTK, decode=lambda rows: rows):
+    """Rows at ``ids_BTK`` as float32 (``decode`` turns stored rows into values), zero where id < 0."""
+    valid_BTK = ids_BTK >= 0
+    rows = decode(pool_PX[jnp.where(valid_BTK, ids_BTK, 0)]).astype(jnp.float32)
+    return jnp.where(valid_BTK[..., None], rows, 0.0), valid_BTK
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def sparse_v4_attention_reference(q_BTNH: jax.Array, window_PH: jax.Array, window_ids_BTK: jax.Array,
+                                  entries_MH: jax.Array | None, entry_ids_BTK: jax.Array | None, sinks_N: jax.Array,
+                                  *, scale: float) -> tuple[jax.Array, jax.Array]:
+    """``sparse_v4_attention`` in plain jnp: gather both row sets, concatenate, softmax with the sink."""
+    sources = check_v4_inputs(q_BTNH, window_PH, window_ids_BTK, entries_MH, entry_ids_BTK, sinks_N,
+                              row_width=None, pool_names=("window_PH", "entries_MH"))
+    gathered = [gather_rows_reference(pool, ids) for pool, ids in sources]
+    rows_BTKH = jnp.concatenate([r for r, _ in gathered], axis=2)
+    valid_BTK = jnp.concatenate([v for _, v in gathered], axis=2)
+    return attention_with_sink_reference(q_BTNH, rows_BTKH, valid_BTK, sinks_N, scale)

@@ -1,0 +1,83 @@
+"""Compiled (not interpreted) kernels on a CUDA GPU against their references, at DeepSeek's real
+shapes. Marked ``gpu``; skipped with the reason where jax sees no GPU. Run on a GPU runner with
+
+    JAX_PLATFORMS=cuda,cpu .venv/bin/python -m pytest -m gpu
+
+(tests/conftest.py pins JAX_PLATFORMS=cpu unless it is set)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ess_jax import ops
+from ess_jax.pallas_kernels import fp8_rows
+from ess_jax.pallas_kernels.sparse_mla import sparse_mla, sparse_mla_reference
+from ess_jax.pallas_kernels.sparse_v4_attention import sparse_v4_attention, sparse_v4_attention_reference
+from kernel_testing import assert_close, gpu_device, permuted_ids, poison_unused, random_array, valid_counts
+
+pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")]
+
+B, T = 2, 2  # queries (b, t) cycle through 0, 1, K-1 and K valid ids
+
+
+@pytest.fixture(scope="module")
+def device():
+    return gpu_device()
+
+
+def _put(device, *xs):
+    return [None if x is None else jax.device_put(jnp.asarray(x), device) for x in xs]
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_sparse_mla_real_shape(device, fp8):
+    rng = np.random.default_rng(0)
+    n, c, r, k, rows = 128, 512, 64, 2048, 4096
+    ids = permuted_ids(rng, valid_counts(B, T, k), k, rows)
+    pool = rng.standard_normal((rows, c + r)).astype(np.float32)
+    pool = np.asarray(fp8_rows.quantize_mla_rows(pool, latent_dim=c)) if fp8 else pool.astype(jnp.bfloat16)
+    q_latent, q_rope = random_array(rng, (B, T, n, c), jnp.bfloat16), random_array(rng, (B, T, n, r), jnp.bfloat16)
+    args = _put(device, q_latent, q_rope, poison_unused(pool, ids), ids)
+    kernel, reference = ((fp8_rows.sparse_mla_fp8, fp8_rows.sparse_mla_fp8_reference) if fp8
+                         else (sparse_mla, sparse_mla_reference))
+    out, lse = kernel(*args, scale=0.1)
+    ref_out, ref_lse = reference(*args, scale=0.1)
+    assert out.devices() == {device}
+    assert_close(out, ref_out, jnp.bfloat16, "out")
+    assert_close(lse, ref_lse, jnp.bfloat16, "lse")
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_sparse_v4_attention_real_shape(device, fp8):
+    rng = np.random.default_rng(1)
+    n, h, r = 64, 512, 64
+    window_ids = permuted_ids(rng, valid_counts(B, T, 128), 128, 512)
+    entry_ids = permuted_ids(rng, valid_counts(B, T, 512), 512, 2048)
+    pools = [rng.standard_normal((rows, h)).astype(np.float32) for rows in (512, 2048)]
+    pools = [np.asarray(fp8_rows.quantize_v4_rows(p, rope_dim=r)) if fp8 else p.astype(jnp.bfloat16) for p in pools]
+    args = _put(device, random_array(rng, (B, T, n, h), jnp.bfloat16), poison_unused(pools[0], window_ids),
+                window_ids, poison_unused(pools[1], entry_ids), entry_ids, rng.standard_normal(n).astype(np.float32))
+    if fp8:
+        got = fp8_rows.sparse_v4_attention_fp8(*args, scale=512**-0.5, rope_dim=r)
+        want = fp8_rows.sparse_v4_attention_fp8_reference(*args, scale=512**-0.5, rope_dim=r)
+    else:
+        got = sparse_v4_attention(*args, scale=512**-0.5)
+        want = sparse_v4_attention_reference(*args, scale=512**-0.5)
+    assert_close(got[0], want[0], jnp.bfloat16, "out")
+    assert_close(got[1], want[1], jnp.bfloat16, "lse")
+
+
+def test_auto_dispatch_picks_pallas_and_matches_xla(device):
+    if jax.default_backend() != "gpu":
+        pytest.skip("the default backend is not the GPU (set JAX_PLATFORMS=cuda,cpu)")
+    assert ops.resolve_kernels("auto") == "pallas"
+    rng = np.random.default_rng(2)
+    ids = permuted_ids(rng, valid_counts(B, 1, 64), 64, 256)
+    q_latent, q_rope = random_array(rng, (B, 1, 16, 512), jnp.float32), random_array(rng, (B, 1, 16, 64), jnp.float32)
+    pool = random_array(rng, (256, 576), jnp.float32)
+    args = _put(device, q_latent, q_rope, pool, ids)
+    got = jax.jit(lambda *a: ops.sparse_mla_pool(*a, scale=0.1, kernels="auto"))(*args)
+    want = jax.jit(lambda *a: ops.sparse_mla_pool(*a, scale=0.1, kernels="xla"))(*args)
+    assert_close(got[0], want[0], jnp.float32, "out")
+    assert_close(got[1], want[1], jnp.float32, "lse")

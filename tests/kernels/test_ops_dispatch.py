@@ -1,0 +1,119 @@
+"""ess_jax.ops dispatch: kernels="pallas" (interpret mode on CPU) equals kernels="xla" for every op,
+float and FP8 rows, pooled and pre-gathered forms; the halves of a split merge to the whole."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ess_jax import ops
+from ess_jax.cache import rows_at
+from ess_jax.pallas_kernels.sparse_v4_attention import sparse_v4_attention_reference
+from kernel_testing import assert_close, permuted_ids, random_array, valid_counts
+
+B, T, N, C, R, K = 2, 2, 4, 32, 8, 9
+ROWS = B * T * K  # the pooled and pre-gathered forms then share one compiled kernel
+
+
+def test_resolve_kernels_on_cpu():
+    assert jax.default_backend() == "cpu"
+    assert ops.resolve_kernels("xla") == "xla"
+    assert ops.resolve_kernels("auto") == "xla"
+    assert ops.resolve_kernels("pallas") == "interpret"
+    with pytest.raises(ValueError, match="--kernels 'triton'"):
+        ops.resolve_kernels("triton")
+
+
+def _mla_inputs(seed, fp8: bool):
+    rng = np.random.default_rng(seed)
+    ids = jnp.asarray(permuted_ids(rng, valid_counts(B, T, K), K, ROWS))
+    pool = random_array(rng, (ROWS, C + R), jnp.float32)
+    if fp8:
+        pool = ops.encode_mla_rows(pool, jnp.uint8, latent_dim=C)
+    return random_array(rng, (B, T, N, C), jnp.float32), random_array(rng, (B, T, N, R), jnp.float32), pool, ids
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_sparse_mla_pallas_equals_xla(fp8):
+    q_latent, q_rope, pool, ids = _mla_inputs(1, fp8)
+    rows = pool[jnp.maximum(ids, 0)]  # pre-gathered, as the callers pass them today
+    runs = {kernels: (ops.sparse_mla(q_latent, q_rope, rows, ids >= 0, scale=0.3, kernels=kernels),
+                      ops.sparse_mla_pool(q_latent, q_rope, pool, ids, scale=0.3, kernels=kernels))
+            for kernels in ("xla", "pallas")}
+    for form in (0, 1):
+        for i, name in enumerate(("out", "lse")):
+            assert_close(runs["pallas"][form][i], runs["xla"][form][i], jnp.float32, f"{name} form {form}")
+    assert_close(runs["xla"][1][0], runs["xla"][0][0], jnp.float32, "pooled vs gathered")
+
+
+def test_split_halves_merge_to_the_whole():
+    """ESS dual attention: hits and misses attended separately and merged equal one pass."""
+    q_latent, q_rope, pool, ids = _mla_inputs(2, False)
+    half = jnp.asarray(np.random.default_rng(0).random(ids.shape) < 0.5)
+    run = functools.partial(ops.sparse_mla_pool, q_latent, q_rope, pool, scale=0.3, kernels="pallas")
+    (out_a, lse_a), (out_b, lse_b) = run(jnp.where(half, ids, -1)), run(jnp.where(half, -1, ids))
+    out, lse = run(ids)
+    assert_close(ops.merge_attention(out_a, lse_a, out_b, lse_b), out, jnp.float32, "merged out")
+    assert_close(jnp.logaddexp(lse_a, lse_b), lse, jnp.float32, "merged lse")
+
+
+def test_sparse_sink_attention_pallas_equals_xla():
+    rng = np.random.default_rng(3)
+    h = 32
+    window_ids = jnp.asarray(permuted_ids(rng, valid_counts(B, T, 7), 7, 20))
+    entry_ids = jnp.asarray(permuted_ids(rng, valid_counts(B, T, 5), 5, 12))
+    window, entries = random_array(rng, (20, h), jnp.float32), random_array(rng, (12, h), jnp.float32)
+    q, sinks = random_array(rng, (B, T, N, h), jnp.float32), random_array(rng, (N,), jnp.float32)
+    rows = jnp.concatenate([window[jnp.maximum(window_ids, 0)], entries[jnp.maximum(entry_ids, 0)]], axis=2)
+    valid = jnp.concatenate([window_ids >= 0, entry_ids >= 0], axis=2)
+    xla = ops.sparse_sink_attention(q, rows, valid, sinks, scale=0.2, kernels="xla")
+    for got, name in ((ops.sparse_sink_attention(q, rows, valid, sinks, scale=0.2, kernels="pallas"), "gathered"),
+                      (ops.sparse_sink_attention_pool(q, window, window_ids, entries, entry_ids, sinks, scale=0.2,
+                                                      kernels="pallas"), "pooled pallas"),
+                      (ops.sparse_sink_attention_pool(q, window, window_ids, entries, entry_ids, sinks, scale=0.2,
+                                                      kernels="xla"), "pooled xla"),
+                      (sparse_v4_attention_reference(q, window, window_ids, entries, entry_ids, sinks, scale=0.2),
+                       "kernel reference")):
+        assert_close(got[0], xla[0], jnp.float32, f"out ({name})")
+        assert_close(got[1], xla[1], jnp.float32, f"lse ({name})")
+
+
+def test_paged_row_ids_address_the_flattened_pages():
+    rng = np.random.default_rng(4)
+    g, z, w = 9, 4, 6
+    pages = random_array(rng, (g, z, w), jnp.float32)
+    table = jnp.asarray([[3, 7, 1], [8, 2, 5]], jnp.int32)
+    ids = jnp.asarray(permuted_ids(rng, valid_counts(2, 1, 5), 5, 12), jnp.int32)
+    flat = pages.reshape(g * z, w)
+    row_ids = ops.paged_row_ids(table, ids, z)
+    assert np.all((np.asarray(row_ids) < 0) == (np.asarray(ids) < 0))
+    got = np.asarray(flat[jnp.maximum(row_ids, 0)])
+    want = np.asarray(rows_at(pages, table, ids))
+    valid = np.asarray(ids) >= 0
+    np.testing.assert_array_equal(got[valid], want[valid])
+
+
+def test_row_formats():
+    rows = random_array(np.random.default_rng(5), (3, C + R), jnp.float32)
+    assert ops.mla_row_width(512, 64, jnp.uint8) == 656 and ops.mla_row_width(512, 64, jnp.bfloat16) == 576
+    assert ops.encode_mla_rows(rows, jnp.bfloat16, latent_dim=C).dtype == jnp.bfloat16
+    stored = ops.encode_mla_rows(rows, jnp.uint8, latent_dim=C)
+    assert stored.shape == (3, ops.mla_row_width(C, R, jnp.uint8))
+    back = ops.decode_mla_rows(stored, jnp.float32, latent_dim=C, rope_dim=R)
+    np.testing.assert_allclose(np.asarray(back), np.asarray(rows), rtol=2**-4, atol=1e-2)
+
+
+def test_empty_selections():
+    """K = 0: nothing to attend (the pallas path never launches a kernel on an empty pool)."""
+    q_latent, q_rope = jnp.ones((B, 1, N, C)), jnp.ones((B, 1, N, R))
+    for kernels in ("xla", "pallas"):
+        out, lse = ops.sparse_mla(q_latent, q_rope, jnp.zeros((B, 1, 0, C + R)), jnp.zeros((B, 1, 0), bool),
+                                  scale=1.0, kernels=kernels)
+        assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(np.asarray(lse)))
+        sinks = jnp.arange(N, dtype=jnp.float32)
+        out, lse = ops.sparse_sink_attention(jnp.ones((B, 1, N, C)), jnp.zeros((B, 1, 0, C)),
+                                             jnp.zeros((B, 1, 0), bool), sinks, scale=1.0, kernels=kernels)
+        assert np.all(np.asarray(out) == 0)
+        np.testing.assert_array_equal(np.asarray(lse), np.broadcast_to(np.asarray(sinks), (B, 1, N)))

@@ -36,6 +36,7 @@ class DeviceLatents:
     """V3.2 latent rows, every position resident on the device in pages (``--offload none``)."""
 
     pages: jax.Array  # [L, G, Z, W] latent rows [c (C) | k_rope (R, interleaved)]
+    kernels: str = dataclasses.field(default="xla", metadata=dict(static=True))  # ops kernel choice
 
     def attend(self, layer: int, meta: StepMeta, rows_BTW: jax.Array, ids_BTK: jax.Array,
                q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, scale: float) -> tuple[jax.Array, DeviceLatents]:
@@ -44,8 +45,9 @@ class DeviceLatents:
         page_BT, offset_BT = write_slots(meta, self.pages.shape[2])
         pages = self.pages.at[layer, page_BT, offset_BT].set(rows_BTW.astype(self.pages.dtype))
         rows_BTKW = rows_at(pages[layer], meta.page_table, ids_BTK)
-        out_BTNC, _ = ops.sparse_mla(q_latent_BTNC, q_rope_BTNR, rows_BTKW, ids_BTK >= 0, scale=scale)
-        return out_BTNC, DeviceLatents(pages)
+        out_BTNC, _ = ops.sparse_mla(q_latent_BTNC, q_rope_BTNR, rows_BTKW, ids_BTK >= 0, scale=scale,
+                                     kernels=self.kernels)
+        return out_BTNC, dataclasses.replace(self, pages=pages)
 
     def after_step(self, meta: StepMeta) -> DeviceLatents:
         """Nothing to do after a step: every row is already where it is read from."""

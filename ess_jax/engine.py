@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 from tqdm import tqdm
 
-from ess_jax import tier
+from ess_jax import ops, tier
 from ess_jax.allocator import Admission, PageAllocator
 from ess_jax.cache import StepMeta
 from ess_jax.sampling import SamplingParams, sample
@@ -54,6 +54,7 @@ class EngineConfig:
     fetch: str = "inline"  # ess: "inline" or "split" (ess_jax.tier)
     host_cache_mb: float | None = None  # ess: host store budget; sets the page count when given
     keep_logits: bool = False  # keep each output token's float32 logits in Request.logits
+    kernels: str = "xla"  # V3.2 attention kernels: "xla", "pallas", "auto" (Pallas on GPU, XLA elsewhere)
 
     def __post_init__(self):
         for name in ("max_batch", "page_size", "prefill_chunk"):
@@ -61,6 +62,7 @@ class EngineConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.offload not in ("none", "ess"):
             raise ValueError(f"--offload {self.offload!r} is not a mode; use 'ess' or 'none'")
+        ops.resolve_kernels(self.kernels)  # raises for an unknown choice
         if self.fetch not in tier.FETCH_BACKENDS:
             raise ValueError(f"--fetch {self.fetch!r} is not a fetch backend; use one of "
                              f"{', '.join(tier.FETCH_BACKENDS)}")
@@ -141,13 +143,18 @@ class Engine:
             self.cache = module.init_cache(config.max_batch, self.max_seq_len)
         else:  # pages shared by all requests
             self.cache = module.init_cache(num_pages, config.page_size)
+            self.cache = dataclasses.replace(self.cache, latent=dataclasses.replace(self.cache.latent,
+                                                                                    kernels=config.kernels))
         self.scratch = None
         if self.pool_slots is not None:
             self.cache = dataclasses.replace(self.cache, latent=tier.init_tiered(
                 layers=cfg.num_hidden_layers, batch=config.max_batch, slots=self.pool_slots, num_pages=num_pages,
-                page_size=config.page_size, width=cfg.latent_dim, dtype=module.dtype, fetch=config.fetch))
+                page_size=config.page_size, width=cfg.latent_dim, dtype=module.dtype, fetch=config.fetch,
+                kernels=config.kernels))
             # prefill computes on a device scratch for one prompt (a prefill node's view), then hands off
             self.scratch = module.init_cache(self.pages_per_row + 1, config.page_size)
+            self.scratch = dataclasses.replace(self.scratch, latent=dataclasses.replace(self.scratch.latent,
+                                                                                        kernels=config.kernels))
         self.buckets = _buckets(config.prefill_chunk)
         self.requests: dict[int, Request] = {}
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "decode_s": 0.0, "prefill_s": 0.0,

@@ -73,6 +73,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     cache.add_argument("--prefill-chunk", type=int, default=256,
                        help="longest prefill piece in tokens; a shorter remainder runs as power-of-two pieces "
                             "(default 256)")
+    p.add_argument("--kernels", choices=["auto", "xla", "pallas"], default="xla",
+                   help="V3.2 attention kernels: 'xla' (default: the GPU lowering of the Pallas kernels is not "
+                        "verified yet), 'auto' = Pallas on GPU and XLA elsewhere, 'pallas' (on CPU: interpret mode, "
+                        "slow, for checking). V4 uses XLA")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter and cache dtype")
     p.add_argument("--weights-seed", type=int, default=0, help="seed of a preset's random weights (default 0)")
     p.add_argument("--json", action="store_true",
@@ -110,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                     for i in range(len(prompts))]
         engine = EngineConfig(max_batch=args.max_batch, page_size=args.page_size, num_pages=args.num_pages,
                               prefill_chunk=args.prefill_chunk, offload=args.offload, pool_size=args.pool_size,
-                              pool_ratio=args.pool_ratio, fetch=args.fetch, host_cache_mb=args.host_cache_mb)
+                              pool_ratio=args.pool_ratio, fetch=args.fetch, host_cache_mb=args.host_cache_mb,
+                              kernels=args.kernels)
         model = load_model(args.model, args.dtype, seed=args.weights_seed)
         result = generate(model, prompts, args.max_new_tokens, sampling=sampling, engine=engine,
                           progress=not args.json)

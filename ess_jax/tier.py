@@ -62,6 +62,7 @@ class TieredLatents:
     clock: jax.Array  # i32[] decode steps so far
     host: jax.Array | None  # inline: [L, G, Z, W] pinned_host store; split: None
     store: HostStore | None = dataclasses.field(default=None, metadata=dict(static=True))  # split only
+    kernels: str = dataclasses.field(default="xla", metadata=dict(static=True))  # ops kernel choice
 
     @property
     def fetch(self) -> str:
@@ -91,9 +92,9 @@ class TieredLatents:
                                      jnp.take_along_axis(pool_BPW, jnp.maximum(res.slot_K, 0)[..., None], axis=1))
             hit_BK = res.hit_K | res.is_new_K
             out_hit, lse_hit = ops.sparse_mla(q_latent_BTNC, q_rope_BTNR, hit_rows_BKW[:, None], hit_BK[:, None],
-                                              scale=scale)
+                                              scale=scale, kernels=self.kernels)
             out_miss, lse_miss = ops.sparse_mla(q_latent_BTNC, q_rope_BTNR, fetched_BKW[:, None],
-                                                res.miss_K[:, None], scale=scale)
+                                                res.miss_K[:, None], scale=scale, kernels=self.kernels)
             out_BTNC = ops.merge_attention(out_hit, lse_hit, out_miss, lse_miss)
         with jax.named_scope("pool_update"):
             # the new entry and the fetched misses go into their slots; masked writes are dropped
@@ -210,7 +211,7 @@ def pool_slots(*, pool_size: int | None, pool_ratio: float | None, max_seq_len: 
 
 
 def init_tiered(*, layers: int, batch: int, slots: int, num_pages: int, page_size: int, width: int, dtype,
-                fetch: str) -> TieredLatents:
+                fetch: str, kernels: str = "xla") -> TieredLatents:
     """An empty tier; the host store is allocated directly in pinned host memory (inline) or NumPy."""
     if fetch not in FETCH_BACKENDS:
         raise ValueError(f"--fetch {fetch!r} is not a fetch backend; use one of {', '.join(FETCH_BACKENDS)}")
@@ -232,6 +233,7 @@ def init_tiered(*, layers: int, batch: int, slots: int, num_pages: int, page_siz
         clock=jnp.zeros((), jnp.int32),
         host=host,
         store=store,
+        kernels=kernels,
     )
 
 

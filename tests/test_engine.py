@@ -124,3 +124,16 @@ def test_v4_engine_matches_transformers_and_is_batch_invariant():
     assert alone.run()[0].output_ids == together[2]
     with pytest.raises(ValueError, match="--offload none"):
         Engine(model, EngineConfig(offload="ess"))
+
+
+@pytest.mark.parametrize("offload", [dict(offload="none"), dict(offload="ess", pool_size=17)])
+def test_pallas_kernels_match_xla_through_the_engine(model, offload):
+    """--kernels pallas (interpret mode on CPU) gives the XLA path's greedy tokens and logits."""
+    prompt = _prompts([40])[0]
+    runs = []
+    for kernels in ("xla", "pallas"):
+        engine = Engine(model, EngineConfig(max_batch=1, keep_logits=True, kernels=kernels, **offload))
+        engine.submit(prompt, 5)
+        runs.append(engine.run()[0])
+    assert runs[0].output_ids == runs[1].output_ids
+    np.testing.assert_allclose(np.stack(runs[1].logits), np.stack(runs[0].logits), atol=1e-4)

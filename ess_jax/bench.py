@@ -445,6 +445,7 @@ def write_plots(result: dict, out: Path) -> list[str]:
             ax.plot(range(len(rates)), rates, marker="o", linestyle="-" if r["fetch"] == "inline" else "--",
                     label=f"ratio {r['pool_ratio']:g}, {r['fetch']}")
         ax.set(xlabel="layer", ylabel="pool hit rate", ylim=(0, 1.02), title="ESS pool hit rate per layer")
+        ax.set_xticks(range(len(ess[0]["per_layer"])))
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(out / "hit_rate_per_layer.png", dpi=120)

@@ -43,7 +43,8 @@ class DeviceLatents:
         """Store this step's rows, then absorbed MLA over the rows at ``ids_BTK`` (-1 = none).
         Returns the attended latent ``f32[B, T, N, C]`` and the updated store."""
         page_BT, offset_BT = write_slots(meta, self.pages.shape[2])
-        pages = self.pages.at[layer, page_BT, offset_BT].set(rows_BTW.astype(self.pages.dtype))
+        rows_BTW = ops.encode_mla_rows(rows_BTW, self.pages.dtype, latent_dim=q_latent_BTNC.shape[-1])
+        pages = self.pages.at[layer, page_BT, offset_BT].set(rows_BTW)
         rows_BTKW = rows_at(pages[layer], meta.page_table, ids_BTK)
         out_BTNC, _ = ops.sparse_mla(q_latent_BTNC, q_rope_BTNR, rows_BTKW, ids_BTK >= 0, scale=scale,
                                      kernels=self.kernels)

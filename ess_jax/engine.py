@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from ess_jax import ops, tier
 from ess_jax.allocator import Admission, PageAllocator
-from ess_jax.cache import StepMeta
+from ess_jax.cache import PagedCacheV32, StepMeta
 from ess_jax.sampling import SamplingParams, sample
 
 
@@ -39,6 +39,9 @@ class Request:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     logits: list[np.ndarray] = dataclasses.field(default_factory=list)  # f32[V] per output token, if kept
     finish_reason: str | None = None  # "stop" (an eos token) or "length" (max_new_tokens)
+
+
+CACHE_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "fp8": jnp.uint8}  # fp8: 656-byte-style rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +58,7 @@ class EngineConfig:
     host_cache_mb: float | None = None  # ess: host store budget; sets the page count when given
     keep_logits: bool = False  # keep each output token's float32 logits in Request.logits
     kernels: str = "xla"  # V3.2 attention kernels: "xla", "pallas", "auto" (Pallas on GPU, XLA elsewhere)
+    cache_dtype: str | None = None  # V3.2 latent rows: None = the model's dtype, "bfloat16", "float32", "fp8"
 
     def __post_init__(self):
         for name in ("max_batch", "page_size", "prefill_chunk"):
@@ -63,6 +67,9 @@ class EngineConfig:
         if self.offload not in ("none", "ess"):
             raise ValueError(f"--offload {self.offload!r} is not a mode; use 'ess' or 'none'")
         ops.resolve_kernels(self.kernels)  # raises for an unknown choice
+        if self.cache_dtype not in (None, *CACHE_DTYPES):
+            raise ValueError(f"--cache-dtype {self.cache_dtype!r} is not a cache dtype; use one of "
+                             f"{', '.join(CACHE_DTYPES)}")
         if self.fetch not in tier.FETCH_BACKENDS:
             raise ValueError(f"--fetch {self.fetch!r} is not a fetch backend; use one of "
                              f"{', '.join(tier.FETCH_BACKENDS)}")
@@ -121,15 +128,20 @@ class Engine:
         num_pages = config.num_pages or config.max_batch * self.pages_per_row + 1
         module = model.module
         self.pool_slots = None
+        self.latent_dtype = CACHE_DTYPES[config.cache_dtype] if config.cache_dtype else module.dtype
+        if cfg.family == "deepseek_v32":
+            self.row_bytes = (ops.mla_row_width(cfg.kv_lora_rank, cfg.qk_rope_head_dim, self.latent_dtype)
+                              * jnp.dtype(self.latent_dtype).itemsize)
+        elif config.cache_dtype is not None:
+            raise ValueError(f"--cache-dtype applies to deepseek_v32 latent rows; {cfg.family} keeps its model dtype")
         if config.offload == "ess":
             if cfg.family != "deepseek_v32":
                 raise ValueError(f"--offload ess is implemented for deepseek_v32; {cfg.family} (HiSparse) is not "
                                  "yet: use --offload none")
             self.pool_slots = tier.pool_slots(pool_size=config.pool_size, pool_ratio=config.pool_ratio,
                                               max_seq_len=self.max_seq_len, index_topk=cfg.index_topk)
-            row_bytes = cfg.latent_dim * jnp.dtype(module.dtype).itemsize
             if config.host_cache_mb is not None:
-                page_bytes = cfg.num_hidden_layers * config.page_size * row_bytes
+                page_bytes = cfg.num_hidden_layers * config.page_size * self.row_bytes
                 num_pages = int(config.host_cache_mb * 2**20 // page_bytes)
                 if num_pages < 1 + self.pages_per_row:
                     raise ValueError(
@@ -139,22 +151,21 @@ class Engine:
         self.allocator = PageAllocator(num_pages, config.page_size)
         self.admission = Admission(self.allocator, max_batch=config.max_batch,
                                    max_position_embeddings=self.max_seq_len)
+        self.scratch = None
         if cfg.family == "deepseek_v4":  # per-request rows (state + growing entries), sized for max_seq_len
             self.cache = module.init_cache(config.max_batch, self.max_seq_len)
-        else:  # pages shared by all requests
-            self.cache = module.init_cache(num_pages, config.page_size)
-            self.cache = dataclasses.replace(self.cache, latent=dataclasses.replace(self.cache.latent,
-                                                                                    kernels=config.kernels))
-        self.scratch = None
-        if self.pool_slots is not None:
-            self.cache = dataclasses.replace(self.cache, latent=tier.init_tiered(
-                layers=cfg.num_hidden_layers, batch=config.max_batch, slots=self.pool_slots, num_pages=num_pages,
-                page_size=config.page_size, width=cfg.latent_dim, dtype=module.dtype, fetch=config.fetch,
-                kernels=config.kernels))
+        elif self.pool_slots is None:  # V3.2, resident: latent pages shared by all requests
+            self.cache = self._resident_cache(module, num_pages)
+        else:  # V3.2, ESS: indexer keys stay in device pages, latent rows go to the tier
+            shapes = jax.eval_shape(lambda: module.init_cache(num_pages, config.page_size, self.latent_dtype))
+            self.cache = PagedCacheV32(
+                index_keys=jnp.zeros(shapes.index_keys.shape, shapes.index_keys.dtype),
+                latent=tier.init_tiered(layers=cfg.num_hidden_layers, batch=config.max_batch, slots=self.pool_slots,
+                                        num_pages=num_pages, page_size=config.page_size,
+                                        width=shapes.latent.pages.shape[-1], dtype=self.latent_dtype,
+                                        fetch=config.fetch, kernels=config.kernels))
             # prefill computes on a device scratch for one prompt (a prefill node's view), then hands off
-            self.scratch = module.init_cache(self.pages_per_row + 1, config.page_size)
-            self.scratch = dataclasses.replace(self.scratch, latent=dataclasses.replace(self.scratch.latent,
-                                                                                        kernels=config.kernels))
+            self.scratch = self._resident_cache(module, self.pages_per_row + 1)
         self.buckets = _buckets(config.prefill_chunk)
         self.requests: dict[int, Request] = {}
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "decode_s": 0.0, "prefill_s": 0.0,
@@ -163,6 +174,10 @@ class Engine:
         self._lengths = np.zeros(b, np.int32)  # tokens in the cache per batch row
         self._last = np.zeros(b, np.int32)  # token each row feeds next
         self._decode = None  # compiled on the first run()
+
+    def _resident_cache(self, module, num_pages: int) -> PagedCacheV32:
+        cache = module.init_cache(num_pages, self.config.page_size, self.latent_dtype)
+        return dataclasses.replace(cache, latent=dataclasses.replace(cache.latent, kernels=self.config.kernels))
 
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], max_new_tokens: int,
@@ -304,7 +319,7 @@ class Engine:
         resident = device
         cfg = self.model.cfg
         if cfg.family == "deepseek_v32":
-            per_token = cfg.num_hidden_layers * (cfg.latent_dim + cfg.index_head_dim) * self.cache.index_keys.itemsize
+            per_token = cfg.num_hidden_layers * (self.row_bytes + cfg.index_head_dim * self.cache.index_keys.itemsize)
             reserved = sum(self.allocator.pages_for(len(r.prompt_ids) + r.max_new_tokens)
                            for r in self.requests.values())
             resident = reserved * self.config.page_size * per_token
@@ -319,7 +334,7 @@ class Engine:
             return None
         counts = np.asarray(self.cache.latent.counters)  # [L, 3] lookups, hits, misses
         lookups, hits, misses = (int(x) for x in counts.sum(0))
-        row_bytes = self.model.cfg.latent_dim * jnp.dtype(self.model.module.dtype).itemsize
+        row_bytes = self.row_bytes
         return {"lookups": lookups, "hits": hits, "misses": misses,
                 "hit_rate": hits / lookups if lookups else 0.0,
                 "h2d_bytes": misses * row_bytes, "d2h_bytes": self.stats["d2h_rows"] * row_bytes,

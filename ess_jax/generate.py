@@ -77,7 +77,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="V3.2 attention kernels: 'xla' (default: the GPU lowering of the Pallas kernels is not "
                         "verified yet), 'auto' = Pallas on GPU and XLA elsewhere, 'pallas' (on CPU: interpret mode, "
                         "slow, for checking). V4 uses XLA")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter and cache dtype")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter and compute dtype")
+    p.add_argument("--cache-dtype", choices=["bfloat16", "float32", "fp8"], default=None,
+                   help="V3.2 latent rows in the cache, host store and pool: default the --dtype; 'fp8' = FlashMLA-"
+                        "style rows (e4m3 latent + one float32 scale per 128 values + bf16 rope: 656 bytes for "
+                        "DeepSeek-V3.2); indexer keys stay in --dtype")
     p.add_argument("--weights-seed", type=int, default=0, help="seed of a preset's random weights (default 0)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: model, family, offload, requests, metrics (see README)")
@@ -115,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = EngineConfig(max_batch=args.max_batch, page_size=args.page_size, num_pages=args.num_pages,
                               prefill_chunk=args.prefill_chunk, offload=args.offload, pool_size=args.pool_size,
                               pool_ratio=args.pool_ratio, fetch=args.fetch, host_cache_mb=args.host_cache_mb,
-                              kernels=args.kernels)
+                              kernels=args.kernels, cache_dtype=args.cache_dtype)
         model = load_model(args.model, args.dtype, seed=args.weights_seed)
         result = generate(model, prompts, args.max_new_tokens, sampling=sampling, engine=engine,
                           progress=not args.json)

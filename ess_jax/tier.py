@@ -75,7 +75,8 @@ class TieredLatents:
             raise ValueError(f"the tier serves decode steps of one token per request, got T={ids_BTK.shape[1]}")
         b, _, k = ids_BTK.shape
         page_size = self.resident_slot.shape[2]
-        ids_BK, new_row_BW = ids_BTK[:, 0], rows_BTW[:, 0].astype(self.pool.dtype)
+        ids_BK = ids_BTK[:, 0]
+        new_row_BW = ops.encode_mla_rows(rows_BTW[:, 0], self.pool.dtype, latent_dim=q_latent_BTNC.shape[-1])
         position_B, active_B = meta.positions[:, 0], meta.valid[:, 0]
         page_BK, offset_BK = _locate(meta.page_table, ids_BK, page_size)
         known_BK = jnp.where(ids_BK >= 0, self.resident_slot[layer, page_BK, offset_BK], -1)

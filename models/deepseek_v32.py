@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ess_jax import ops
 from ess_jax.cache import DeviceLatents, PagedCacheV32, StepMeta, gather_positions, write_slots
 from ess_jax.config import ModelConfig
 from ess_jax.models.layers import (
@@ -192,12 +193,15 @@ class DeepseekV32(nnx.Module):
             h = layer(h, cos, sin)
         return self.lm_head(self.norm(h)).astype(jnp.float32)
 
-    def init_cache(self, num_pages: int, page_size: int) -> PagedCacheV32:
-        """An empty, fully resident paged cache: ``num_pages`` pages (page 0 is the null page)."""
+    def init_cache(self, num_pages: int, page_size: int, latent_dtype=None) -> PagedCacheV32:
+        """An empty, fully resident paged cache: ``num_pages`` pages (page 0 is the null page).
+        ``latent_dtype`` stores the latent rows (default: the model's dtype; uint8 = FP8 rows)."""
         cfg, n = self.cfg, len(self.layers)
+        latent_dtype = latent_dtype or self.dtype
+        width = ops.mla_row_width(cfg.kv_lora_rank, cfg.qk_rope_head_dim, latent_dtype)
         return PagedCacheV32(
             index_keys=jnp.zeros((n, num_pages, page_size, cfg.index_head_dim), self.dtype),
-            latent=DeviceLatents(jnp.zeros((n, num_pages, page_size, cfg.latent_dim), self.dtype)),
+            latent=DeviceLatents(jnp.zeros((n, num_pages, page_size, width), latent_dtype)),
         )
 
     def step(self, tokens_BT: jax.Array, meta: StepMeta, cache: PagedCacheV32

@@ -77,7 +77,8 @@ def _names(text: str) -> list[str]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = _Parser(prog="python -m ess_jax.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="python -m ess_jax.bench", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny-v32",
                    help="preset name (random weights from --weights-seed) or HuggingFace checkpoint directory; "
                         "the engine serves deepseek_v32 (default tiny-v32)")
@@ -89,7 +90,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fetch", type=_names, default=["inline", "split"],
                    help="fetch backends to run, comma-separated subset of inline,split (default both)")
     p.add_argument("--repeats", type=int, default=3, help="repetitions per configuration; medians reported (default 3)")
-    p.add_argument("--warmup-steps", type=int, default=4, help="decode steps dropped at the start of every run (default 4)")
+    p.add_argument("--warmup-steps", type=int, default=4,
+                   help="decode steps dropped at the start of every run (default 4)")
     p.add_argument("--locality-steps", type=int, default=64,
                    help="greedy decode steps of the locality pass; 0 skips it (default 64)")
     p.add_argument("--prefill-chunk", type=int, default=1024, help="engine prefill chunk in tokens (default 1024)")
@@ -117,7 +119,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--warmup-steps and --locality-steps must be >= 0")
     if args.new_tokens < args.warmup_steps + 2:
         raise ValueError(f"--new-tokens {args.new_tokens} leaves no measured decode step after --warmup-steps "
-                         f"{args.warmup_steps} (the first token comes from prefill); use at least {args.warmup_steps + 2}")
+                         f"{args.warmup_steps} (the first token comes from prefill); use at least "
+                         f"{args.warmup_steps + 2}")
     if not args.ratios:
         raise ValueError("--ratios is empty")
     for r in args.ratios:
@@ -200,7 +203,8 @@ def run_settings(model, settings: list[Setting], prompts: list[list[int]], args,
                 engine.submit(prompt, args.new_tokens)
             first, prefill = len(engine.steps), (engine.stats["prefill_tokens"], engine.stats["prefill_s"])
             requests = engine.run()[-len(prompts):]
-            prefill_tok_s[i].append((engine.stats["prefill_tokens"] - prefill[0]) / (engine.stats["prefill_s"] - prefill[1]))
+            prefill_tok_s[i].append((engine.stats["prefill_tokens"] - prefill[0])
+                                    / (engine.stats["prefill_s"] - prefill[1]))
             if outputs[i] is None:
                 outputs[i] = [r.output_ids for r in requests]
             if cache_bytes[i] is None:  # resident_device_bytes sums every request submitted so far: read it once
@@ -488,7 +492,8 @@ def _machine() -> str:
     import jax
 
     devices = jax.devices()
-    return f"{platform.machine()} {os.cpu_count()} CPUs, jax {jax.__version__} on {devices[0].platform} ({len(devices)} device)"
+    return (f"{platform.machine()} {os.cpu_count()} CPUs, jax {jax.__version__} on {devices[0].platform} "
+            f"({len(devices)} device)")
 
 
 def bench(args: argparse.Namespace, log) -> dict:

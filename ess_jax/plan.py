@@ -222,7 +222,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = _Parser(prog="python -m ess_jax.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="python -m ess_jax.plan", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", action="append",
                    help=f"preset ({', '.join(PRESETS)}) or a config.json / checkpoint directory (repeatable; "
                         f"default: {', '.join(REAL_PRESETS)})")
@@ -230,7 +231,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="KV row format (repeatable; default: both)")
     p.add_argument("--index-dtype", choices=INDEX_DTYPES, default="auto",
                    help="indexer key format; auto = --cache-dtype (fp4: V4's 68-byte keys)")
-    p.add_argument("--context", action="append", type=int, help="tokens per request (repeatable; default 32768, 131072)")
+    p.add_argument("--context", action="append", type=int,
+                   help="tokens per request (repeatable; default 32768, 131072)")
     p.add_argument("--pool-ratio", action="append", type=float,
                    help="device pool slots / entries of the request (repeatable; default 0.5, 0.2, 0.1)")
     budget = p.add_argument_group("KV budget per GPU (GB = 1e9 bytes)")
@@ -308,8 +310,8 @@ def plan(args: argparse.Namespace) -> dict:
             parts = cache_parts(cfg, dtype, args.index_dtype)
             per_token = {w: sum(p.bytes_per_token() for p in parts if p.where == w) for w in ("offloaded", "resident")}
             total = per_token["offloaded"] + per_token["resident"]
-            layouts.append({"cache_dtype": dtype, "parts": [dataclasses.asdict(p) | {"bytes_per_token": p.bytes_per_token()}
-                                                            for p in parts],
+            layouts.append({"cache_dtype": dtype,
+                            "parts": [dataclasses.asdict(p) | {"bytes_per_token": p.bytes_per_token()} for p in parts],
                             "offloaded_bytes_per_token": per_token["offloaded"],
                             "resident_bytes_per_token": per_token["resident"],
                             "bytes_per_token": total, "offloaded_fraction": per_token["offloaded"] / total,
@@ -345,15 +347,16 @@ def render(result: dict) -> str:
     for m in result["models"]:
         b = m["budget"]
         source = ("--kv-budget-gb" if b["source"] == "kv-budget-gb" else
-                  f"{b['gpu_mem_bytes'] / GB:g} GB x {b['mem_fraction']:g} - weights {b['weights_bytes_per_gpu'] / GB:.1f} GB"
-                  f" (EP {b['ep']}, TP {b['tp']})")
+                  f"{b['gpu_mem_bytes'] / GB:g} GB x {b['mem_fraction']:g} - weights "
+                  f"{b['weights_bytes_per_gpu'] / GB:.1f} GB (EP {b['ep']}, TP {b['tp']})")
         out.append(f"{m['model']} ({m['family']}): KV budget {b['kv_budget_bytes'] / GB:.2f} GB per GPU [{source}]")
         rows = []
         for lay in m["layouts"]:
             for p in lay["parts"]:
                 per_row = f"{p['tokens_per_row']}" if p["tokens_per_row"] else "fixed"
-                rows.append([lay["cache_dtype"], p["name"], p["where"], p["layers"], p["row_bytes"], per_row,
-                             f"{p['bytes_per_token']:,.2f}" if p["tokens_per_row"] else f"{p['layers'] * p['row_bytes']:,} / req"])
+                per_token = (f"{p['bytes_per_token']:,.2f}" if p["tokens_per_row"]
+                             else f"{p['layers'] * p['row_bytes']:,} / req")
+                rows.append([lay["cache_dtype"], p["name"], p["where"], p["layers"], p["row_bytes"], per_row, per_token])
             rows.append([lay["cache_dtype"], "total per token", f"offloaded {100 * lay['offloaded_fraction']:.2f} %",
                          "", "", "", f"{lay['bytes_per_token']:,.2f}"])
         out.append(_table(["dtype", "part", "where", "layers", "row B", "tokens/row", "B/token"], rows, {3, 4, 5, 6}))

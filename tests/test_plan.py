@@ -1,0 +1,146 @@
+"""The capacity planner's arithmetic against hand-computed values (DOMAIN.md 3-4) and its argument errors."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from ess_jax import plan, tier
+from ess_jax.config import ModelConfig
+
+V32 = ModelConfig.from_preset("deepseek-v3.2")
+ESS = ["--model", "deepseek-v3.2", "--cache-dtype", "fp8", "--kv-budget-gb", "82", "--accounting", "paper"]
+
+
+def run_json(argv, capsys) -> dict:
+    assert plan.main(argv + ["--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def rows_by(result, **key):
+    return [r for r in result["rows"] if all(r[k] == v for k, v in key.items())]
+
+
+def test_v32_rows_are_the_flashmla_formats():
+    fp8 = {p.name: p for p in plan.cache_parts(V32, "fp8")}
+    assert fp8["latent [c | k_rope]"].row_bytes == 512 + 4 * 4 + 64 * 2 == 656
+    assert fp8["indexer key"].row_bytes == 128 + 4 == 132
+    bf16 = {p.name: p.row_bytes for p in plan.cache_parts(V32, "bfloat16")}
+    assert bf16 == {"latent [c | k_rope]": 1152, "indexer key": 256}
+    assert {p.where for p in fp8.values()} == {"offloaded", "resident"}
+    assert fp8["latent [c | k_rope]"].where == "offloaded"
+
+
+def test_v32_fp8_bytes_per_token_and_the_ess_split(capsys):
+    layout = run_json(ESS + ["--context", "32768", "--pool-ratio", "0.2"], capsys)["models"][0]["layouts"][0]
+    assert layout["bytes_per_token"] == 61 * 788 == 48_068
+    assert layout["offloaded_bytes_per_token"] == 40_016 and layout["resident_bytes_per_token"] == 8_052
+    assert round(100 * layout["offloaded_fraction"], 1) == 83.2
+    assert round(100 * (1 - layout["offloaded_fraction"]), 1) == 16.8
+
+
+def test_ess_table2_baselines_and_offload_batches(capsys):
+    # GB = 1e9: 52 x 32768 x 48068 B = 81.9e9 <= 82e9 < 53 x ...; 13 x 131072 x 48068 B = 81.9e9 likewise
+    assert 52 * 32768 * 48068 == 81_904_795_648
+    assert 53 * 32768 * 48068 > 82e9 and 14 * 131072 * 48068 > 82e9
+    result = run_json(ESS + ["--context", "32768", "--context", "131072", "--pool-ratio", "0.21",
+                             "--pool-ratio", "0.1"], capsys)
+    by = {(r["context"], r["pool_ratio"]): r for r in result["rows"]}
+    assert by[32768, 0.21]["max_batch_resident"] == 52
+    assert by[131072, 0.1]["max_batch_resident"] == 13
+    # 32K at ratio 0.21 (paper: 160): P = ceil(0.21 * 32768) = 6882 slots of 656 B in each of 61 layers,
+    # plus every position's 132-byte indexer key
+    device = 32768 * 8052 + 61 * 6882 * 656
+    assert device == 539_238_048
+    assert by[32768, 0.21]["pool_slots"] == 6882 and by[32768, 0.21]["device_bytes_per_request"] == device
+    assert by[32768, 0.21]["max_batch_offload"] == 82_000_000_000 // device == 152
+    # the same from DOMAIN's ratio formula B = B0 / (f + (1 - f) r) with the unfloored B0 and f = 8052 / 48068
+    b0, f = 82e9 / (32768 * 48068), 8052 / 48068
+    assert math.floor(b0 / (f + (1 - f) * 0.21)) == 152
+    # 128K at ratio 0.1 (paper: 54): P = ceil(13107.2) = 13108
+    device = 131072 * 8052 + 61 * 13108 * 656
+    assert by[131072, 0.1]["max_batch_offload"] == 82_000_000_000 // device == 51
+    # the host holds every latent row of every admitted request
+    assert by[131072, 0.1]["host_bytes_per_gpu"] == 51 * 131072 * 40016
+
+
+def test_ess_jax_accounting_adds_the_residency_map_and_slot_tables(capsys):
+    argv = ["--model", "deepseek-v3.2", "--cache-dtype", "fp8", "--kv-budget-gb", "82", "--context", "32768",
+            "--pool-ratio", "0.21"]
+    row = run_json(argv, capsys)["rows"][0]
+    device = 32768 * 8052 + 61 * 6882 * 656 + 61 * (32768 * 4 + 6882 * 8)
+    assert row["accounting"] == "ess_jax" and row["device_bytes_per_request"] == device
+    assert row["max_batch_offload"] == 82_000_000_000 // device
+
+
+def test_v4_bytes_per_token_match_domain(capsys):
+    result = run_json(["--model", "deepseek-v4-flash", "--model", "deepseek-v4-pro", "--cache-dtype", "fp8",
+                       "--kv-budget-gb", "80", "--context", "131072", "--pool-ratio", "0.2"], capsys)
+    flash, pro = (m["layouts"][0] for m in result["models"])
+    # Flash: 21 CSA layers x (584 + 132) / 4 + 20 HCA layers x 584 / 128; Pro: 30 CSA + 31 HCA
+    assert flash["bytes_per_token"] == 21 * (584 + 132) / 4 + 20 * 584 / 128 == 3850.25
+    assert pro["bytes_per_token"] == 30 * (584 + 132) / 4 + 31 * 584 / 128 == 5511.4375
+    assert flash["offloaded_bytes_per_token"] == 21 * 146
+    parts = {p["name"]: p for p in flash["parts"]}
+    assert parts["SWA window"]["layers"] * parts["SWA window"]["row_bytes"] == 43 * 128 * 584  # 3.07 MiB
+    assert flash["fixed_bytes_per_request"] == 43 * 128 * 584 + 21 * (64 + 16) * 1024 + 20 * 512 * 1024
+    fp4 = plan.cache_parts(ModelConfig.from_preset("deepseek-v4-flash"), "fp8", "fp4")
+    assert sum(p.bytes_per_token() for p in fp4) == 21 * (146 + 17) + 20 * 584 / 128 == 3514.25
+    # a 131072-token request: 32768 CSA entries per CSA layer, pool 0.2 of them
+    row = result["rows"][0]
+    assert row["pool_slots"] == math.ceil(0.2 * 32768)
+
+
+@pytest.mark.parametrize("entries,ratio,topk", [(32768, 0.2, 2048), (100, 0.5, 64), (50, 0.1, 64), (8224, 0.1, 64)])
+def test_pool_slots_follow_the_tier(entries, ratio, topk):
+    assert plan.pool_slots(entries, ratio, topk) == tier.pool_slots(pool_size=None, pool_ratio=ratio,
+                                                                    max_seq_len=entries, index_topk=topk)
+
+
+def test_weights_per_gpu_from_the_release_formats():
+    weights = plan.weight_bytes(V32)
+    # 256 experts x 3 x 2048 x 7168 in 58 MoE layers, e4m3 plus one fp32 scale per 128 x 128 block
+    routed = 58 * 256 * 3 * 2048 * 7168
+    assert weights["routed"] == routed + 4 * routed // (128 * 128)
+    assert 17e9 < weights["other"] < 21e9  # attention, dense / shared MLPs (FP8), embeddings (bf16)
+    per_gpu = plan.weights_per_gpu(weights, V32, ep=32, tp=1)
+    assert per_gpu == pytest.approx(weights["routed"] / 32 + weights["other"])
+    # V4 routed experts are FP4: half a byte plus one ue8m0 per 32 values
+    v4 = ModelConfig.from_preset("deepseek-v4-flash")
+    assert plan.param_bytes(v4, ("layers", 5, "mlp", "experts", "down_proj"), (256, 4096, 2048), 2) == (
+        "routed", 256 * 4096 * 2048 * (0.5 + 1 / 32))
+
+
+def test_text_output_names_the_budget_and_the_batches(capsys):
+    assert plan.main(ESS + ["--context", "32768", "--pool-ratio", "0.21"]) == 0
+    out = capsys.readouterr().out
+    assert "KV budget 82.00 GB" in out and "48,068.00" in out and "83.25 %" in out
+    assert out.rstrip().splitlines()[-1].split()[7:9] == ["52", "152"]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--context", "0"], "--context 0"),
+    (["--pool-ratio", "1.5"], "--pool-ratio 1.5"),
+    (["--kv-budget-gb", "-1"], "--kv-budget-gb"),
+    (["--model", "no-such-model"], "no-such-model"),
+    (["--cache-dtype", "fp16"], "--cache-dtype"),
+    (["--model", "deepseek-v3.2", "--context", "200000"], "max_position_embeddings"),
+    (["--model", "deepseek-v3.2", "--gpu-mem-gb", "40", "--ep", "1"], "weights take"),
+    (["--context", "abc"], "--context"),
+])
+def test_bad_arguments_exit_2_with_one_line(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exc:
+        code = plan.main(argv + (["--kv-budget-gb", "80"] if "--gpu-mem-gb" not in argv and "--kv-budget-gb" not in argv
+                                 else []))
+        raise SystemExit(code)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and needle in err and err.count("\n") == 1
+
+
+def test_module_entry_point():
+    proc = subprocess.run([sys.executable, "-m", "ess_jax.plan", "--pool-ratio", "2"], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.startswith("error:") and proc.stderr.count("\n") == 1
+    assert proc.stdout == ""

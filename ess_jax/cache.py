@@ -50,8 +50,8 @@ class DeviceLatents:
                                      kernels=self.kernels)
         return out_BTNC, dataclasses.replace(self, pages=pages)
 
-    def after_step(self, meta: StepMeta) -> DeviceLatents:
-        """Nothing to do after a step: every row is already where it is read from."""
+    def begin_step(self) -> DeviceLatents:
+        """Nothing to do before a step: every row is already where it is read from."""
         return self
 
 
@@ -68,9 +68,9 @@ class PagedCacheV32:
     def page_size(self) -> int:
         return self.index_keys.shape[2]
 
-    def after_step(self, meta: StepMeta) -> PagedCacheV32:
-        """End-of-step work of the latent store (the tier's backup), inside the compiled step."""
-        return dataclasses.replace(self, latent=self.latent.after_step(meta))
+    def begin_step(self) -> PagedCacheV32:
+        """Start-of-step work of the latent store (the tier's backup of the last step's rows)."""
+        return dataclasses.replace(self, latent=self.latent.begin_step())
 
     @property
     def num_pages(self) -> int:

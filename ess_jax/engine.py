@@ -89,8 +89,7 @@ def _prefill(graphdef, params, tokens_BT, meta: StepMeta, cache, last_B, samplin
 
 def _decode(graphdef, params, tokens_BT, meta: StepMeta, cache, sampling):
     """One decode step for every batch row; the sampled tokens ``i32[B]``."""
-    logits_BTV, _, cache = nnx.merge(graphdef, params).step(tokens_BT, meta, cache)
-    cache = cache.after_step(meta)
+    logits_BTV, _, cache = nnx.merge(graphdef, params).step(tokens_BT, meta, cache.begin_step())
     return sample(logits_BTV[:, -1], *sampling), logits_BTV[:, -1], cache
 
 
@@ -99,8 +98,8 @@ def _admit_offloaded(cache, scratch, scratch_table_X, pages_X, slot, prompt_len,
     into the host store (inline), and the request's pool rows warmed."""
     index_keys = cache.index_keys.at[:, pages_X].set(scratch.index_keys[:, scratch_table_X])
     latent = cache.latent
-    if latent.store is None:
-        latent = tier.store_prompt(latent, scratch.latent.pages, scratch_table_X, pages_X)
+    if latent.store is None:  # pending rows first: a finished request's last row must not land on reused pages
+        latent = tier.store_prompt(latent.flush(), scratch.latent.pages, scratch_table_X, pages_X)
     latent = tier.warm(latent, scratch.latent.pages, scratch_table_X, pages_X, slot, prompt_len, ids_LQK)
     return dataclasses.replace(cache, index_keys=index_keys, latent=latent)
 
@@ -109,6 +108,7 @@ def _admit_offloaded(cache, scratch, scratch_table_X, pages_X, slot, prompt_len,
 _PREFILL = jax.jit(_prefill, static_argnums=0, donate_argnums=4)
 _DECODE = jax.jit(_decode, static_argnums=0, donate_argnums=4)
 _ADMIT_OFFLOADED = jax.jit(_admit_offloaded, donate_argnums=0)
+_FLUSH = jax.jit(lambda cache: dataclasses.replace(cache, latent=cache.latent.flush()), donate_argnums=0)
 
 
 def _buckets(chunk: int) -> tuple[int, ...]:
@@ -209,6 +209,8 @@ class Engine:
                 bar.update(1)
             if self.admission.running:
                 bar.update(self._decode_step())
+        if self.scratch is not None and self.cache.latent.store is None:
+            self.cache = _FLUSH(self.cache)  # the last step's rows reach the host store too
         bar.close()
         return [self.requests[i] for i in sorted(self.requests)]
 

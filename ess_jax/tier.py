@@ -13,8 +13,8 @@ slots. A decode step, per layer (``TieredLatents.attend``):
    callback at the fetch point gathers them from a NumPy store, one batched transfer per layer);
 4. attention runs over the hits and over the misses separately and the halves merge exactly by
    log-sum-exp (ESS Dual-Attention), so the transfer can hide behind the hit half;
-5. the new rows are staged; after the step they are written to the host store, batched over layers
-   (inside the compiled step for ``inline``).
+5. the new rows are staged and written to the host store batched over layers: ``inline`` at the
+   start of the next compiled step (before its fetches), ``split`` by the engine after the step.
 Lookups, hits and misses are counted on the device and read once at the end.
 
 With ``P >=`` a request's entries nothing is ever evicted and the tier equals the resident cache.
@@ -57,7 +57,9 @@ class TieredLatents:
     slot_entry: jax.Array  # i32[L, R, P] position held by each slot, -1 = empty
     slot_last_use: jax.Array  # i32[L, R, P] clock of the last use, EMPTY for empty slots
     resident_slot: jax.Array  # i32[L, G, Z] slot holding each position, -1 = host only
-    staged: jax.Array  # [L, R, W] rows written this step, backed up to the host after it
+    staged: jax.Array  # [L, R, W] rows written by the last step, backed up at the start of the next
+    staged_page: jax.Array  # i32[R] their host page (0, the null page, when nothing is pending)
+    staged_offset: jax.Array  # i32[R] their offset in the page
     counters: jax.Array  # i32[L, 3] lookups, hits, misses since the engine started
     clock: jax.Array  # i32[] decode steps so far
     host: jax.Array | None  # inline: [L, G, Z, W] pinned_host store; split: None
@@ -88,9 +90,12 @@ class TieredLatents:
             miss_offset_BK = jnp.where(res.miss_K, offset_BK, 0)
             fetched_BKW = self._fetch(layer, miss_page_BK, miss_offset_BK)
         with jax.named_scope("dual_attention"):
-            pool_BPW = self.pool[layer]
             hit_rows_BKW = jnp.where(res.is_new_K[..., None], new_row_BW[:, None],
-                                     jnp.take_along_axis(pool_BPW, jnp.maximum(res.slot_K, 0)[..., None], axis=1))
+                                     self.pool[layer, jnp.arange(b)[:, None], jnp.maximum(res.slot_K, 0)])
+            evicted_BP = jnp.where(res.evicted_P, self.slot_entry[layer], -1)
+            # every read of the old pool and maps happens before their in-place updates below
+            hit_rows_BKW, evicted_BP, pool, resident, slot_entry = jax.lax.optimization_barrier(
+                (hit_rows_BKW, evicted_BP, self.pool, self.resident_slot, self.slot_entry))
             hit_BK = res.hit_K | res.is_new_K
             out_hit, lse_hit = ops.sparse_mla(q_latent_BTNC, q_rope_BTNR, hit_rows_BKW[:, None], hit_BK[:, None],
                                               scale=scale, kernels=self.kernels)
@@ -99,28 +104,28 @@ class TieredLatents:
             out_BTNC = ops.merge_attention(out_hit, lse_hit, out_miss, lse_miss)
         with jax.named_scope("pool_update"):
             # the new entry and the fetched misses go into their slots; masked writes are dropped
-            p, g = pool_BPW.shape[1], self.resident_slot.shape[1]
+            p, g = self.pool.shape[2], self.resident_slot.shape[1]
             write_BJ = jnp.concatenate([active_B[:, None], res.miss_K], axis=1)  # J = 1 + K writes per row
             slot_BJ = jnp.where(write_BJ, jnp.concatenate([res.new_slot[:, None], res.slot_K], axis=1), p)
             rows_BJW = jnp.concatenate([new_row_BW[:, None], fetched_BKW], axis=1)
-            pool_BPW = pool_BPW.at[jnp.arange(b)[:, None], slot_BJ].set(rows_BJW, mode="drop")
+            pool = pool.at[layer, jnp.arange(b)[:, None], slot_BJ].set(rows_BJW, mode="drop")
             # residency: evicted positions leave first, then the new entry and the misses arrive
-            ev_page_BP, ev_offset_BP = _locate(meta.page_table, jnp.where(res.evicted_P, self.slot_entry[layer], -1),
-                                               page_size)
-            resident = self.resident_slot[layer]
-            resident = resident.at[jnp.where(res.evicted_P, ev_page_BP, g), ev_offset_BP].set(-1, mode="drop")
+            ev_page_BP, ev_offset_BP = _locate(meta.page_table, evicted_BP, page_size)
+            resident = resident.at[layer, jnp.where(evicted_BP >= 0, ev_page_BP, g), ev_offset_BP].set(-1, mode="drop")
             new_page_B1, new_offset_B1 = write_slots(meta, page_size)
             arrive_page_BJ = jnp.where(write_BJ, jnp.concatenate([new_page_B1, page_BK], axis=1), g)
             arrive_offset_BJ = jnp.concatenate([new_offset_B1, offset_BK], axis=1)
-            resident = resident.at[arrive_page_BJ, arrive_offset_BJ].set(slot_BJ, mode="drop")
+            resident = resident.at[layer, arrive_page_BJ, arrive_offset_BJ].set(slot_BJ, mode="drop")
             counts = jnp.stack([(ids_BK >= 0).sum(), hit_BK.sum(), res.miss_K.sum()]).astype(jnp.int32)
         return out_BTNC, dataclasses.replace(
             self,
-            pool=self.pool.at[layer].set(pool_BPW),
-            slot_entry=self.slot_entry.at[layer].set(res.slot_entry_P),
+            pool=pool,
+            slot_entry=slot_entry.at[layer].set(res.slot_entry_P),
             slot_last_use=self.slot_last_use.at[layer].set(res.last_use_P),
-            resident_slot=self.resident_slot.at[layer].set(resident),
+            resident_slot=resident,
             staged=self.staged.at[layer].set(new_row_BW),
+            staged_page=new_page_B1[:, 0],
+            staged_offset=new_offset_B1[:, 0],
             counters=self.counters.at[layer].add(counts),
         )
 
@@ -136,18 +141,26 @@ class TieredLatents:
             lambda store, l, p, o: store[l, p, o])(self.host, *index)
         return jax.device_put(rows, jax.memory.Space.Device)
 
-    def after_step(self, meta: StepMeta) -> TieredLatents:
-        """Advance the LRU clock and back up the staged rows, batched over layers: inline writes the
-        pinned host store inside the compiled step; split leaves it to the engine, which copies
-        ``staged`` into the NumPy store once the step is done."""
+    def begin_step(self) -> TieredLatents:
+        """Advance the LRU clock and back up the previous step's staged rows (batched over layers).
+
+        inline: the pinned host store is written here, at the start of the next compiled step and
+        before any fetch reads it (backing up at the end of the step would make XLA copy the whole
+        store, since the step's fetches read it); rows staged for the null page (nothing pending) are
+        harmless. split: the engine copies ``staged`` into the NumPy store right after each step.
+        """
         clock = self.clock + 1
         if self.store is not None:
             return dataclasses.replace(self, clock=clock)
-        page_B, offset_B = (x[:, 0] for x in write_slots(meta, self.resident_slot.shape[2]))
-        page_B, offset_B, staged = jax.device_put((page_B, offset_B, self.staged), jax.memory.Space.Host)
+        return dataclasses.replace(self.flush(), clock=clock)
+
+    def flush(self) -> TieredLatents:
+        """Write the staged rows to their host positions and mark nothing pending (inline)."""
+        page_B, offset_B, staged = jax.device_put((self.staged_page, self.staged_offset, self.staged),
+                                                  jax.memory.Space.Host)
         host = compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)(
             lambda store, p, o, rows: store.at[:, p, o].set(rows))(self.host, page_B, offset_B, staged)
-        return dataclasses.replace(self, host=host, clock=clock)
+        return dataclasses.replace(self, host=host, staged_page=jnp.zeros_like(self.staged_page))
 
 
 @dataclasses.dataclass
@@ -230,6 +243,8 @@ def init_tiered(*, layers: int, batch: int, slots: int, num_pages: int, page_siz
         slot_last_use=jnp.full((layers, batch, slots), EMPTY, jnp.int32),
         resident_slot=jnp.full((layers, num_pages, page_size), -1, jnp.int32),
         staged=jnp.zeros((layers, batch, width), dtype),
+        staged_page=jnp.zeros((batch,), jnp.int32),
+        staged_offset=jnp.zeros((batch,), jnp.int32),
         counters=jnp.zeros((layers, 3), jnp.int32),
         clock=jnp.zeros((), jnp.int32),
         host=host,

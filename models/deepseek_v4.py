@@ -80,8 +80,8 @@ class V4Cache:
     entries: V4Entries
     lengths: jax.Array  # i32[B] positions already written per request
 
-    def after_step(self, meta: StepMeta) -> V4Cache:
-        """Nothing to do after a step: every part of the V4 cache is resident."""
+    def begin_step(self) -> V4Cache:
+        """Nothing to do before a step: every part of the V4 cache is resident."""
         return self
 
 

@@ -78,7 +78,8 @@ def test_device_bytes_are_the_real_arrays(model):
     cache, cfg = engine.cache, model.cfg
     latent = cache.latent
     expected = (cache.index_keys.nbytes + latent.pool.nbytes + latent.slot_entry.nbytes + latent.slot_last_use.nbytes
-                + latent.resident_slot.nbytes + latent.staged.nbytes + latent.counters.nbytes + latent.clock.nbytes)
+                + latent.resident_slot.nbytes + latent.staged.nbytes + latent.staged_page.nbytes
+                + latent.staged_offset.nbytes + latent.counters.nbytes + latent.clock.nbytes)
     report = engine.cache_bytes()
     assert report["device_bytes"] == expected
     assert report["host_bytes"] == latent.host.nbytes == cfg.num_hidden_layers * engine.allocator.num_pages * 16 * \

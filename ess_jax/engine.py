@@ -201,17 +201,18 @@ class Engine:
                 self.model.graphdef, self.model.params, jnp.zeros((b, 1), jnp.int32),
                 self._decode_meta(np.zeros(b, bool)), self.cache, self._sampling_arrays([None] * b)).compile()
             self.stats["compile_s"] = time.perf_counter() - start
-        bar = tqdm(total=sum(r.max_new_tokens for r in self.requests.values() if r.finish_reason is None),
-                   desc="generate", unit="tok", file=sys.stderr, disable=not self.progress, leave=False)
+        pending = [r for r in self.requests.values() if r.finish_reason is None]
+        self._bar = tqdm(total=sum(len(r.prompt_ids) + r.max_new_tokens for r in pending), desc="prefill + decode",
+                         unit="tok", file=sys.stderr, disable=not self.progress, leave=False)
         while self.admission.running or self.admission.waiting:
             for entry in self.admission.admit(self.config.max_batch):
                 self._prefill_request(entry.request_id, entry.slot, entry.pages)
-                bar.update(1)
+                self._bar.update(1)
             if self.admission.running:
-                bar.update(self._decode_step())
+                self._bar.update(self._decode_step())
         if self.scratch is not None and self.cache.latent.store is None:
             self.cache = _FLUSH(self.cache)  # the last step's rows reach the host store too
-        bar.close()
+        self._bar.close()
         return [self.requests[i] for i in sorted(self.requests)]
 
     # ---- host loop -----------------------------------------------------------------------------
@@ -245,6 +246,7 @@ class Engine:
                                                          self._sampling_arrays([request]))
             windows.append((real, ids_LBQK[:, 0]))
             start += real
+            self._bar.update(real)
         if offloaded:
             self.scratch = cache
             self.cache = _ADMIT_OFFLOADED(self.cache, self.scratch, jnp.asarray(table_X), jnp.asarray(pages_X),

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-import jax
 import jax.numpy as jnp
 from flax import nnx
 

@@ -6,9 +6,7 @@ CSA 4:1 with index_topk 8, HCA 16:1), hash and routed MoE layers and every tenso
 dominate the run time, so the step tests share a few jitted shapes (module-scoped fixtures).
 """
 
-import dataclasses
 import json
-import shutil
 import struct
 from pathlib import Path
 
@@ -22,10 +20,10 @@ from safetensors.numpy import save_file
 
 import ess_jax
 from ess_jax import ops
-from ess_jax.checkpoint import Checkpoint, CheckpointError, SafetensorsFile, hf_name, release_to_hf_name
+from ess_jax.checkpoint import CheckpointError, SafetensorsFile, hf_name, release_to_hf_name
 from ess_jax.config import ConfigError, ModelConfig, RopeConfig
 from ess_jax.models.compressor import Compressor, TailRope
-from ess_jax.models.deepseek_v4 import Buffer, DeepseekV4, V4Cache
+from ess_jax.models.deepseek_v4 import Buffer, DeepseekV4
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf-v4-a"
 CAPACITY = 336  # >= 300-token prompt + 24 new tokens; one cache shape for every step test
@@ -42,7 +40,7 @@ def _close(got, want, what, rel=1e-4):
 def hf():
     """The fixture model and its jitted full forward / step (params as arguments, cache donated)."""
     model = ess_jax.load_model(FIXTURE)
-    graphdef, params = model.graphdef, model.params
+    graphdef = model.graphdef
     step = jax.jit(lambda p, tokens, cache: nnx.merge(graphdef, p).step_contiguous(tokens, cache), donate_argnums=2)
     ref = np.load(FIXTURE / "reference.npz")
     refs = [(ref[f"prompt_{i}"], ref[f"logits_{i}"], ref[f"generate_{i}"]) for i in range(2)]

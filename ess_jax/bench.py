@@ -57,12 +57,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ess_jax.cli import Parser
+
 ENGINE_FAMILIES = ("deepseek_v32",)  # families the engine serves today; deepseek_v4 is pending
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump
-        self.exit(2, f"error: {message} (see --help)\n")
 
 
 def _floats(text: str) -> list[float]:
@@ -77,8 +74,7 @@ def _names(text: str) -> list[str]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = _Parser(prog="python -m ess_jax.bench", description=__doc__,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser("python -m ess_jax.bench", __doc__)
     p.add_argument("--model", default="tiny-v32",
                    help="preset name (random weights from --weights-seed) or HuggingFace checkpoint directory; "
                         "the engine serves deepseek_v32 (default tiny-v32)")

@@ -15,18 +15,13 @@ import json
 import sys
 
 from ess_jax.api import DTYPES, generate, load_model
+from ess_jax.cli import Parser
 from ess_jax.engine import EngineConfig
 from ess_jax.sampling import SamplingParams
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump
-        self.exit(2, f"error: {message} (see --help)\n")
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = _Parser(prog="python -m ess_jax.generate", description=__doc__,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser("python -m ess_jax.generate", __doc__)
     p.add_argument("--model", default="tiny-v32",
                    help="preset name (tiny-v32, random weights from --weights-seed) or a HuggingFace checkpoint "
                         "directory (config.json + *.safetensors [+ tokenizer.json]). Default: tiny-v32")

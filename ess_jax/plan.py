@@ -52,6 +52,7 @@ import math
 import sys
 from pathlib import Path
 
+from ess_jax.cli import Parser
 from ess_jax.config import PRESETS, ConfigError, ModelConfig
 
 GB = 1e9
@@ -216,14 +217,8 @@ def weights_per_gpu(weights: dict[str, float], cfg: ModelConfig, ep: int, tp: in
 
 # ---- CLI ---------------------------------------------------------------------------------------
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump
-        self.exit(2, f"error: {message} (see --help)\n")
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = _Parser(prog="python -m ess_jax.plan", description=__doc__,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser("python -m ess_jax.plan", __doc__)
     p.add_argument("--model", action="append",
                    help=f"preset ({', '.join(PRESETS)}) or a config.json / checkpoint directory (repeatable; "
                         f"default: {', '.join(REAL_PRESETS)})")

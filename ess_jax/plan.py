@@ -54,6 +54,7 @@ from pathlib import Path
 
 from ess_jax.cli import Parser
 from ess_jax.config import PRESETS, ConfigError, ModelConfig
+from ess_jax.pallas_kernels import fp8_rows
 
 GB = 1e9
 REAL_PRESETS = ("deepseek-v3.2", "deepseek-v4-flash", "deepseek-v4-pro")
@@ -100,11 +101,10 @@ def _row_bytes(width: int, rope: int, dtype: str, *, kind: str) -> int:
     """Bytes of one cached row of ``width`` values (the last ``rope`` of them rope dims)."""
     if dtype == "bfloat16":
         return 2 * width
-    nope = width - rope
     if kind == "v32_latent":  # e4m3 + fp32 scale per 128 + bf16 rope (FlashMLA fp8_ds_mla)
-        return nope + 4 * math.ceil(nope / 128) + 2 * rope
+        return fp8_rows.mla_row_bytes(width - rope, rope)
     if kind == "v4_main":  # e4m3 + bf16 rope + ue8m0 scale per 64, padded to 8 bytes (FlashMLA MODEL1)
-        return 8 * math.ceil((nope + 2 * rope + math.ceil(nope / 64)) / 8)
+        return fp8_rows.v4_row_bytes(width, rope)
     raise ValueError(f"no {dtype} row format for {kind}")
 
 

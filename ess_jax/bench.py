@@ -94,6 +94,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device-budget-mb", type=float, default=1024.0,
                    help="device memory budget (MiB) for the capacity comparison (default 1024)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="parameter and cache dtype")
+    p.add_argument("--kernels", choices=["auto", "xla", "pallas"], default="xla",
+                   help="attention kernels of every engine (default xla; pallas runs interpreted on CPU)")
+    p.add_argument("--cache-dtype", choices=["bfloat16", "float32", "fp8"], default=None,
+                   help="latent cache / tier row format (default: --dtype)")
     p.add_argument("--weights-seed", type=int, default=0, help="seed of a preset's random weights (default 0)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts (default 0)")
     p.add_argument("--out", default="bench_out", help="folder for results.json and the PNG plots (default bench_out/)")
@@ -176,13 +180,12 @@ def run_settings(model, settings: list[Setting], prompts: list[list[int]], args,
     from ess_jax.engine import EngineConfig
 
     TimedEngine = _timed_engine_class()
-    cfg = model.cfg
-    row_bytes = cfg.latent_dim * np.dtype(model.module.dtype).itemsize
     engines = []
     for s in settings:
         config = EngineConfig(max_batch=len(prompts), max_seq_len=args.context + args.new_tokens,
                               prefill_chunk=args.prefill_chunk, offload=s.offload,
-                              pool_ratio=s.pool_ratio if s.pool_ratio is not None else 0.2, fetch=s.fetch or "inline")
+                              pool_ratio=s.pool_ratio if s.pool_ratio is not None else 0.2, fetch=s.fetch or "inline",
+                              kernels=args.kernels, cache_dtype=args.cache_dtype)
         engines.append(TimedEngine(model, config))
     tok_s = [[] for _ in settings]
     steps_ms = [[] for _ in settings]
@@ -215,7 +218,6 @@ def run_settings(model, settings: list[Setting], prompts: list[list[int]], args,
                                                          outputs):
         steps = len(engine.steps)
         metrics = engine.offload_metrics()
-        d2h_rows = sum(r for _, r in engine.steps)
         result = {
             "offload": s.offload, "pool_ratio": s.pool_ratio, "fetch": s.fetch, "pool_slots": engine.pool_slots,
             "decode_tokens_per_s": statistics.median(rates), "decode_tokens_per_s_runs": rates,
@@ -224,7 +226,7 @@ def run_settings(model, settings: list[Setting], prompts: list[list[int]], args,
             "step_ms_mean": float(np.mean(ms)), "measured_steps": len(ms), "decode_steps": steps,
             "hit_rate": metrics["hit_rate"] if metrics else None,
             "h2d_bytes_per_step": metrics["h2d_bytes"] / steps if metrics else 0.0,
-            "d2h_bytes_per_step": d2h_rows * row_bytes / steps,
+            "d2h_bytes_per_step": sum(r for _, r in engine.steps) * engine.row_bytes / steps,
             "per_layer": ([dict(c, hit_rate=c["hits"] / c["lookups"] if c["lookups"] else 0.0)
                            for c in metrics["per_layer"]] if metrics else None),
             "device_bytes": cb["device_bytes"], "host_bytes": cb["host_bytes"],

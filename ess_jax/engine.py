@@ -28,6 +28,7 @@ from tqdm import tqdm
 from ess_jax import ops, tier
 from ess_jax.allocator import Admission, PageAllocator
 from ess_jax.cache import PagedCacheV32, StepMeta
+from ess_jax.models.deepseek_v4 import V4Cache, V4Entries
 from ess_jax.sampling import SamplingParams, sample
 
 
@@ -104,11 +105,39 @@ def _admit_offloaded(cache, scratch, scratch_table_X, pages_X, slot, prompt_len,
     return dataclasses.replace(cache, index_keys=index_keys, latent=latent)
 
 
+def _admit_offloaded_v4(cache: V4Cache, scratch: V4Cache, slot, prompt_len, entries, ids_LQK):
+    """After a V4 offloaded prefill (HiSparse): the request's state, indexer keys and HCA entries into
+    its batch row, its CSA entries into its host page (row + 1; inline), and its pools warmed."""
+    put = lambda x, new: x.at[:, slot].set(new[:, 0])
+    en, sc = cache.entries, scratch.entries
+    table_X, pages_X = jnp.zeros((1,), jnp.int32), jnp.reshape(slot + 1, (1,)).astype(jnp.int32)
+    csa = en.csa
+    if csa.store is None:  # pending rows first, as for V3.2
+        csa = tier.store_prompt(csa.flush(), sc.csa, table_X, pages_X)
+    csa = tier.warm(csa, sc.csa, table_X, pages_X, slot, entries, ids_LQK)
+    return V4Cache(jax.tree.map(put, cache.state, scratch.state),
+                   V4Entries(csa, put(en.index_keys, sc.index_keys), put(en.hca, sc.hca)),
+                   cache.lengths.at[slot].set(prompt_len))
+
+
+def _tier_of(cache):
+    """The offloaded store of a cache: V3.2's latent rows or V4's CSA entries."""
+    return cache.entries.csa if isinstance(cache, V4Cache) else cache.latent
+
+
+def _flush(cache):
+    flushed = _tier_of(cache).flush()
+    if isinstance(cache, V4Cache):
+        return dataclasses.replace(cache, entries=dataclasses.replace(cache.entries, csa=flushed))
+    return dataclasses.replace(cache, latent=flushed)
+
+
 # Module-level jits: engines over the same model and shapes share compiled executables.
 _PREFILL = jax.jit(_prefill, static_argnums=0, donate_argnums=4)
 _DECODE = jax.jit(_decode, static_argnums=0, donate_argnums=4)
 _ADMIT_OFFLOADED = jax.jit(_admit_offloaded, donate_argnums=0)
-_FLUSH = jax.jit(lambda cache: dataclasses.replace(cache, latent=cache.latent.flush()), donate_argnums=0)
+_ADMIT_OFFLOADED_V4 = jax.jit(_admit_offloaded_v4, donate_argnums=0)
+_FLUSH = jax.jit(_flush, donate_argnums=0)
 
 
 def _buckets(chunk: int) -> tuple[int, ...]:
@@ -132,12 +161,12 @@ class Engine:
         if cfg.family == "deepseek_v32":
             self.row_bytes = (ops.mla_row_width(cfg.kv_lora_rank, cfg.qk_rope_head_dim, self.latent_dtype)
                               * jnp.dtype(self.latent_dtype).itemsize)
-        elif config.cache_dtype is not None:
-            raise ValueError(f"--cache-dtype applies to deepseek_v32 latent rows; {cfg.family} keeps its model dtype")
-        if config.offload == "ess":
-            if cfg.family != "deepseek_v32":
-                raise ValueError(f"--offload ess is implemented for deepseek_v32; {cfg.family} (HiSparse) is not "
-                                 "yet: use --offload none")
+        else:
+            if config.cache_dtype is not None:
+                raise ValueError(f"--cache-dtype applies to deepseek_v32 latent rows; {cfg.family} keeps its model "
+                                 "dtype")
+            self.row_bytes = cfg.head_dim * jnp.dtype(module.dtype).itemsize  # one CSA entry
+        if config.offload == "ess" and cfg.family == "deepseek_v32":
             self.pool_slots = tier.pool_slots(pool_size=config.pool_size, pool_ratio=config.pool_ratio,
                                               max_seq_len=self.max_seq_len, index_topk=cfg.index_topk)
             if config.host_cache_mb is not None:
@@ -148,12 +177,36 @@ class Engine:
                         f"--host-cache-mb {config.host_cache_mb} holds {max(num_pages - 1, 0)} pages of "
                         f"{page_bytes / 2**20:.3f} MiB; the longest request needs {self.pages_per_row}: raise it to at "
                         f"least {math.ceil((1 + self.pages_per_row) * page_bytes / 2**20)}")
+        elif config.offload == "ess":  # V4: HiSparse over the CSA entries, one host page of entries per batch row
+            self.csa_layers = [i for i, t in enumerate(cfg.layer_types) if t == "compressed_sparse_attention"]
+            self.entries_per_row = self.max_seq_len // cfg.compress_rate_csa
+            if not self.csa_layers or self.entries_per_row < 1:
+                raise ValueError(f"--offload ess offloads CSA entries; this {cfg.family} model has "
+                                 f"{'no CSA layers' if not self.csa_layers else 'requests too short for one entry'} "
+                                 f"(max_seq_len {self.max_seq_len}): use --offload none")
+            self.pool_slots = tier.pool_slots(pool_size=config.pool_size, pool_ratio=config.pool_ratio,
+                                              max_seq_len=self.entries_per_row, index_topk=cfg.index_topk)
+            host_bytes = len(self.csa_layers) * (config.max_batch + 1) * self.entries_per_row * self.row_bytes
+            if config.host_cache_mb is not None and host_bytes > config.host_cache_mb * 2**20:
+                raise ValueError(f"--host-cache-mb {config.host_cache_mb} is below the CSA entry store of "
+                                 f"--max-batch {config.max_batch} requests of {self.max_seq_len} tokens "
+                                 f"({host_bytes / 2**20:.2f} MiB): raise it or lower --max-batch / --max-seq-len")
         self.allocator = PageAllocator(num_pages, config.page_size)
         self.admission = Admission(self.allocator, max_batch=config.max_batch,
                                    max_position_embeddings=self.max_seq_len)
         self.scratch = None
-        if cfg.family == "deepseek_v4":  # per-request rows (state + growing entries), sized for max_seq_len
+        if cfg.family == "deepseek_v4" and self.pool_slots is None:  # per-request rows, sized for max_seq_len
             self.cache = module.init_cache(config.max_batch, self.max_seq_len)
+        elif cfg.family == "deepseek_v4":  # HiSparse: CSA entries to the tier, the rest resident per row
+            shapes = jax.eval_shape(lambda: module.init_cache(config.max_batch, self.max_seq_len))
+            zeros = lambda x: jnp.zeros(x.shape, x.dtype)
+            csa = tier.init_tiered(layers=len(self.csa_layers), batch=config.max_batch, slots=self.pool_slots,
+                                   num_pages=config.max_batch + 1, page_size=self.entries_per_row,
+                                   width=cfg.head_dim, dtype=module.dtype, fetch=config.fetch, kernels=config.kernels)
+            self.cache = V4Cache(jax.tree.map(zeros, shapes.state),
+                                 V4Entries(csa, zeros(shapes.entries.index_keys), zeros(shapes.entries.hca)),
+                                 zeros(shapes.lengths))
+            self.scratch = module.init_cache(1, self.max_seq_len)  # one prompt's resident cache
         elif self.pool_slots is None:  # V3.2, resident: latent pages shared by all requests
             self.cache = self._resident_cache(module, num_pages)
         else:  # V3.2, ESS: indexer keys stay in device pages, latent rows go to the tier
@@ -210,7 +263,7 @@ class Engine:
                 self._bar.update(1)
             if self.admission.running:
                 self._bar.update(self._decode_step())
-        if self.scratch is not None and self.cache.latent.store is None:
+        if self.scratch is not None and _tier_of(self.cache).store is None:
             self.cache = _FLUSH(self.cache)  # the last step's rows reach the host store too
         self._bar.close()
         return [self.requests[i] for i in sorted(self.requests)]
@@ -231,15 +284,18 @@ class Engine:
         pages_X = np.zeros(self.pages_per_row, np.int32)
         pages_X[: pages.size] = pages
         offloaded = self.scratch is not None
-        # offloaded prompts fill the scratch's pages 1..n, then move to their global pages
+        v4 = self.model.cfg.family == "deepseek_v4"
+        # offloaded V3.2 prompts fill the scratch's pages 1..n, then move to their global pages; offloaded
+        # V4 prompts fill the scratch's one row
         table_X = np.where(pages_X > 0, np.arange(1, self.pages_per_row + 1), 0).astype(np.int32)
         cache = self.scratch if offloaded else self.cache
+        row = 0 if offloaded and v4 else slot
         start_time, start, windows = time.perf_counter(), 0, []
         while start < len(prompt):
             # exact pieces, no padding: the largest bucket that fits, so compiles stay bounded
             real = max(b for b in self.buckets if b <= len(prompt) - start)
             meta = StepMeta(jnp.asarray((start + np.arange(real, dtype=np.int32))[None]), jnp.ones((1, real), bool),
-                            jnp.asarray((table_X if offloaded else pages_X)[None]), jnp.asarray([slot], jnp.int32))
+                            jnp.asarray((table_X if offloaded else pages_X)[None]), jnp.asarray([row], jnp.int32))
             token, logits_BV, ids_LBQK, cache = _PREFILL(self.model.graphdef, self.model.params,
                                                          jnp.asarray(prompt[None, start:start + real]), meta, cache,
                                                          jnp.asarray([real - 1], jnp.int32),
@@ -247,7 +303,16 @@ class Engine:
             windows.append((real, ids_LBQK[:, 0]))
             start += real
             self._bar.update(real)
-        if offloaded:
+        if offloaded and v4:
+            self.scratch = cache
+            entries = len(prompt) // self.model.cfg.compress_rate_csa
+            self.cache = _ADMIT_OFFLOADED_V4(self.cache, self.scratch, slot, len(prompt), entries,
+                                             _last_queries(windows))
+            csa = self.cache.entries.csa
+            if csa.store is not None:  # split: the prompt's entries go to the NumPy store from here
+                csa.store.array[:, slot + 1] = np.asarray(self.scratch.entries.csa)[:, 0]
+            self.stats["d2h_rows"] += entries * len(self.csa_layers)
+        elif offloaded:
             self.scratch = cache
             self.cache = _ADMIT_OFFLOADED(self.cache, self.scratch, jnp.asarray(table_X), jnp.asarray(pages_X),
                                           slot, len(prompt), _last_queries(windows))
@@ -276,13 +341,13 @@ class Engine:
         tokens, logits_BV, self.cache = self._decode(self.model.params, jnp.asarray(self._last[:, None]), meta, self.cache,
                                           self._sampling_arrays(rows))
         tokens = np.asarray(tokens)
-        if self.scratch is not None:
-            latent = self.cache.latent
-            self.stats["d2h_rows"] += int(active.sum()) * self.model.cfg.num_hidden_layers
-            if latent.store is not None:  # split: back up this step's rows, one transfer for all layers
-                positions = self._lengths[active]
-                pages = self.admission.page_table(self.pages_per_row)[active, positions // self.config.page_size]
-                latent.store.array[:, pages, positions % self.config.page_size] = np.asarray(latent.staged)[:, active]
+        if self.scratch is not None:  # entries written this step: staged at (page, offset), page 0 = none
+            staged = _tier_of(self.cache)
+            pages, offsets = np.asarray(staged.staged_page), np.asarray(staged.staged_offset)
+            new = pages > 0
+            self.stats["d2h_rows"] += int(new.sum()) * staged.counters.shape[0]
+            if staged.store is not None:  # split: back them up, one transfer for all layers
+                staged.store.array[:, pages[new], offsets[new]] = np.asarray(staged.staged)[:, new]
         self.stats["decode_s"] += time.perf_counter() - start
         self._lengths += active
         self.stats["decode_tokens"] += len(running)
@@ -312,17 +377,20 @@ class Engine:
     def cache_bytes(self) -> dict[str, int]:
         """Bytes of the real cache arrays: device (the decode-time cache), host (the offload store), and
         what the served requests would occupy on the device without offload (V3.2: their reserved
-        pages of latent rows and indexer keys; V4, always resident today: the cache itself)."""
+        pages of latent rows and indexer keys; V4: the resident per-row cache of ``max_batch`` rows)."""
         arrays = jax.tree.leaves(self.cache)
         host = 0
         if self.scratch is not None:
-            latent = self.cache.latent
-            host = latent.store.array.nbytes if latent.store is not None else latent.host.nbytes
-            arrays = [x for x in arrays if x is not latent.host]
+            offloaded = _tier_of(self.cache)
+            host = offloaded.store.array.nbytes if offloaded.store is not None else offloaded.host.nbytes
+            arrays = [x for x in arrays if x is not offloaded.host]
         device = sum(x.nbytes for x in arrays)
         resident = device
         cfg = self.model.cfg
-        if cfg.family == "deepseek_v32":
+        if cfg.family == "deepseek_v4":
+            shapes = jax.eval_shape(lambda: self.model.module.init_cache(self.config.max_batch, self.max_seq_len))
+            resident = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+        else:
             per_token = cfg.num_hidden_layers * (self.row_bytes + cfg.index_head_dim * self.cache.index_keys.itemsize)
             reserved = sum(self.allocator.pages_for(len(r.prompt_ids) + r.max_new_tokens)
                            for r in self.requests.values())
@@ -336,7 +404,8 @@ class Engine:
         """Tier counters (read from the device once) as the ``--json`` ``metrics.offload`` object."""
         if self.scratch is None:
             return None
-        counts = np.asarray(self.cache.latent.counters)  # [L, 3] lookups, hits, misses
+        counts = np.asarray(_tier_of(self.cache).counters)  # [L, 3] lookups, hits, misses (per offloaded layer)
+        layers = self.csa_layers if self.model.cfg.family == "deepseek_v4" else range(len(counts))
         lookups, hits, misses = (int(x) for x in counts.sum(0))
         row_bytes = self.row_bytes
         return {"lookups": lookups, "hits": hits, "misses": misses,
@@ -344,7 +413,7 @@ class Engine:
                 "h2d_bytes": misses * row_bytes, "d2h_bytes": self.stats["d2h_rows"] * row_bytes,
                 "pool_slots": self.pool_slots,
                 "per_layer": [{"layer": i, "lookups": int(c[0]), "hits": int(c[1]), "misses": int(c[2])}
-                              for i, c in enumerate(counts)]}
+                              for i, c in zip(layers, counts)]}
 
 
 def _last_queries(windows: list[tuple[int, jax.Array]]) -> jax.Array:

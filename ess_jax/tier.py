@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental.compute_on import compute_on
 
 from ess_jax import ops
-from ess_jax.cache import StepMeta, write_slots
+from ess_jax.cache import StepMeta
 
 FETCH_BACKENDS = ("inline", "split")
 EMPTY = -(2**30)  # last-use stamp of an empty slot: older than anything
@@ -72,59 +72,91 @@ class TieredLatents:
 
     def attend(self, layer: int, meta: StepMeta, rows_BTW: jax.Array, ids_BTK: jax.Array,
                q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, scale: float) -> tuple[jax.Array, TieredLatents]:
-        """One decode token per row (T = 1): resolve, fetch misses, dual attention, update the pool."""
-        if ids_BTK.shape[1] != 1:
-            raise ValueError(f"the tier serves decode steps of one token per request, got T={ids_BTK.shape[1]}")
-        b, _, k = ids_BTK.shape
-        page_size = self.resident_slot.shape[2]
-        ids_BK = ids_BTK[:, 0]
+        """V3.2, one decode token per row (T = 1): the new latent row is this step's position; absorbed
+        MLA over the hits and over the fetched misses, merged."""
+        _check_decode(ids_BTK)
         new_row_BW = ops.encode_mla_rows(rows_BTW[:, 0], self.pool.dtype, latent_dim=q_latent_BTNC.shape[-1])
-        position_B, active_B = meta.positions[:, 0], meta.valid[:, 0]
-        page_BK, offset_BK = _locate(meta.page_table, ids_BK, page_size)
+        active_B = meta.valid[:, 0]
+        new_id_B = jnp.where(active_B, meta.positions[:, 0], -1)
+        look = self._lookup(layer, meta.page_table, ids_BTK[:, 0], new_row_BW, new_id_B, active_B)
+        with jax.named_scope("dual_attention"):
+            out_hit, lse_hit = ops.sparse_mla(q_latent_BTNC, q_rope_BTNR, look.hit_rows_BKW[:, None],
+                                              look.hit_BK[:, None], scale=scale, kernels=self.kernels)
+            out_miss, lse_miss = ops.sparse_mla(q_latent_BTNC, q_rope_BTNR, look.fetched_BKW[:, None],
+                                                look.res.miss_K[:, None], scale=scale, kernels=self.kernels)
+            out_BTNC = ops.merge_attention(out_hit, lse_hit, out_miss, lse_miss)
+        return out_BTNC, self._commit(layer, meta.page_table, look)
+
+    def attend_entries(self, layer: int, page_table_BX: jax.Array, active_B: jax.Array, new_row_BW: jax.Array,
+                       new_id_B: jax.Array, ids_BTK: jax.Array, q_BTNH: jax.Array, window_BTSH: jax.Array,
+                       window_valid_BTS: jax.Array, sinks_N: jax.Array, scale: float
+                       ) -> tuple[jax.Array, TieredLatents]:
+        """V4 CSA (HiSparse), one decode token per row: entry ids ``ids_BTK`` from the indexer,
+        ``new_id_B`` the entry whose window closed this step (-1: none). The hit half attends over the
+        window rows and the resident entries with the sink, the miss half over the fetched entries
+        alone; the merge is the one softmax over window + picked entries + sink."""
+        _check_decode(ids_BTK)
+        look = self._lookup(layer, page_table_BX, ids_BTK[:, 0], new_row_BW.astype(self.pool.dtype), new_id_B,
+                            active_B)
+        with jax.named_scope("dual_attention"):
+            rows_BTKH = jnp.concatenate([window_BTSH, look.hit_rows_BKW[:, None].astype(window_BTSH.dtype)], axis=2)
+            valid_BTK = jnp.concatenate([window_valid_BTS, look.hit_BK[:, None]], axis=2)
+            out_hit, lse_hit = ops.sparse_sink_attention(q_BTNH, rows_BTKH, valid_BTK, sinks_N, scale=scale,
+                                                         kernels=self.kernels)
+            no_sink_N = jnp.full(sinks_N.shape, -jnp.inf, jnp.float32)
+            out_miss, lse_miss = ops.sparse_sink_attention(q_BTNH, look.fetched_BKW[:, None], look.res.miss_K[:, None],
+                                                           no_sink_N, scale=scale, kernels=self.kernels)
+            out_BTNH = ops.merge_attention(out_hit, lse_hit, out_miss, lse_miss)
+        return out_BTNH, self._commit(layer, page_table_BX, look)
+
+    def _lookup(self, layer: int, page_table_BX, ids_BK, new_row_BW, new_id_B, active_B) -> Lookup:
+        """Resolve the step's ids to slots, fetch the misses, and read the hit rows (before any write)."""
+        b = ids_BK.shape[0]
+        page_size = self.resident_slot.shape[2]
+        page_BK, offset_BK = _locate(page_table_BX, ids_BK, page_size)
         known_BK = jnp.where(ids_BK >= 0, self.resident_slot[layer, page_BK, offset_BK], -1)
         with jax.named_scope("resolve"):
-            res = jax.vmap(_resolve)(ids_BK, known_BK, position_B, active_B, self.slot_entry[layer],
+            res = jax.vmap(_resolve)(ids_BK, known_BK, new_id_B, active_B, self.slot_entry[layer],
                                      self.slot_last_use[layer], jnp.broadcast_to(self.clock, (b,)))
         with jax.named_scope("fetch"):
-            miss_page_BK = jnp.where(res.miss_K, page_BK, 0)
-            miss_offset_BK = jnp.where(res.miss_K, offset_BK, 0)
-            fetched_BKW = self._fetch(layer, miss_page_BK, miss_offset_BK)
-        with jax.named_scope("dual_attention"):
-            hit_rows_BKW = jnp.where(res.is_new_K[..., None], new_row_BW[:, None],
-                                     self.pool[layer, jnp.arange(b)[:, None], jnp.maximum(res.slot_K, 0)])
-            evicted_BP = jnp.where(res.evicted_P, self.slot_entry[layer], -1)
-            # every read of the old pool and maps happens before their in-place updates below
-            hit_rows_BKW, evicted_BP, pool, resident, slot_entry = jax.lax.optimization_barrier(
-                (hit_rows_BKW, evicted_BP, self.pool, self.resident_slot, self.slot_entry))
-            hit_BK = res.hit_K | res.is_new_K
-            out_hit, lse_hit = ops.sparse_mla(q_latent_BTNC, q_rope_BTNR, hit_rows_BKW[:, None], hit_BK[:, None],
-                                              scale=scale, kernels=self.kernels)
-            out_miss, lse_miss = ops.sparse_mla(q_latent_BTNC, q_rope_BTNR, fetched_BKW[:, None],
-                                                res.miss_K[:, None], scale=scale, kernels=self.kernels)
-            out_BTNC = ops.merge_attention(out_hit, lse_hit, out_miss, lse_miss)
+            fetched_BKW = self._fetch(layer, jnp.where(res.miss_K, page_BK, 0), jnp.where(res.miss_K, offset_BK, 0))
+        hit_rows_BKW = jnp.where(res.is_new_K[..., None], new_row_BW[:, None],
+                                 self.pool[layer, jnp.arange(b)[:, None], jnp.maximum(res.slot_K, 0)])
+        evicted_BP = jnp.where(res.evicted_P, self.slot_entry[layer], -1)
+        # every read of the old pool and maps happens before their in-place updates in _commit
+        hit_rows_BKW, evicted_BP, pool, resident, slot_entry = jax.lax.optimization_barrier(
+            (hit_rows_BKW, evicted_BP, self.pool, self.resident_slot, self.slot_entry))
+        return Lookup(res, ids_BK, page_BK, offset_BK, fetched_BKW, hit_rows_BKW, res.hit_K | res.is_new_K,
+                      evicted_BP, new_row_BW, new_id_B, pool, resident, slot_entry)
+
+    def _commit(self, layer: int, page_table_BX, look: Lookup) -> TieredLatents:
+        """The new entry and the fetched misses into their slots, residency and LRU state, counters,
+        and the new entry staged for the host backup."""
         with jax.named_scope("pool_update"):
-            # the new entry and the fetched misses go into their slots; masked writes are dropped
-            p, g = self.pool.shape[2], self.resident_slot.shape[1]
-            write_BJ = jnp.concatenate([active_B[:, None], res.miss_K], axis=1)  # J = 1 + K writes per row
+            res, b = look.res, look.ids_BK.shape[0]
+            page_size, p, g = self.resident_slot.shape[2], self.pool.shape[2], self.resident_slot.shape[1]
+            has_new_B = look.new_id_B >= 0
+            write_BJ = jnp.concatenate([has_new_B[:, None], res.miss_K], axis=1)  # J = 1 + K writes per row
             slot_BJ = jnp.where(write_BJ, jnp.concatenate([res.new_slot[:, None], res.slot_K], axis=1), p)
-            rows_BJW = jnp.concatenate([new_row_BW[:, None], fetched_BKW], axis=1)
-            pool = pool.at[layer, jnp.arange(b)[:, None], slot_BJ].set(rows_BJW, mode="drop")
-            # residency: evicted positions leave first, then the new entry and the misses arrive
-            ev_page_BP, ev_offset_BP = _locate(meta.page_table, evicted_BP, page_size)
-            resident = resident.at[layer, jnp.where(evicted_BP >= 0, ev_page_BP, g), ev_offset_BP].set(-1, mode="drop")
-            new_page_B1, new_offset_B1 = write_slots(meta, page_size)
-            arrive_page_BJ = jnp.where(write_BJ, jnp.concatenate([new_page_B1, page_BK], axis=1), g)
-            arrive_offset_BJ = jnp.concatenate([new_offset_B1, offset_BK], axis=1)
+            rows_BJW = jnp.concatenate([look.new_row_BW[:, None], look.fetched_BKW], axis=1)
+            pool = look.pool.at[layer, jnp.arange(b)[:, None], slot_BJ].set(rows_BJW, mode="drop")
+            # residency: evicted entries leave first, then the new entry and the misses arrive
+            ev_page_BP, ev_offset_BP = _locate(page_table_BX, look.evicted_BP, page_size)
+            resident = look.resident.at[layer, jnp.where(look.evicted_BP >= 0, ev_page_BP, g), ev_offset_BP].set(
+                -1, mode="drop")
+            new_page_B1, new_offset_B1 = _locate(page_table_BX, look.new_id_B[:, None], page_size)
+            arrive_page_BJ = jnp.where(write_BJ, jnp.concatenate([new_page_B1, look.page_BK], axis=1), g)
+            arrive_offset_BJ = jnp.concatenate([new_offset_B1, look.offset_BK], axis=1)
             resident = resident.at[layer, arrive_page_BJ, arrive_offset_BJ].set(slot_BJ, mode="drop")
-            counts = jnp.stack([(ids_BK >= 0).sum(), hit_BK.sum(), res.miss_K.sum()]).astype(jnp.int32)
-        return out_BTNC, dataclasses.replace(
+            counts = jnp.stack([(look.ids_BK >= 0).sum(), look.hit_BK.sum(), res.miss_K.sum()]).astype(jnp.int32)
+        return dataclasses.replace(
             self,
             pool=pool,
-            slot_entry=slot_entry.at[layer].set(res.slot_entry_P),
+            slot_entry=look.slot_entry.at[layer].set(res.slot_entry_P),
             slot_last_use=self.slot_last_use.at[layer].set(res.last_use_P),
             resident_slot=resident,
-            staged=self.staged.at[layer].set(new_row_BW),
-            staged_page=new_page_B1[:, 0],
+            staged=self.staged.at[layer].set(look.new_row_BW),
+            staged_page=new_page_B1[:, 0],  # the null page where no entry is new
             staged_offset=new_offset_B1[:, 0],
             counters=self.counters.at[layer].add(counts),
         )
@@ -178,10 +210,36 @@ class Resolution:
 jax.tree_util.register_dataclass(Resolution)
 
 
-def _resolve(ids_K, known_K, position, active, slot_entry_P, last_use_P, clock) -> Resolution:
-    """LRU resolution for one (layer, request): ``known_K`` is the residency map's slot per id."""
+@dataclasses.dataclass
+class Lookup:
+    """What ``TieredLatents._lookup`` hands to the attention and to ``_commit`` (K = top-k, P = slots)."""
+
+    res: Resolution  # per row [B, ...]
+    ids_BK: jax.Array  # i32[B, K] the step's selected ids (-1 = none)
+    page_BK: jax.Array  # i32[B, K] their host page
+    offset_BK: jax.Array  # i32[B, K] and offset
+    fetched_BKW: jax.Array  # [B, K, W] missed rows from the host store (garbage where not a miss)
+    hit_rows_BKW: jax.Array  # [B, K, W] resident rows (and the new entry) from the pool
+    hit_BK: jax.Array  # bool[B, K] hits and the new entry
+    evicted_BP: jax.Array  # i32[B, P] ids evicted from each slot this step, -1 none
+    new_row_BW: jax.Array  # [B, W] the entry written this step (stored format)
+    new_id_B: jax.Array  # i32[B] its id, -1 where no entry is new
+    pool: jax.Array  # the old pool / residency map / slot table, read barrier-ordered before the writes
+    resident: jax.Array
+    slot_entry: jax.Array
+
+
+def _check_decode(ids_BTK: jax.Array):
+    if ids_BTK.shape[1] != 1:
+        raise ValueError(f"the tier serves decode steps of one token per request, got T={ids_BTK.shape[1]}")
+
+
+def _resolve(ids_K, known_K, new_id, active, slot_entry_P, last_use_P, clock) -> Resolution:
+    """LRU resolution for one (layer, request): ``known_K`` is the residency map's slot per id,
+    ``new_id`` the entry written this step (-1: none), ``active`` whether the row runs at all."""
     valid_K = ids_K >= 0
-    is_new_K = valid_K & (ids_K == position) & active
+    has_new = new_id >= 0
+    is_new_K = valid_K & (ids_K == new_id) & has_new
     hit_K = valid_K & ~is_new_K & (known_K >= 0)
     miss_K = valid_K & ~is_new_K & ~hit_K & active
     p = slot_entry_P.shape[0]
@@ -189,16 +247,16 @@ def _resolve(ids_K, known_K, position, active, slot_entry_P, last_use_P, clock) 
     order_P = jnp.argsort(jnp.where(held_P, jnp.iinfo(jnp.int32).max, last_use_P), stable=True)
     new_slot = order_P[0]
     miss_rank_K = jnp.cumsum(miss_K) - 1
-    miss_slot_K = order_P[jnp.clip(1 + miss_rank_K, 0, p - 1)]
+    miss_slot_K = order_P[jnp.clip(has_new + miss_rank_K, 0, p - 1)]  # after the new entry's slot
     slot_K = jnp.where(hit_K, known_K, jnp.where(is_new_K, new_slot, jnp.where(miss_K, miss_slot_K, -1)))
-    taken = miss_K.sum() + active.astype(jnp.int32)
+    taken = miss_K.sum() + has_new.astype(jnp.int32)
     taken_P = jnp.zeros(p, bool).at[order_P].set(jnp.arange(p) < taken)
     evicted_P = taken_P & (slot_entry_P >= 0)
     entries = jnp.where(taken_P, -1, slot_entry_P)
-    entries = entries.at[jnp.where(active, new_slot, p)].set(position, mode="drop")
+    entries = entries.at[jnp.where(has_new, new_slot, p)].set(new_id, mode="drop")
     entries = entries.at[jnp.where(miss_K, miss_slot_K, p)].set(ids_K, mode="drop")
     stamps = last_use_P.at[jnp.where(hit_K | is_new_K | miss_K, slot_K, p)].set(clock, mode="drop")
-    stamps = stamps.at[jnp.where(active, new_slot, p)].set(clock, mode="drop")
+    stamps = stamps.at[jnp.where(has_new, new_slot, p)].set(clock, mode="drop")
     return Resolution(slot_K, hit_K, miss_K, is_new_K, new_slot, evicted_P, entries, stamps)
 
 

@@ -23,6 +23,7 @@ Axis letters: ess_jax.notation; X = hc streams, G = output groups, O = o-LoRA ra
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -66,9 +67,13 @@ class V4State:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class V4Entries:
-    """Compressed entries, growing by one per closed window; entry ``e`` covers tokens from ``e * m``."""
+    """Compressed entries, growing by one per closed window; entry ``e`` covers tokens from ``e * m``.
 
-    csa: jax.Array  # [Lc, B, Mc, H] CSA entries (kv_norm + RoPE at e*m), Mc = capacity // m
+    ``csa`` is resident ``[Lc, B, Mc, H]`` or, with HiSparse offload, an ``ess_jax.tier.TieredLatents``
+    over ``Lc`` layers whose host store holds one page of ``Mc`` entries per batch row (page
+    ``row + 1``; page 0 is the null page) and whose device pool holds each row's working set."""
+
+    csa: Any  # [Lc, B, Mc, H] CSA entries (kv_norm + RoPE at e*m), Mc = capacity // m; or a TieredLatents
     index_keys: jax.Array  # [Lc, B, Mc, J] the CSA indexer's keys, one per CSA entry
     hca: jax.Array  # [Lh, B, Mh, H] HCA entries, Mh = capacity // m'
 
@@ -81,8 +86,21 @@ class V4Cache:
     lengths: jax.Array  # i32[B] positions already written per request
 
     def begin_step(self) -> V4Cache:
-        """Nothing to do before a step: every part of the V4 cache is resident."""
-        return self
+        """Start-of-step work of the HiSparse tier (its clock, the backup of the last step's entries);
+        nothing for a resident cache."""
+        if isinstance(self.entries.csa, jax.Array):
+            return self
+        return dataclasses.replace(self, entries=dataclasses.replace(self.entries, csa=self.entries.csa.begin_step()))
+
+
+@dataclasses.dataclass
+class TierLayer:
+    """One CSA layer's view of the HiSparse tier during a decode step (lives only inside a trace)."""
+
+    tier: Any  # ess_jax.tier.TieredLatents over the CSA layers
+    layer: int  # this layer's index among the CSA layers
+    page_table_BX: jax.Array  # i32[B, 1] each request's host page (batch row + 1)
+    active_B: jax.Array  # bool[B] rows that decode
 
 
 # ---- attention ---------------------------------------------------------------------------------
@@ -185,12 +203,14 @@ class Attention(nnx.Module):
         out_BTNH = jnp.einsum("btns,bsh->btnh", probs_BTNS, keys_BSH.astype(jnp.float32))
         return self._output(out_BTNH, cos, sin, x_BTD.dtype)
 
-    def step(self, x_BTD, positions_BT, window_BSH, comp) -> tuple[jax.Array, jax.Array, tuple]:
+    def step(self, x_BTD, positions_BT, window_BSH, comp) -> tuple[jax.Array, jax.Array, tuple, jax.Array | None]:
         """Cached forward for ``T`` new tokens per request at ``positions_BT``.
 
         ``window_BSH`` is the request's window ring ``[B, n_win, H]``; ``comp`` this layer's compressor
         arrays: CSA ``(ring_kv, ring_gate, entries, index_ring_kv, index_ring_gate, index_keys)``,
-        HCA ``(ring_kv, ring_gate, entries)``, sliding ``()``. Returns ``(out, window, comp)`` updated.
+        HCA ``(ring_kv, ring_gate, entries)``, sliding ``()``. A CSA layer's entries may be a
+        ``TierLayer`` (HiSparse decode, T = 1). Returns ``(out, window, comp, ids)`` updated, ``ids``
+        the CSA indexer's picks ``i32[B, T, K]`` (None for other layers or before the first entry).
         """
         b, t, _ = x_BTD.shape
         n_win = self.window
@@ -204,21 +224,35 @@ class Attention(nnx.Module):
                              n_win + key_pos_BTS - p0_B1[..., None])
         rows = [jax.vmap(lambda pool, ids: pool[ids])(pool_BSH, slot_BTS)]
         valid = [key_pos_BTS >= 0]
+        ids_BTK, out_BTNH = None, None
         if self.layer_type == CSA:
-            ring_kv, ring_gate, entries_BMH, index_kv, index_gate, keys_BMJ = comp
+            ring_kv, ring_gate, entries, index_kv, index_gate, keys_BMJ = comp
             indexer = self.compressor.indexer
+            tiered = isinstance(entries, TierLayer)
             with jax.named_scope("compressor"):
-                entries_BMH, ring_kv, ring_gate = self.compressor.step(x_BTD, positions_BT, ring_kv, ring_gate,
-                                                                       entries_BMH)
+                if tiered:
+                    new_BEH, entry_BE, closes_BE, ring_kv, ring_gate = self.compressor.close(x_BTD, positions_BT,
+                                                                                             ring_kv, ring_gate)
+                else:
+                    entries, ring_kv, ring_gate = self.compressor.step(x_BTD, positions_BT, ring_kv, ring_gate,
+                                                                       entries)
             with jax.named_scope("indexer"):
                 keys_BMJ, index_kv, index_gate = indexer.step(x_BTD, positions_BT, index_kv, index_gate, keys_BMJ)
             if keys_BMJ.shape[1] > 0:  # a cache too small for one entry has nothing to select
                 with jax.named_scope("indexer"):
                     visible_BTM = visible_entries(positions_BT, keys_BMJ.shape[1], self.compressor.rate)
                     ids_BTK = indexer.topk(indexer.scores(x_BTD, q_resid_BTQ, keys_BMJ, visible_BTM, cos, sin))
-                rows.append(jax.vmap(lambda e, ids: e[ids])(entries_BMH, jnp.maximum(ids_BTK, 0)))
-                valid.append(ids_BTK >= 0)
-            comp = (ring_kv, ring_gate, entries_BMH, index_kv, index_gate, keys_BMJ)
+                if tiered:  # HiSparse: window + resident entries, fetched entries, merged
+                    new_id_B = jnp.where(closes_BE[:, 0] & entries.active_B, entry_BE[:, 0], -1)
+                    with jax.named_scope("sparse_attention"):
+                        out_BTNH, tier = entries.tier.attend_entries(
+                            entries.layer, entries.page_table_BX, entries.active_B, new_BEH[:, 0], new_id_B, ids_BTK,
+                            q_BTNH, rows[0].astype(kv_BTH.dtype), valid[0], self.sinks[...], self.scale)
+                    entries = dataclasses.replace(entries, tier=tier)
+                else:
+                    rows.append(jax.vmap(lambda e, ids: e[ids])(entries, jnp.maximum(ids_BTK, 0)))
+                    valid.append(ids_BTK >= 0)
+            comp = (ring_kv, ring_gate, entries, index_kv, index_gate, keys_BMJ)
         elif self.layer_type == HCA:
             ring_kv, ring_gate, entries_BMH = comp
             with jax.named_scope("compressor"):
@@ -228,14 +262,15 @@ class Attention(nnx.Module):
             rows.append(jnp.broadcast_to(entries_BMH[:, None], (b, t) + entries_BMH.shape[1:]))
             valid.append(visible_entries(positions_BT, n, self.compressor.rate))
             comp = (ring_kv, ring_gate, entries_BMH)
-        with jax.named_scope("sparse_attention"):
-            rows_BTKH = jnp.concatenate([r.astype(kv_BTH.dtype) for r in rows], axis=2)
-            out_BTNH, _ = ops.sparse_sink_attention(q_BTNH, rows_BTKH, jnp.concatenate(valid, axis=2),
-                                                    self.sinks[...], scale=self.scale)
+        if out_BTNH is None:
+            with jax.named_scope("sparse_attention"):
+                rows_BTKH = jnp.concatenate([r.astype(kv_BTH.dtype) for r in rows], axis=2)
+                out_BTNH, _ = ops.sparse_sink_attention(q_BTNH, rows_BTKH, jnp.concatenate(valid, axis=2),
+                                                        self.sinks[...], scale=self.scale)
         # Only the last n_win new keys reach the ring (earlier ones would collide on a slot).
         write_BT = jnp.where(jnp.arange(t)[None, :] >= t - n_win, positions_BT % n_win, n_win)
         window_BSH = window_BSH.at[jnp.arange(b)[:, None], write_BT].set(kv_BTH.astype(window_BSH.dtype), mode="drop")
-        return self._output(out_BTNH, cos, sin, x_BTD.dtype), window_BSH, comp
+        return self._output(out_BTNH, cos, sin, x_BTD.dtype), window_BSH, comp, ids_BTK
 
 
 # ---- MoE ---------------------------------------------------------------------------------------
@@ -320,9 +355,10 @@ class DecoderLayer(nnx.Module):
 
     def step(self, streams_BTXD, tokens_BT, positions_BT, window_BSH, comp):
         post, comb, x_BTD = self.attn_hc(streams_BTXD)
-        out, window_BSH, comp = self.self_attn.step(self.input_layernorm(x_BTD), positions_BT, window_BSH, comp)
+        out, window_BSH, comp, ids_BTK = self.self_attn.step(self.input_layernorm(x_BTD), positions_BT, window_BSH,
+                                                             comp)
         streams_BTXD = mhc.merge(post, comb, out, streams_BTXD)
-        return self._ffn(streams_BTXD, tokens_BT), window_BSH, comp
+        return self._ffn(streams_BTXD, tokens_BT), window_BSH, comp, ids_BTK
 
 
 class DeepseekV4(nnx.Module):
@@ -382,8 +418,10 @@ class DeepseekV4(nnx.Module):
 
         A row whose first position is 0 starts a new request: its state is cleared first. Every token
         must be real (no padding: the compressors would pool it); inactive rows may run, they only
-        change their own rows. Returns logits ``f32[B, T, V]``, the (empty) top-k ids ``i32[0, B, T, 0]``
-        and the cache.
+        change their own rows. With the HiSparse tier in ``cache.entries.csa`` the step is a decode
+        step over every batch row (``meta.rows`` = 0..B-1, T = 1) and inactive rows (``meta.valid``)
+        leave the tier alone. Returns logits ``f32[B, T, V]``, the CSA indexer's top-k entry ids
+        ``i32[Lc, B, T, K]`` (-1 = none; ``K = 0`` before the cache holds an entry) and the cache.
         """
         rows_B, start_B = meta.rows, meta.positions[:, 0]
         fresh_B = start_B == 0
@@ -392,35 +430,55 @@ class DeepseekV4(nnx.Module):
             sub = x[:, rows_B]
             return jnp.where(fresh_B.reshape((1, -1) + (1,) * (sub.ndim - 2)), jnp.zeros_like(sub), sub)
 
-        sub = V4Cache(jax.tree.map(take, cache.state), jax.tree.map(take, cache.entries), start_B)
-        logits, sub = self.step_contiguous(tokens_BT, sub)
         put = lambda x, new: x.at[:, rows_B].set(new)
-        cache = V4Cache(jax.tree.map(put, cache.state, sub.state), jax.tree.map(put, cache.entries, sub.entries),
-                        cache.lengths.at[rows_B].set(sub.lengths))
-        b, t = tokens_BT.shape
-        return logits, jnp.zeros((0, b, t, 0), jnp.int32), cache
+        en = cache.entries
+        tiered = not isinstance(en.csa, jax.Array)
+        csa = en.csa if tiered else take(en.csa)
+        tier_meta = ((rows_B + 1)[:, None], meta.valid[:, 0]) if tiered else None
+        sub = V4Cache(jax.tree.map(take, cache.state), V4Entries(csa, take(en.index_keys), take(en.hca)), start_B)
+        logits, ids_LBTK, sub = self._step_rows(tokens_BT, sub, tier_meta)
+        entries = V4Entries(sub.entries.csa if tiered else put(en.csa, sub.entries.csa),
+                            put(en.index_keys, sub.entries.index_keys), put(en.hca, sub.entries.hca))
+        cache = V4Cache(jax.tree.map(put, cache.state, sub.state), entries, cache.lengths.at[rows_B].set(sub.lengths))
+        return logits, ids_LBTK, cache
 
     def step_contiguous(self, tokens_BT: jax.Array, cache: V4Cache) -> tuple[jax.Array, V4Cache]:
-        """Append ``T`` tokens per request to ``cache`` (batch row b = request b); logits ``f32[B, T, V]``
-        and the new cache."""
+        """Append ``T`` tokens per request to a resident ``cache`` (batch row b = request b); logits
+        ``f32[B, T, V]`` and the new cache."""
+        logits_BTV, _, cache = self._step_rows(tokens_BT, cache, None)
+        return logits_BTV, cache
+
+    def _step_rows(self, tokens_BT: jax.Array, cache: V4Cache, tier_meta) -> tuple[jax.Array, jax.Array, V4Cache]:
+        """``step_contiguous`` plus the CSA top-k ids ``i32[Lc, B, T, K]``; ``tier_meta =
+        (page_table_BX, active_B)`` when ``cache.entries.csa`` is the HiSparse tier, else None."""
         b, t = tokens_BT.shape
         positions_BT = cache.lengths[:, None] + jnp.arange(t)[None, :]
         st, en = cache.state, cache.entries
         csa, hca = self._layer_groups()
-        windows, csa_out, hca_out = [], [], []
+        tier = en.csa if tier_meta is not None else None
+        windows, csa_out, hca_out, csa_ids = [], [], [], []
         streams_BTXD = self._embed(tokens_BT)
         for i, layer in enumerate(self.layers):
             if i in csa:
                 c = csa.index(i)
-                comp = (st.csa_kv[c], st.csa_gate[c], en.csa[c], st.index_kv[c], st.index_gate[c], en.index_keys[c])
+                entries = en.csa[c] if tier is None else TierLayer(tier, c, *tier_meta)
+                comp = (st.csa_kv[c], st.csa_gate[c], entries, st.index_kv[c], st.index_gate[c], en.index_keys[c])
             elif i in hca:
                 c = hca.index(i)
                 comp = (st.hca_kv[c], st.hca_gate[c], en.hca[c])
             else:
                 comp = ()
-            streams_BTXD, window_BSH, comp = layer.step(streams_BTXD, tokens_BT, positions_BT, st.window[i], comp)
+            streams_BTXD, window_BSH, comp, ids_BTK = layer.step(streams_BTXD, tokens_BT, positions_BT, st.window[i],
+                                                                 comp)
             windows.append(window_BSH)
-            (csa_out if i in csa else hca_out if i in hca else []).append(comp)
+            if i in csa:
+                if tier is not None:
+                    tier = comp[2].tier
+                    comp = comp[:2] + (None,) + comp[3:]
+                csa_out.append(comp)
+                csa_ids.append(jnp.zeros((b, t, 0), jnp.int32) if ids_BTK is None else ids_BTK)
+            elif i in hca:
+                hca_out.append(comp)
 
         def stack(group, k, old):
             return jnp.stack([g[k] for g in group]) if group else old
@@ -429,6 +487,7 @@ class DeepseekV4(nnx.Module):
                         csa_kv=stack(csa_out, 0, st.csa_kv), csa_gate=stack(csa_out, 1, st.csa_gate),
                         index_kv=stack(csa_out, 3, st.index_kv), index_gate=stack(csa_out, 4, st.index_gate),
                         hca_kv=stack(hca_out, 0, st.hca_kv), hca_gate=stack(hca_out, 1, st.hca_gate))
-        entries = V4Entries(csa=stack(csa_out, 2, en.csa), index_keys=stack(csa_out, 5, en.index_keys),
-                            hca=stack(hca_out, 2, en.hca))
-        return self._head(streams_BTXD), V4Cache(state, entries, cache.lengths + t)
+        entries = V4Entries(csa=tier if tier is not None else stack(csa_out, 2, en.csa),
+                            index_keys=stack(csa_out, 5, en.index_keys), hca=stack(hca_out, 2, en.hca))
+        ids_LBTK = jnp.stack(csa_ids) if csa_ids else jnp.zeros((0, b, t, 0), jnp.int32)
+        return self._head(streams_BTXD), ids_LBTK, V4Cache(state, entries, cache.lengths + t)

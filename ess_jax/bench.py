@@ -59,7 +59,6 @@ import numpy as np
 
 from ess_jax.cli import Parser
 
-ENGINE_FAMILIES = ("deepseek_v32",)  # families the engine serves today; deepseek_v4 is pending
 
 
 def _floats(text: str) -> list[float]:
@@ -76,8 +75,8 @@ def _names(text: str) -> list[str]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = Parser("python -m ess_jax.bench", __doc__)
     p.add_argument("--model", default="tiny-v32",
-                   help="preset name (random weights from --weights-seed) or HuggingFace checkpoint directory; "
-                        "the engine serves deepseek_v32 (default tiny-v32)")
+                   help="preset name (random weights from --weights-seed) or HuggingFace checkpoint directory "
+                        "(default tiny-v32; tiny-v4 runs HiSparse over its CSA entries)")
     p.add_argument("--context", type=int, default=8192, help="prompt tokens per request (default 8192)")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per request and run (default 64)")
     p.add_argument("--batch", type=int, default=2, help="requests decoded together (default 2)")
@@ -261,7 +260,8 @@ def topk_overlap(current_LK: np.ndarray, previous_LK: np.ndarray) -> np.ndarray:
 
 def topk_locality(model, prompt: list[int], steps: int, *, page_size: int = 64, chunk: int = 1024) -> np.ndarray:
     """Overlap ``|K_t & K_t-1| / |K_t|`` of adjacent top-k sets ``f32[L, steps]`` for one request, from a
-    resident pass of the model's paged step: prompt in chunks, then ``steps`` greedy decode steps."""
+    resident pass of the model's step: prompt in chunks, then ``steps`` greedy decode steps. L: the
+    layers with an indexer (V3.2: every layer, ids are positions; V4: the CSA layers, ids are entries)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -270,18 +270,20 @@ def topk_locality(model, prompt: list[int], steps: int, *, page_size: int = 64, 
     graphdef = model.graphdef
     step = jax.jit(lambda params, tokens, meta, cache: nnx.merge(graphdef, params).step(tokens, meta, cache),
                    donate_argnums=3)
-    pages = math.ceil((len(prompt) + steps) / page_size)
-    cache = model.module.init_cache(pages + 1, page_size)
-    table_BX = jnp.arange(1, pages + 1, dtype=jnp.int32)[None]  # contiguous pages 1..X (0 is the null page)
+    if model.cfg.family == "deepseek_v4":  # one cache row for the request
+        cache = model.module.init_cache(1, len(prompt) + steps)
+        table_BX = jnp.zeros((1, 1), jnp.int32)
+    else:
+        pages = math.ceil((len(prompt) + steps) / page_size)
+        cache = model.module.init_cache(pages + 1, page_size)
+        table_BX = jnp.arange(1, pages + 1, dtype=jnp.int32)[None]  # contiguous pages 1..X (0 is the null page)
     row_B = jnp.zeros((1,), jnp.int32)
-    chunk = min(chunk, len(prompt))
-    for start in range(0, len(prompt), chunk):
+    for start in range(0, len(prompt), chunk):  # exact pieces: V4's compressors take no padding
         real = min(chunk, len(prompt) - start)
-        tokens_BT = np.zeros((1, chunk), np.int32)
-        tokens_BT[0, :real] = prompt[start:start + real]
-        meta = StepMeta(jnp.asarray(start + np.arange(chunk, dtype=np.int32))[None],
-                        jnp.asarray(np.arange(chunk) < real)[None], table_BX, row_B)
-        logits_BTV, ids_LBTK, cache = step(model.params, jnp.asarray(tokens_BT), meta, cache)
+        meta = StepMeta(jnp.asarray(start + np.arange(real, dtype=np.int32))[None], jnp.ones((1, real), bool),
+                        table_BX, row_B)
+        logits_BTV, ids_LBTK, cache = step(model.params, jnp.asarray([prompt[start:start + real]], jnp.int32), meta,
+                                           cache)
     previous_LK = np.asarray(ids_LBTK[:, 0, real - 1])
     token = int(jnp.argmax(logits_BTV[0, real - 1]))
     overlap_LS = np.zeros((previous_LK.shape[0], steps), np.float32)
@@ -498,9 +500,6 @@ def bench(args: argparse.Namespace, log) -> dict:
     from ess_jax.api import load_model
 
     cfg = _config_of(args.model)
-    if cfg.family not in ENGINE_FAMILIES:
-        raise ValueError(f"--model {args.model} is {cfg.family}: engine and offload support for it is pending "
-                         f"(the engine serves {', '.join(ENGINE_FAMILIES)} today)")
     if args.context + args.new_tokens > cfg.max_position_embeddings:
         raise ValueError(f"--context {args.context} + --new-tokens {args.new_tokens} exceeds max_position_embeddings "
                          f"{cfg.max_position_embeddings}")

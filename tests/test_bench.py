@@ -68,7 +68,6 @@ def test_tiny_bench_json_follows_the_schema(checkpoint, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--model", "tiny-v4"], "pending"),
     (["--ratios", "0.5,2"], "--ratios 2"),
     (["--ratios", "x"], "--ratios"),
     (["--fetch", "inline,uva"], "--fetch"),

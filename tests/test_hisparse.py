@@ -1,0 +1,92 @@
+"""HiSparse: DeepSeek-V4's CSA entries in the host tier behind an LRU device pool (ess_jax.tier).
+
+tiny-v4: layers (sliding, CSA, HCA, CSA), CSA rate 4, index_topk 16, head_dim 32, float32. Three
+requests of 1024 / 512 / 512 prompt tokens (256 / 128 / 128 CSA entries) share two batch rows: the
+third joins when the first leaves. Every offloaded run must give the resident run's tokens and
+logits, and its counters must add up.
+"""
+
+import numpy as np
+import pytest
+
+import ess_jax
+from ess_jax.engine import Engine, EngineConfig
+
+PROMPTS = (1024, 512, 512)
+NEW_TOKENS = (24, 40, 16)
+MAX_SEQ_LEN = 1064  # 266 CSA entries per batch row
+CSA_LAYERS = (1, 3)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ess_jax.load_model("tiny-v4")
+
+
+def _serve(model, **config):
+    engine = Engine(model, EngineConfig(max_batch=2, max_seq_len=MAX_SEQ_LEN, prefill_chunk=1024, keep_logits=True,
+                                        **config))
+    rng = np.random.default_rng(0)
+    for n, new in zip(PROMPTS, NEW_TOKENS):
+        engine.submit(rng.integers(0, model.cfg.vocab_size, n).tolist(), new)
+    return engine, engine.run()
+
+
+@pytest.fixture(scope="module")
+def resident(model):
+    return _serve(model, offload="none")
+
+
+@pytest.mark.parametrize("pool,fetch", [
+    ("top_k + 1", "inline"), ("top_k + 1", "split"), ("2 * top_k", "inline"), ("ratio 0.1", "inline"),
+    ("ratio 0.5", "split"), ("every entry", "inline"), ("every entry", "split"),
+])
+def test_offloaded_equals_resident_and_counts_add_up(model, resident, pool, fetch):
+    cfg = model.cfg
+    k, entries = cfg.index_topk, MAX_SEQ_LEN // cfg.compress_rate_csa
+    size = {"top_k + 1": dict(pool_size=k + 1), "2 * top_k": dict(pool_size=2 * k),
+            "ratio 0.1": dict(pool_ratio=0.1), "ratio 0.5": dict(pool_ratio=0.5),
+            "every entry": dict(pool_size=entries)}[pool]
+    engine, requests = _serve(model, offload="ess", fetch=fetch, **size)
+    ref_engine, ref = resident
+    slots = {"ratio 0.1": 27, "ratio 0.5": 133}.get(pool, next(iter(size.values())))
+    assert engine.pool_slots == slots
+    for got, want in zip(requests, ref):
+        assert got.output_ids == want.output_ids
+        scale = np.abs(np.asarray(want.logits)).max()
+        np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), rtol=0, atol=1e-5 * scale)
+
+    metrics = engine.offload_metrics()
+    assert [c["layer"] for c in metrics["per_layer"]] == list(CSA_LAYERS)
+    for c in metrics["per_layer"]:
+        assert c["hits"] + c["misses"] == c["lookups"] > 0
+    assert metrics["lookups"] == sum(c["lookups"] for c in metrics["per_layer"])
+    row_bytes = cfg.head_dim * 4
+    assert metrics["h2d_bytes"] == metrics["misses"] * row_bytes
+    # backed up: every prompt entry, then one entry per closed window of decode, per CSA layer
+    closed = sum((n + new - 1) // 4 - n // 4 for n, new in zip(PROMPTS, NEW_TOKENS))
+    assert metrics["d2h_bytes"] == (sum(PROMPTS) // 4 + closed) * len(CSA_LAYERS) * row_bytes
+    if pool == "top_k + 1":
+        assert metrics["misses"] > 0
+    if pool == "every entry":
+        assert metrics["misses"] == 0
+
+    # the CSA entries left the device: host = (rows + null page) x entries, device = resident - entries + pool
+    got_bytes, ref_bytes = engine.cache_bytes(), ref_engine.cache_bytes()
+    lc, b = len(CSA_LAYERS), 2
+    assert got_bytes["host_bytes"] == lc * (b + 1) * entries * row_bytes
+    assert got_bytes["resident_device_bytes"] == ref_bytes["device_bytes"]
+    tier_device = lc * b * slots * (row_bytes + 4 + 4) + lc * (b + 1) * entries * 4 + lc * b * row_bytes + 2 * b * 4
+    tier_device += lc * 3 * 4 + 4  # counters, clock
+    assert got_bytes["device_bytes"] == ref_bytes["device_bytes"] - lc * b * entries * row_bytes + tier_device
+
+
+def test_bad_pool_and_host_budget_are_named(model):
+    k = model.cfg.index_topk
+    with pytest.raises(ValueError, match=rf"--pool-size {k} is below the minimum {k + 1}"):
+        Engine(model, EngineConfig(max_batch=2, max_seq_len=MAX_SEQ_LEN, offload="ess", pool_size=k))
+    need_mib = len(CSA_LAYERS) * 3 * (MAX_SEQ_LEN // 4) * model.cfg.head_dim * 4 / 2**20
+    with pytest.raises(ValueError, match=rf"--host-cache-mb 0.01 is below the CSA entry store .* \({need_mib:.2f} MiB\)"):
+        Engine(model, EngineConfig(max_batch=2, max_seq_len=MAX_SEQ_LEN, offload="ess", host_cache_mb=0.01))
+    with pytest.raises(ValueError, match="too short for one entry"):
+        Engine(model, EngineConfig(max_batch=2, max_seq_len=3, offload="ess"))

@@ -58,7 +58,7 @@ class EngineConfig:
     fetch: str = "inline"  # ess: "inline" or "split" (ess_jax.tier)
     host_cache_mb: float | None = None  # ess: host store budget; sets the page count when given
     keep_logits: bool = False  # keep each output token's float32 logits in Request.logits
-    kernels: str = "xla"  # V3.2 attention kernels: "xla", "pallas", "auto" (Pallas on GPU, XLA elsewhere)
+    kernels: str = "xla"  # attention kernels: "xla", "pallas", "auto" (Pallas on GPU, XLA elsewhere)
     cache_dtype: str | None = None  # V3.2 latent rows: None = the model's dtype, "bfloat16", "float32", "fp8"
 
     def __post_init__(self):
@@ -117,7 +117,7 @@ def _admit_offloaded_v4(cache: V4Cache, scratch: V4Cache, slot, prompt_len, entr
     csa = tier.warm(csa, sc.csa, table_X, pages_X, slot, entries, ids_LQK)
     return V4Cache(jax.tree.map(put, cache.state, scratch.state),
                    V4Entries(csa, put(en.index_keys, sc.index_keys), put(en.hca, sc.hca)),
-                   cache.lengths.at[slot].set(prompt_len))
+                   cache.lengths.at[slot].set(prompt_len), cache.kernels)
 
 
 def _tier_of(cache):
@@ -196,7 +196,8 @@ class Engine:
                                    max_position_embeddings=self.max_seq_len)
         self.scratch = None
         if cfg.family == "deepseek_v4" and self.pool_slots is None:  # per-request rows, sized for max_seq_len
-            self.cache = module.init_cache(config.max_batch, self.max_seq_len)
+            self.cache = dataclasses.replace(module.init_cache(config.max_batch, self.max_seq_len),
+                                             kernels=config.kernels)
         elif cfg.family == "deepseek_v4":  # HiSparse: CSA entries to the tier, the rest resident per row
             shapes = jax.eval_shape(lambda: module.init_cache(config.max_batch, self.max_seq_len))
             zeros = lambda x: jnp.zeros(x.shape, x.dtype)
@@ -205,8 +206,9 @@ class Engine:
                                    width=cfg.head_dim, dtype=module.dtype, fetch=config.fetch, kernels=config.kernels)
             self.cache = V4Cache(jax.tree.map(zeros, shapes.state),
                                  V4Entries(csa, zeros(shapes.entries.index_keys), zeros(shapes.entries.hca)),
-                                 zeros(shapes.lengths))
-            self.scratch = module.init_cache(1, self.max_seq_len)  # one prompt's resident cache
+                                 zeros(shapes.lengths), config.kernels)
+            # one prompt's resident cache
+            self.scratch = dataclasses.replace(module.init_cache(1, self.max_seq_len), kernels=config.kernels)
         elif self.pool_slots is None:  # V3.2, resident: latent pages shared by all requests
             self.cache = self._resident_cache(module, num_pages)
         else:  # V3.2, ESS: indexer keys stay in device pages, latent rows go to the tier

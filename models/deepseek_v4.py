@@ -84,6 +84,7 @@ class V4Cache:
     state: V4State
     entries: V4Entries
     lengths: jax.Array  # i32[B] positions already written per request
+    kernels: str = dataclasses.field(default="xla", metadata=dict(static=True))  # ops kernel choice
 
     def begin_step(self) -> V4Cache:
         """Start-of-step work of the HiSparse tier (its clock, the backup of the last step's entries);
@@ -203,13 +204,14 @@ class Attention(nnx.Module):
         out_BTNH = jnp.einsum("btns,bsh->btnh", probs_BTNS, keys_BSH.astype(jnp.float32))
         return self._output(out_BTNH, cos, sin, x_BTD.dtype)
 
-    def step(self, x_BTD, positions_BT, window_BSH, comp) -> tuple[jax.Array, jax.Array, tuple, jax.Array | None]:
+    def step(self, x_BTD, positions_BT, window_BSH, comp, kernels: str = "xla"
+             ) -> tuple[jax.Array, jax.Array, tuple, jax.Array | None]:
         """Cached forward for ``T`` new tokens per request at ``positions_BT``.
 
         ``window_BSH`` is the request's window ring ``[B, n_win, H]``; ``comp`` this layer's compressor
         arrays: CSA ``(ring_kv, ring_gate, entries, index_ring_kv, index_ring_gate, index_keys)``,
         HCA ``(ring_kv, ring_gate, entries)``, sliding ``()``. A CSA layer's entries may be a
-        ``TierLayer`` (HiSparse decode, T = 1). Returns ``(out, window, comp, ids)`` updated, ``ids``
+        ``TierLayer`` (HiSparse decode, T = 1). ``kernels``: the ops kernel choice for attention. Returns ``(out, window, comp, ids)`` updated, ``ids``
         the CSA indexer's picks ``i32[B, T, K]`` (None for other layers or before the first entry).
         """
         b, t, _ = x_BTD.shape
@@ -266,7 +268,7 @@ class Attention(nnx.Module):
             with jax.named_scope("sparse_attention"):
                 rows_BTKH = jnp.concatenate([r.astype(kv_BTH.dtype) for r in rows], axis=2)
                 out_BTNH, _ = ops.sparse_sink_attention(q_BTNH, rows_BTKH, jnp.concatenate(valid, axis=2),
-                                                        self.sinks[...], scale=self.scale)
+                                                        self.sinks[...], scale=self.scale, kernels=kernels)
         # Only the last n_win new keys reach the ring (earlier ones would collide on a slot).
         write_BT = jnp.where(jnp.arange(t)[None, :] >= t - n_win, positions_BT % n_win, n_win)
         window_BSH = window_BSH.at[jnp.arange(b)[:, None], write_BT].set(kv_BTH.astype(window_BSH.dtype), mode="drop")
@@ -353,10 +355,10 @@ class DecoderLayer(nnx.Module):
         streams_BTXD = mhc.merge(post, comb, self.self_attn(self.input_layernorm(x_BTD)), streams_BTXD)
         return self._ffn(streams_BTXD, tokens_BT)
 
-    def step(self, streams_BTXD, tokens_BT, positions_BT, window_BSH, comp):
+    def step(self, streams_BTXD, tokens_BT, positions_BT, window_BSH, comp, kernels: str = "xla"):
         post, comb, x_BTD = self.attn_hc(streams_BTXD)
         out, window_BSH, comp, ids_BTK = self.self_attn.step(self.input_layernorm(x_BTD), positions_BT, window_BSH,
-                                                             comp)
+                                                             comp, kernels)
         streams_BTXD = mhc.merge(post, comb, out, streams_BTXD)
         return self._ffn(streams_BTXD, tokens_BT), window_BSH, comp, ids_BTK
 
@@ -435,11 +437,13 @@ class DeepseekV4(nnx.Module):
         tiered = not isinstance(en.csa, jax.Array)
         csa = en.csa if tiered else take(en.csa)
         tier_meta = ((rows_B + 1)[:, None], meta.valid[:, 0]) if tiered else None
-        sub = V4Cache(jax.tree.map(take, cache.state), V4Entries(csa, take(en.index_keys), take(en.hca)), start_B)
+        sub = V4Cache(jax.tree.map(take, cache.state), V4Entries(csa, take(en.index_keys), take(en.hca)), start_B,
+                      cache.kernels)
         logits, ids_LBTK, sub = self._step_rows(tokens_BT, sub, tier_meta)
         entries = V4Entries(sub.entries.csa if tiered else put(en.csa, sub.entries.csa),
                             put(en.index_keys, sub.entries.index_keys), put(en.hca, sub.entries.hca))
-        cache = V4Cache(jax.tree.map(put, cache.state, sub.state), entries, cache.lengths.at[rows_B].set(sub.lengths))
+        cache = V4Cache(jax.tree.map(put, cache.state, sub.state), entries, cache.lengths.at[rows_B].set(sub.lengths),
+                        cache.kernels)
         return logits, ids_LBTK, cache
 
     def step_contiguous(self, tokens_BT: jax.Array, cache: V4Cache) -> tuple[jax.Array, V4Cache]:
@@ -469,7 +473,7 @@ class DeepseekV4(nnx.Module):
             else:
                 comp = ()
             streams_BTXD, window_BSH, comp, ids_BTK = layer.step(streams_BTXD, tokens_BT, positions_BT, st.window[i],
-                                                                 comp)
+                                                                 comp, cache.kernels)
             windows.append(window_BSH)
             if i in csa:
                 if tier is not None:
@@ -490,4 +494,4 @@ class DeepseekV4(nnx.Module):
         entries = V4Entries(csa=tier if tier is not None else stack(csa_out, 2, en.csa),
                             index_keys=stack(csa_out, 5, en.index_keys), hca=stack(hca_out, 2, en.hca))
         ids_LBTK = jnp.stack(csa_ids) if csa_ids else jnp.zeros((0, b, t, 0), jnp.int32)
-        return self._head(streams_BTXD), ids_LBTK, V4Cache(state, entries, cache.lengths + t)
+        return self._head(streams_BTXD), ids_LBTK, V4Cache(state, entries, cache.lengths + t, cache.kernels)

@@ -59,7 +59,8 @@ class EngineConfig:
     host_cache_mb: float | None = None  # ess: host store budget; sets the page count when given
     keep_logits: bool = False  # keep each output token's float32 logits in Request.logits
     kernels: str = "xla"  # attention kernels: "xla", "pallas", "auto" (Pallas on GPU, XLA elsewhere)
-    cache_dtype: str | None = None  # V3.2 latent rows: None = the model's dtype, "bfloat16", "float32", "fp8"
+    cache_dtype: str | None = None  # V3.2 latent rows / V4 CSA entries: None = the model's dtype, or "bfloat16",
+    # "float32", "fp8" (656-byte V3.2 rows, 584-byte V4 rows at the real shapes; ess_jax.pallas_kernels.fp8_rows)
 
     def __post_init__(self):
         for name in ("max_batch", "page_size", "prefill_chunk"):
@@ -161,11 +162,9 @@ class Engine:
         if cfg.family == "deepseek_v32":
             self.row_bytes = (ops.mla_row_width(cfg.kv_lora_rank, cfg.qk_rope_head_dim, self.latent_dtype)
                               * jnp.dtype(self.latent_dtype).itemsize)
-        else:
-            if config.cache_dtype is not None:
-                raise ValueError(f"--cache-dtype applies to deepseek_v32 latent rows; {cfg.family} keeps its model "
-                                 "dtype")
-            self.row_bytes = cfg.head_dim * jnp.dtype(module.dtype).itemsize  # one CSA entry
+        else:  # one CSA entry
+            self.row_bytes = (ops.v4_row_width(cfg.head_dim, cfg.qk_rope_head_dim, self.latent_dtype)
+                              * jnp.dtype(self.latent_dtype).itemsize)
         if config.offload == "ess" and cfg.family == "deepseek_v32":
             self.pool_slots = tier.pool_slots(pool_size=config.pool_size, pool_ratio=config.pool_ratio,
                                               max_seq_len=self.max_seq_len, index_topk=cfg.index_topk)
@@ -196,19 +195,21 @@ class Engine:
                                    max_position_embeddings=self.max_seq_len)
         self.scratch = None
         if cfg.family == "deepseek_v4" and self.pool_slots is None:  # per-request rows, sized for max_seq_len
-            self.cache = dataclasses.replace(module.init_cache(config.max_batch, self.max_seq_len),
+            self.cache = dataclasses.replace(module.init_cache(config.max_batch, self.max_seq_len, self.latent_dtype),
                                              kernels=config.kernels)
         elif cfg.family == "deepseek_v4":  # HiSparse: CSA entries to the tier, the rest resident per row
-            shapes = jax.eval_shape(lambda: module.init_cache(config.max_batch, self.max_seq_len))
+            shapes = jax.eval_shape(lambda: module.init_cache(config.max_batch, self.max_seq_len, self.latent_dtype))
             zeros = lambda x: jnp.zeros(x.shape, x.dtype)
             csa = tier.init_tiered(layers=len(self.csa_layers), batch=config.max_batch, slots=self.pool_slots,
                                    num_pages=config.max_batch + 1, page_size=self.entries_per_row,
-                                   width=cfg.head_dim, dtype=module.dtype, fetch=config.fetch, kernels=config.kernels)
+                                   width=shapes.entries.csa.shape[-1], dtype=self.latent_dtype, fetch=config.fetch,
+                                   kernels=config.kernels)
             self.cache = V4Cache(jax.tree.map(zeros, shapes.state),
                                  V4Entries(csa, zeros(shapes.entries.index_keys), zeros(shapes.entries.hca)),
                                  zeros(shapes.lengths), config.kernels)
             # one prompt's resident cache
-            self.scratch = dataclasses.replace(module.init_cache(1, self.max_seq_len), kernels=config.kernels)
+            self.scratch = dataclasses.replace(module.init_cache(1, self.max_seq_len, self.latent_dtype),
+                                               kernels=config.kernels)
         elif self.pool_slots is None:  # V3.2, resident: latent pages shared by all requests
             self.cache = self._resident_cache(module, num_pages)
         else:  # V3.2, ESS: indexer keys stay in device pages, latent rows go to the tier
@@ -390,7 +391,8 @@ class Engine:
         resident = device
         cfg = self.model.cfg
         if cfg.family == "deepseek_v4":
-            shapes = jax.eval_shape(lambda: self.model.module.init_cache(self.config.max_batch, self.max_seq_len))
+            shapes = jax.eval_shape(lambda: self.model.module.init_cache(self.config.max_batch, self.max_seq_len,
+                                                                         self.latent_dtype))
             resident = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
         else:
             per_token = cfg.num_hidden_layers * (self.row_bytes + cfg.index_head_dim * self.cache.index_keys.itemsize)

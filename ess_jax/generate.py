@@ -69,14 +69,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        help="longest prefill piece in tokens; a shorter remainder runs as power-of-two pieces "
                             "(default 256)")
     p.add_argument("--kernels", choices=["auto", "xla", "pallas"], default="xla",
-                   help="V3.2 attention kernels: 'xla' (default: the GPU lowering of the Pallas kernels is not "
-                        "verified yet), 'auto' = Pallas on GPU and XLA elsewhere, 'pallas' (on CPU: interpret mode, "
-                        "slow, for checking). V4 uses XLA")
+                   help="attention kernels: 'xla' (default: on an H200 the Pallas kernels are exact but not yet "
+                        "faster, docs/results/h200.md), 'auto' = Pallas on GPU and XLA elsewhere, 'pallas' (on CPU: "
+                        "interpret mode, slow, for checking)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter and compute dtype")
     p.add_argument("--cache-dtype", choices=["bfloat16", "float32", "fp8"], default=None,
-                   help="V3.2 latent rows in the cache, host store and pool: default the --dtype; 'fp8' = FlashMLA-"
-                        "style rows (e4m3 latent + one float32 scale per 128 values + bf16 rope: 656 bytes for "
-                        "DeepSeek-V3.2); indexer keys stay in --dtype")
+                   help="V3.2 latent rows / V4 CSA entries in the cache, host store and pool: default the --dtype; "
+                        "'fp8' = FlashMLA-style rows (V3.2: e4m3 latent + one float32 scale per 128 values + bf16 "
+                        "rope, 656 bytes; V4: e4m3 + ue8m0 scale per 64 values + bf16 rope, 584 bytes); indexer keys, "
+                        "V4's window and HCA entries stay in --dtype")
     p.add_argument("--weights-seed", type=int, default=0, help="seed of a preset's random weights (default 0)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: model, family, offload, requests, metrics (see README)")

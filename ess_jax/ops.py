@@ -143,6 +143,29 @@ def decode_mla_rows(rows_X: jax.Array, dtype, *, latent_dim: int, rope_dim: int)
 # ---- V4: attention with a sink -----------------------------------------------------------------
 
 
+def v4_row_width(head_dim: int, rope_dim: int, dtype) -> int:
+    """Width of one stored V4 entry: ``H`` values, or FP8 bytes (584 for H = 512, R = 64) when ``dtype``
+    is uint8."""
+    if jnp.dtype(dtype) == jnp.uint8:
+        return fp8_rows.v4_row_bytes(head_dim, rope_dim)
+    return head_dim
+
+
+def encode_v4_rows(rows_H: jax.Array, dtype, *, rope_dim: int) -> jax.Array:
+    """V4 entries ``[..., H]`` in the cache's storage format: FP8 rows when ``dtype`` is uint8, else a cast."""
+    if jnp.dtype(dtype) == jnp.uint8:
+        return fp8_rows.quantize_v4_rows(rows_H, rope_dim=rope_dim)
+    return rows_H.astype(dtype)
+
+
+def decode_v4_rows(rows_X: jax.Array, dtype, *, head_dim: int, rope_dim: int) -> jax.Array:
+    """Stored V4 entries -> ``[..., H]`` of ``dtype`` (dequantizes FP8 rows)."""
+    if rows_X.dtype == jnp.uint8:
+        return fp8_rows.dequantize_v4_rows(rows_X, head_dim=head_dim, rope_dim=rope_dim, dtype=dtype)
+    return rows_X.astype(dtype)
+
+
+
 def sparse_sink_attention(q_BTNH: jax.Array, rows_BTKH: jax.Array, valid_BTK: jax.Array, sinks_N: jax.Array, *,
                           scale: float, kernels: str = "xla") -> tuple[jax.Array, jax.Array]:
     """DeepSeek-V4 attention over gathered rows with a learned per-head sink (DOMAIN.md 2.5).

@@ -89,22 +89,24 @@ class TieredLatents:
 
     def attend_entries(self, layer: int, page_table_BX: jax.Array, active_B: jax.Array, new_row_BW: jax.Array,
                        new_id_B: jax.Array, ids_BTK: jax.Array, q_BTNH: jax.Array, window_BTSH: jax.Array,
-                       window_valid_BTS: jax.Array, sinks_N: jax.Array, scale: float
+                       window_valid_BTS: jax.Array, sinks_N: jax.Array, scale: float, *, rope_dim: int
                        ) -> tuple[jax.Array, TieredLatents]:
         """V4 CSA (HiSparse), one decode token per row: entry ids ``ids_BTK`` from the indexer,
         ``new_id_B`` the entry whose window closed this step (-1: none). The hit half attends over the
         window rows and the resident entries with the sink, the miss half over the fetched entries
-        alone; the merge is the one softmax over window + picked entries + sink."""
+        alone; the merge is the one softmax over window + picked entries + sink. ``new_row_BW`` is in
+        the pool's storage format (FP8 rows when uint8; ``rope_dim`` decodes them)."""
         _check_decode(ids_BTK)
-        look = self._lookup(layer, page_table_BX, ids_BTK[:, 0], new_row_BW.astype(self.pool.dtype), new_id_B,
-                            active_B)
+        look = self._lookup(layer, page_table_BX, ids_BTK[:, 0], new_row_BW, new_id_B, active_B)
+        decode = lambda rows: ops.decode_v4_rows(rows, window_BTSH.dtype, head_dim=q_BTNH.shape[-1], rope_dim=rope_dim)
         with jax.named_scope("dual_attention"):
-            rows_BTKH = jnp.concatenate([window_BTSH, look.hit_rows_BKW[:, None].astype(window_BTSH.dtype)], axis=2)
+            rows_BTKH = jnp.concatenate([window_BTSH, decode(look.hit_rows_BKW[:, None])], axis=2)
             valid_BTK = jnp.concatenate([window_valid_BTS, look.hit_BK[:, None]], axis=2)
             out_hit, lse_hit = ops.sparse_sink_attention(q_BTNH, rows_BTKH, valid_BTK, sinks_N, scale=scale,
                                                          kernels=self.kernels)
             no_sink_N = jnp.full(sinks_N.shape, -jnp.inf, jnp.float32)
-            out_miss, lse_miss = ops.sparse_sink_attention(q_BTNH, look.fetched_BKW[:, None], look.res.miss_K[:, None],
+            out_miss, lse_miss = ops.sparse_sink_attention(q_BTNH, decode(look.fetched_BKW[:, None]),
+                                                           look.res.miss_K[:, None],
                                                            no_sink_N, scale=scale, kernels=self.kernels)
             out_BTNH = ops.merge_attention(out_hit, lse_hit, out_miss, lse_miss)
         return out_BTNH, self._commit(layer, page_table_BX, look)

@@ -162,10 +162,15 @@ class Compressor(nnx.Module):
         (windows past the buffer's capacity are dropped). Returns the entries and the rings."""
         new_BED, entry_BE, closes_BE, ring_kv_BUY, ring_gate_BUY = self.close(x_BTD, positions_BT, ring_kv_BUY,
                                                                                ring_gate_BUY)
-        write_BE = jnp.where(closes_BE, entry_BE, entries_BMD.shape[1])
-        entries_BMD = entries_BMD.at[jnp.arange(x_BTD.shape[0])[:, None], write_BE].set(
-            new_BED.astype(entries_BMD.dtype), mode="drop")
+        entries_BMD = write_entries(entries_BMD, new_BED.astype(entries_BMD.dtype), entry_BE, closes_BE)
         return entries_BMD, ring_kv_BUY, ring_gate_BUY
+
+
+def write_entries(entries_BMX: jax.Array, new_BEX: jax.Array, entry_BE: jax.Array, closes_BE: jax.Array) -> jax.Array:
+    """Write the closed entries ``new_BEX`` (stored format) at their ids; others and ids past the
+    buffer's capacity are dropped."""
+    write_BE = jnp.where(closes_BE, entry_BE, entries_BMX.shape[1])
+    return entries_BMX.at[jnp.arange(entries_BMX.shape[0])[:, None], write_BE].set(new_BEX, mode="drop")
 
 
 class IndexerScorer(nnx.Module):

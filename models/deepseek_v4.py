@@ -33,7 +33,8 @@ from ess_jax import ops
 from ess_jax.cache import StepMeta
 from ess_jax.config import ModelConfig
 from ess_jax.models import mhc
-from ess_jax.models.compressor import CSACompressor, Compressor, Indexer, RMSNorm, TailRope, visible_entries
+from ess_jax.models.compressor import (CSACompressor, Compressor, Indexer, RMSNorm, TailRope, visible_entries,
+                                       write_entries)
 from ess_jax.models.layers import MLP, Experts, Linear
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -211,7 +212,8 @@ class Attention(nnx.Module):
         ``window_BSH`` is the request's window ring ``[B, n_win, H]``; ``comp`` this layer's compressor
         arrays: CSA ``(ring_kv, ring_gate, entries, index_ring_kv, index_ring_gate, index_keys)``,
         HCA ``(ring_kv, ring_gate, entries)``, sliding ``()``. A CSA layer's entries may be a
-        ``TierLayer`` (HiSparse decode, T = 1). ``kernels``: the ops kernel choice for attention. Returns ``(out, window, comp, ids)`` updated, ``ids``
+        ``TierLayer`` (HiSparse decode, T = 1). ``kernels``: the ops kernel choice for attention.
+        Returns ``(out, window, comp, ids)`` updated, ``ids``
         the CSA indexer's picks ``i32[B, T, K]`` (None for other layers or before the first entry).
         """
         b, t, _ = x_BTD.shape
@@ -231,13 +233,13 @@ class Attention(nnx.Module):
             ring_kv, ring_gate, entries, index_kv, index_gate, keys_BMJ = comp
             indexer = self.compressor.indexer
             tiered = isinstance(entries, TierLayer)
+            store_dtype = entries.tier.pool.dtype if tiered else entries.dtype  # uint8: FP8 rows
             with jax.named_scope("compressor"):
-                if tiered:
-                    new_BEH, entry_BE, closes_BE, ring_kv, ring_gate = self.compressor.close(x_BTD, positions_BT,
-                                                                                             ring_kv, ring_gate)
-                else:
-                    entries, ring_kv, ring_gate = self.compressor.step(x_BTD, positions_BT, ring_kv, ring_gate,
-                                                                       entries)
+                new_BEH, entry_BE, closes_BE, ring_kv, ring_gate = self.compressor.close(x_BTD, positions_BT, ring_kv,
+                                                                                         ring_gate)
+                new_BEX = ops.encode_v4_rows(new_BEH, store_dtype, rope_dim=self.rope.dim)
+                if not tiered:
+                    entries = write_entries(entries, new_BEX, entry_BE, closes_BE)
             with jax.named_scope("indexer"):
                 keys_BMJ, index_kv, index_gate = indexer.step(x_BTD, positions_BT, index_kv, index_gate, keys_BMJ)
             if keys_BMJ.shape[1] > 0:  # a cache too small for one entry has nothing to select
@@ -248,11 +250,14 @@ class Attention(nnx.Module):
                     new_id_B = jnp.where(closes_BE[:, 0] & entries.active_B, entry_BE[:, 0], -1)
                     with jax.named_scope("sparse_attention"):
                         out_BTNH, tier = entries.tier.attend_entries(
-                            entries.layer, entries.page_table_BX, entries.active_B, new_BEH[:, 0], new_id_B, ids_BTK,
-                            q_BTNH, rows[0].astype(kv_BTH.dtype), valid[0], self.sinks[...], self.scale)
+                            entries.layer, entries.page_table_BX, entries.active_B, new_BEX[:, 0], new_id_B, ids_BTK,
+                            q_BTNH, rows[0].astype(kv_BTH.dtype), valid[0], self.sinks[...], self.scale,
+                            rope_dim=self.rope.dim)
                     entries = dataclasses.replace(entries, tier=tier)
                 else:
-                    rows.append(jax.vmap(lambda e, ids: e[ids])(entries, jnp.maximum(ids_BTK, 0)))
+                    picked_BTKX = jax.vmap(lambda e, ids: e[ids])(entries, jnp.maximum(ids_BTK, 0))
+                    rows.append(ops.decode_v4_rows(picked_BTKX, kv_BTH.dtype, head_dim=self.head_dim,
+                                                   rope_dim=self.rope.dim))
                     valid.append(ids_BTK >= 0)
             comp = (ring_kv, ring_gate, entries, index_kv, index_gate, keys_BMJ)
         elif self.layer_type == HCA:
@@ -398,9 +403,11 @@ class DeepseekV4(nnx.Module):
         types = self.cfg.layer_types
         return [i for i, t in enumerate(types) if t == CSA], [i for i, t in enumerate(types) if t == HCA]
 
-    def init_cache(self, batch: int, capacity: int) -> V4Cache:
-        """An empty cache for ``batch`` requests of up to ``capacity`` positions each."""
+    def init_cache(self, batch: int, capacity: int, csa_dtype=None) -> V4Cache:
+        """An empty cache for ``batch`` requests of up to ``capacity`` positions each. ``csa_dtype``: the
+        CSA entries' storage (default the model dtype; uint8 = FP8 rows, ops.encode_v4_rows)."""
         cfg, dtype = self.cfg, self.dtype
+        csa_dtype = dtype if csa_dtype is None else csa_dtype
         csa, hca = self._layer_groups()
         lc, lh, m, mh = len(csa), len(hca), cfg.compress_rate_csa, cfg.compress_rate_hca
         h, j = cfg.head_dim, cfg.index_head_dim
@@ -411,7 +418,9 @@ class DeepseekV4(nnx.Module):
             index_kv=zeros(lc, batch, 2 * m, 2 * j), index_gate=zeros(lc, batch, 2 * m, 2 * j, dt=jnp.float32),
             hca_kv=zeros(lh, batch, mh, h), hca_gate=zeros(lh, batch, mh, h, dt=jnp.float32),
         )
-        entries = V4Entries(csa=zeros(lc, batch, capacity // m, h), index_keys=zeros(lc, batch, capacity // m, j),
+        csa_width = ops.v4_row_width(h, cfg.qk_rope_head_dim, csa_dtype)
+        entries = V4Entries(csa=zeros(lc, batch, capacity // m, csa_width, dt=csa_dtype),
+                            index_keys=zeros(lc, batch, capacity // m, j),
                             hca=zeros(lh, batch, capacity // mh, h))
         return V4Cache(state, entries, jnp.zeros((batch,), jnp.int32))
 

@@ -105,3 +105,28 @@ def test_pallas_kernels_match_xla(model):
         assert engine.offload_metrics()["misses"] > 0
     assert runs[0].output_ids == runs[1].output_ids
     np.testing.assert_allclose(np.stack(runs[1].logits), np.stack(runs[0].logits), atol=1e-4)
+
+
+def test_fp8_entries_bounded_exact_through_the_tier_and_counted(model):
+    """--cache-dtype fp8 on V4: CSA entries as FP8 rows (tiny-v4: 48 e4m3 + 32 bf16 rope bytes + 1 ue8m0
+    scale + 7 pad = 88 bytes against 256 in float32). Logits stay within 2e-3 of their scale of the
+    float32 cache (measured 3.5e-4); the tier over FP8 rows equals the resident FP8 cache; byte
+    counts follow the 88-byte row."""
+    prompt = np.random.default_rng(2).integers(0, model.cfg.vocab_size, 512).tolist()
+    runs = {}
+    for name, config in {"f32": dict(offload="none"), "fp8": dict(offload="none", cache_dtype="fp8"),
+                         "fp8 tier": dict(offload="ess", cache_dtype="fp8", pool_size=model.cfg.index_topk + 1)}.items():
+        engine = Engine(model, EngineConfig(max_batch=1, max_seq_len=530, prefill_chunk=512, keep_logits=True,
+                                            **config))
+        engine.submit(prompt, 12)
+        runs[name] = (engine, np.stack(engine.run()[0].logits))
+    scale = np.abs(runs["f32"][1]).max()
+    assert 0 < np.abs(runs["fp8"][1] - runs["f32"][1]).max() <= 2e-3 * scale
+    np.testing.assert_allclose(runs["fp8 tier"][1], runs["fp8"][1], rtol=0, atol=1e-5 * scale)
+    engine = runs["fp8 tier"][0]
+    metrics, entries = engine.offload_metrics(), 530 // 4
+    assert engine.row_bytes == 88 and metrics["misses"] > 0
+    assert metrics["h2d_bytes"] == metrics["misses"] * 88
+    assert engine.cache_bytes()["host_bytes"] == len(CSA_LAYERS) * 2 * entries * 88
+    resident_fp8, resident_f32 = runs["fp8"][0].cache_bytes(), runs["f32"][0].cache_bytes()
+    assert resident_f32["device_bytes"] - resident_fp8["device_bytes"] == len(CSA_LAYERS) * entries * (256 - 88)

@@ -61,7 +61,7 @@ class PagedCacheV32:
     """DeepSeek-V3.2's cache: per layer one indexer key (always on the device) and one latent row per
     token. ``latent`` is any store with an ``attend`` method: ``DeviceLatents`` or the offloaded tier."""
 
-    index_keys: jax.Array  # [L, G, Z, J] indexer keys (LayerNorm + RoPE applied)
+    index_keys: jax.Array  # [L, G, Z, J] indexer keys (LayerNorm + RoPE applied), or FP8 rows u8[L, G, Z, J + 4]
     latent: Any  # DeviceLatents | ess_jax.tier.TieredLatents
 
     @property

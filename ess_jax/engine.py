@@ -395,7 +395,8 @@ class Engine:
                                                                          self.latent_dtype))
             resident = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
         else:
-            per_token = cfg.num_hidden_layers * (self.row_bytes + cfg.index_head_dim * self.cache.index_keys.itemsize)
+            keys = self.cache.index_keys
+            per_token = cfg.num_hidden_layers * (self.row_bytes + keys.shape[-1] * keys.itemsize)
             reserved = sum(self.allocator.pages_for(len(r.prompt_ids) + r.max_new_tokens)
                            for r in self.requests.values())
             resident = reserved * self.config.page_size * per_token

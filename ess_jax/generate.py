@@ -76,8 +76,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cache-dtype", choices=["bfloat16", "float32", "fp8"], default=None,
                    help="V3.2 latent rows / V4 CSA entries in the cache, host store and pool: default the --dtype; "
                         "'fp8' = FlashMLA-style rows (V3.2: e4m3 latent + one float32 scale per 128 values + bf16 "
-                        "rope, 656 bytes; V4: e4m3 + ue8m0 scale per 64 values + bf16 rope, 584 bytes); indexer keys, "
-                        "V4's window and HCA entries stay in --dtype")
+                        "rope, 656 bytes, and the indexer keys as 128 e4m3 + one float32 scale, 132 bytes; V4: e4m3 + "
+                        "ue8m0 scale per 64 values + bf16 rope, 584 bytes); V4's indexer keys, window and HCA "
+                        "entries stay in --dtype")
     p.add_argument("--weights-seed", type=int, default=0, help="seed of a preset's random weights (default 0)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: model, family, offload, requests, metrics (see README)")

@@ -129,9 +129,13 @@ class MLA(nnx.Module):
         q_nope_BTNH, q_rope_BTNR, q_resid_BTQ, rows_BTW = self._project(x_BTD, cos, sin)
         with jax.named_scope("indexer"):
             page_BT, offset_BT = write_slots(meta, cache.page_size)
-            new_keys_BTJ = self.indexer.keys(x_BTD, cos, sin).astype(cache.index_keys.dtype)
-            index_keys = cache.index_keys.at[layer, page_BT, offset_BT].set(new_keys_BTJ)
-            keys_BSJ = gather_positions(index_keys[layer], meta.page_table)
+            # FP8 keys (uint8 pages) are V3.2 FP8 rows without a rope part: 128 e4m3 + one float32 scale
+            new_keys_BTJ = self.indexer.keys(x_BTD, cos, sin)
+            j = new_keys_BTJ.shape[-1]
+            index_keys = cache.index_keys.at[layer, page_BT, offset_BT].set(
+                ops.encode_mla_rows(new_keys_BTJ, cache.index_keys.dtype, latent_dim=j))
+            keys_BSJ = ops.decode_mla_rows(gather_positions(index_keys[layer], meta.page_table), x_BTD.dtype,
+                                           latent_dim=j, rope_dim=0)
             visible_BTS = ((jnp.arange(keys_BSJ.shape[1])[None, None, :] <= meta.positions[..., None])
                            & meta.valid[..., None])
             scores_BTS = self.indexer.scores(x_BTD, q_resid_BTQ, keys_BSJ, visible_BTS, cos, sin)
@@ -195,12 +199,16 @@ class DeepseekV32(nnx.Module):
 
     def init_cache(self, num_pages: int, page_size: int, latent_dtype=None) -> PagedCacheV32:
         """An empty, fully resident paged cache: ``num_pages`` pages (page 0 is the null page).
-        ``latent_dtype`` stores the latent rows (default: the model's dtype; uint8 = FP8 rows)."""
+        ``latent_dtype`` stores the latent rows (default: the model's dtype; uint8 = FP8 rows: 656-byte
+        latent rows and 132-byte indexer keys at DeepSeek's shapes; other dtypes keep the keys in the
+        model's dtype)."""
         cfg, n = self.cfg, len(self.layers)
         latent_dtype = latent_dtype or self.dtype
         width = ops.mla_row_width(cfg.kv_lora_rank, cfg.qk_rope_head_dim, latent_dtype)
+        key_dtype = latent_dtype if jnp.dtype(latent_dtype) == jnp.uint8 else self.dtype
+        key_width = ops.mla_row_width(cfg.index_head_dim, 0, key_dtype)
         return PagedCacheV32(
-            index_keys=jnp.zeros((n, num_pages, page_size, cfg.index_head_dim), self.dtype),
+            index_keys=jnp.zeros((n, num_pages, page_size, key_width), key_dtype),
             latent=DeviceLatents(jnp.zeros((n, num_pages, page_size, width), latent_dtype)),
         )
 

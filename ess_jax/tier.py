@@ -80,8 +80,15 @@ class TieredLatents:
         new_id_B = jnp.where(active_B, meta.positions[:, 0], -1)
         look = self._lookup(layer, meta.page_table, ids_BTK[:, 0], new_row_BW, new_id_B, active_B)
         with jax.named_scope("dual_attention"):
-            out_hit, lse_hit = ops.sparse_mla(q_latent_BTNC, q_rope_BTNR, look.hit_rows_BKW[:, None],
-                                              look.hit_BK[:, None], scale=scale, kernels=self.kernels)
+            # the hit half reads its rows straight from the pool (gathered inside the kernel with
+            # --kernels pallas): the pool viewed as one row array, row ((layer * R) + b) * P + slot
+            _, r, p, w = self.pool.shape
+            hit_ids_BK = jnp.where(look.hit_BK, (layer * r + jnp.arange(r)[:, None]) * p + look.res.slot_K, -1)
+            out_hit, lse_hit = ops.sparse_mla_pool(q_latent_BTNC, q_rope_BTNR, look.pool.reshape(-1, w),
+                                                   hit_ids_BK[:, None], scale=scale, kernels=self.kernels)
+            # ... before the misses land in it
+            out_hit, lse_hit, pool = jax.lax.optimization_barrier((out_hit, lse_hit, look.pool))
+            look = dataclasses.replace(look, pool=pool)
             out_miss, lse_miss = ops.sparse_mla(q_latent_BTNC, q_rope_BTNR, look.fetched_BKW[:, None],
                                                 look.res.miss_K[:, None], scale=scale, kernels=self.kernels)
             out_BTNC = ops.merge_attention(out_hit, lse_hit, out_miss, lse_miss)
@@ -100,7 +107,10 @@ class TieredLatents:
         look = self._lookup(layer, page_table_BX, ids_BTK[:, 0], new_row_BW, new_id_B, active_B)
         decode = lambda rows: ops.decode_v4_rows(rows, window_BTSH.dtype, head_dim=q_BTNH.shape[-1], rope_dim=rope_dim)
         with jax.named_scope("dual_attention"):
-            rows_BTKH = jnp.concatenate([window_BTSH, decode(look.hit_rows_BKW[:, None])], axis=2)
+            hit_rows_BKW = look.pool[layer, jnp.arange(ids_BTK.shape[0])[:, None], jnp.maximum(look.res.slot_K, 0)]
+            hit_rows_BKW, pool = jax.lax.optimization_barrier((hit_rows_BKW, look.pool))  # read before the misses land
+            look = dataclasses.replace(look, pool=pool)
+            rows_BTKH = jnp.concatenate([window_BTSH, decode(hit_rows_BKW[:, None])], axis=2)
             valid_BTK = jnp.concatenate([window_valid_BTS, look.hit_BK[:, None]], axis=2)
             out_hit, lse_hit = ops.sparse_sink_attention(q_BTNH, rows_BTKH, valid_BTK, sinks_N, scale=scale,
                                                          kernels=self.kernels)
@@ -112,7 +122,8 @@ class TieredLatents:
         return out_BTNH, self._commit(layer, page_table_BX, look)
 
     def _lookup(self, layer: int, page_table_BX, ids_BK, new_row_BW, new_id_B, active_B) -> Lookup:
-        """Resolve the step's ids to slots, fetch the misses, and read the hit rows (before any write)."""
+        """Resolve the step's ids to slots, fetch the misses and write the new entry into its slot (a slot
+        no hit holds); the hits are then read from the returned pool, before ``_commit`` writes the misses."""
         b = ids_BK.shape[0]
         page_size = self.resident_slot.shape[2]
         page_BK, offset_BK = _locate(page_table_BX, ids_BK, page_size)
@@ -122,26 +133,27 @@ class TieredLatents:
                                      self.slot_last_use[layer], jnp.broadcast_to(self.clock, (b,)))
         with jax.named_scope("fetch"):
             fetched_BKW = self._fetch(layer, jnp.where(res.miss_K, page_BK, 0), jnp.where(res.miss_K, offset_BK, 0))
-        hit_rows_BKW = jnp.where(res.is_new_K[..., None], new_row_BW[:, None],
-                                 self.pool[layer, jnp.arange(b)[:, None], jnp.maximum(res.slot_K, 0)])
+        p = self.pool.shape[2]
+        pool = self.pool.at[layer, jnp.arange(b), jnp.where(new_id_B >= 0, res.new_slot, p)].set(new_row_BW,
+                                                                                                 mode="drop")
         evicted_BP = jnp.where(res.evicted_P, self.slot_entry[layer], -1)
-        # every read of the old pool and maps happens before their in-place updates in _commit
-        hit_rows_BKW, evicted_BP, pool, resident, slot_entry = jax.lax.optimization_barrier(
-            (hit_rows_BKW, evicted_BP, self.pool, self.resident_slot, self.slot_entry))
-        return Lookup(res, ids_BK, page_BK, offset_BK, fetched_BKW, hit_rows_BKW, res.hit_K | res.is_new_K,
-                      evicted_BP, new_row_BW, new_id_B, pool, resident, slot_entry)
+        # every read of the old maps happens before their in-place updates in _commit
+        evicted_BP, resident, slot_entry = jax.lax.optimization_barrier(
+            (evicted_BP, self.resident_slot, self.slot_entry))
+        return Lookup(res, ids_BK, page_BK, offset_BK, fetched_BKW, res.hit_K | res.is_new_K, evicted_BP,
+                      new_row_BW, new_id_B, pool, resident, slot_entry)
 
     def _commit(self, layer: int, page_table_BX, look: Lookup) -> TieredLatents:
-        """The new entry and the fetched misses into their slots, residency and LRU state, counters,
-        and the new entry staged for the host backup."""
+        """The fetched misses into their slots, residency (the new entry and the misses) and LRU state,
+        counters, and the new entry staged for the host backup."""
         with jax.named_scope("pool_update"):
             res, b = look.res, look.ids_BK.shape[0]
             page_size, p, g = self.resident_slot.shape[2], self.pool.shape[2], self.resident_slot.shape[1]
+            pool = look.pool.at[layer, jnp.arange(b)[:, None], jnp.where(res.miss_K, res.slot_K, p)].set(
+                look.fetched_BKW, mode="drop")
             has_new_B = look.new_id_B >= 0
-            write_BJ = jnp.concatenate([has_new_B[:, None], res.miss_K], axis=1)  # J = 1 + K writes per row
+            write_BJ = jnp.concatenate([has_new_B[:, None], res.miss_K], axis=1)  # J = 1 + K arrivals per row
             slot_BJ = jnp.where(write_BJ, jnp.concatenate([res.new_slot[:, None], res.slot_K], axis=1), p)
-            rows_BJW = jnp.concatenate([look.new_row_BW[:, None], look.fetched_BKW], axis=1)
-            pool = look.pool.at[layer, jnp.arange(b)[:, None], slot_BJ].set(rows_BJW, mode="drop")
             # residency: evicted entries leave first, then the new entry and the misses arrive
             ev_page_BP, ev_offset_BP = _locate(page_table_BX, look.evicted_BP, page_size)
             resident = look.resident.at[layer, jnp.where(look.evicted_BP >= 0, ev_page_BP, g), ev_offset_BP].set(
@@ -221,12 +233,12 @@ class Lookup:
     page_BK: jax.Array  # i32[B, K] their host page
     offset_BK: jax.Array  # i32[B, K] and offset
     fetched_BKW: jax.Array  # [B, K, W] missed rows from the host store (garbage where not a miss)
-    hit_rows_BKW: jax.Array  # [B, K, W] resident rows (and the new entry) from the pool
-    hit_BK: jax.Array  # bool[B, K] hits and the new entry
+    hit_BK: jax.Array  # bool[B, K] hits and the new entry, all in the pool at res.slot_K
     evicted_BP: jax.Array  # i32[B, P] ids evicted from each slot this step, -1 none
     new_row_BW: jax.Array  # [B, W] the entry written this step (stored format)
     new_id_B: jax.Array  # i32[B] its id, -1 where no entry is new
-    pool: jax.Array  # the old pool / residency map / slot table, read barrier-ordered before the writes
+    pool: jax.Array  # the pool with the new entry written; the residency map and slot table, read
+    # barrier-ordered before their writes
     resident: jax.Array
     slot_entry: jax.Array
 

@@ -1,15 +1,20 @@
 """Shared test utilities."""
 
+import functools
 import json
 from pathlib import Path
 
 import jax
+# Pallas' fuser registers a trace-context flag when first imported, which changes the key of every jit cache
+# entry; imported here, at collection, it leaves executables compiled before the first Pallas call valid after it.
+import jax.experimental.pallas.fuser  # noqa: F401
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from ess_jax.cache import StepMeta
 from ess_jax.config import ModelConfig
+from ess_jax.engine import EngineConfig
 from ess_jax.models.deepseek_v32 import DeepseekV32
 
 
@@ -43,6 +48,11 @@ SMALL_V32 = dict(hidden_size=64, num_hidden_layers=2, mlp_layer_types=["dense", 
                  index_head_dim=16, index_topk=8, intermediate_size=96, moe_intermediate_size=32)
 
 
+# One small engine shape for the V3.2 engine tests (prompt + new tokens <= 64), so they reuse each other's
+# compiled prefill pieces and decode steps.
+ENGINE = EngineConfig(max_batch=3, page_size=8, num_pages=25, prefill_chunk=32, max_seq_len=64)
+
+
 def small_v32_json() -> dict:
     raw = json.loads((Path(__file__).parents[1] / "configs" / "tiny-v32.json").read_text())
     raw.pop("first_k_dense_replace")
@@ -55,6 +65,10 @@ def small_v32() -> ModelConfig:
 
 def lively_v32(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32) -> DeepseekV32:
     return randomize(DeepseekV32(cfg, dtype=dtype, rngs=nnx.Rngs(seed)), seed)
+
+
+# One jitted step for every PagedRun: runs over equal modules and shapes share the compiled executable.
+_STEP = jax.jit(lambda graphdef, p, x, m, c: nnx.merge(graphdef, p).step(x, m, c), static_argnums=0, donate_argnums=4)
 
 
 class PagedRun:
@@ -70,7 +84,7 @@ class PagedRun:
         self.page_table = self.page_table.astype(np.int32)
         self.lengths = np.zeros(batch, np.int32)
         graphdef, self.params = nnx.split(module)
-        self._step = jax.jit(lambda p, x, m, c: nnx.merge(graphdef, p).step(x, m, c), donate_argnums=3)
+        self._step = functools.partial(_STEP, graphdef)
 
     def __call__(self, tokens_BT, valid_BT=None) -> np.ndarray:
         tokens_BT = np.asarray(tokens_BT, np.int32)

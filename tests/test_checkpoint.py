@@ -4,6 +4,8 @@ import json
 import shutil
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -28,7 +30,9 @@ def saved(tmp_path_factory):
     (directory / "config.json").write_text(json.dumps(small_v32_json()))
     save_file(tensors, str(directory / "model.safetensors"))
     tokens = np.random.default_rng(0).integers(0, 256, (1, 20))
-    return directory, tensors, model(np.asarray(tokens)), tokens
+    graphdef, state = nnx.split(model)
+    logits = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, jnp.asarray(tokens))
+    return directory, tensors, logits, tokens
 
 
 def _write(directory: Path, config: dict, tensors: dict) -> Path:
@@ -107,7 +111,6 @@ def test_bad_checkpoints_name_the_problem(saved, tmp_path):
     target.mkdir()
     (target / "config.json").write_text(json.dumps(config))
     from safetensors.flax import save_file as save_jax  # NumPy cannot write float8
-    import jax.numpy as jnp
     save_jax({k: jnp.asarray(v) for k, v in fp8.items()}, str(target / "model.safetensors"))
     with pytest.raises(CheckpointError, match="weight_scale_inv"):
         ess_jax.load_model(target)

@@ -218,12 +218,15 @@ def test_grad_of_loss(hf):
     # A central difference along the head's parameters (after every discrete choice, so the loss is
     # smooth there; a direction through the whole model flips top-k / routing choices within any usable eps).
     tail = lambda k: any(n in k for n in ("hc_head", "'norm'", "lm_head"))
-    direction = jax.tree_util.tree_map_with_path(
-        lambda k, p: jax.random.normal(jax.random.key(3), p.shape, p.dtype) * tail(jax.tree_util.keystr(k)), params)
+    draw = lambda k, p: jax.random.normal(jax.random.key(3), p.shape, p.dtype) * tail(jax.tree_util.keystr(k))
+    direction = jax.jit(lambda params: jax.tree_util.tree_map_with_path(draw, params))(params)
     eps = 1e-2
-    shifted = lambda s: float(value_and_grad(jax.tree.map(lambda p, d: p + s * eps * d, params, direction))[0])
+    shift = jax.jit(lambda params, direction, s: jax.tree.map(lambda p, d: p + s * eps * d, params, direction),
+                    static_argnums=2)
+    shifted = lambda s: float(value_and_grad(shift(params, direction, s))[0])
     numeric = (shifted(1.0) - shifted(-1.0)) / (2 * eps)
-    analytic = sum(float(jnp.vdot(g, d)) for g, d in zip(jax.tree.leaves(grads), jax.tree.leaves(direction)))
+    dots = jax.jit(lambda g, d: [jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(d))])
+    analytic = sum(float(x) for x in dots(grads, direction))
     assert abs(analytic) > 1e-3 and abs(numeric - analytic) <= 1e-2 * abs(analytic), (numeric, analytic)
 
 

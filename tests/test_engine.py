@@ -1,6 +1,7 @@
 """The serving engine: batch invariance, chunk invariance, stopping, sampling, admission under pressure."""
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 import ess_jax
 from ess_jax.engine import Engine, EngineConfig
 from ess_jax.sampling import SamplingParams
+from helpers import ENGINE
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf-v32-a"
 
@@ -28,13 +30,12 @@ def test_batch_invariance_mixed_lengths_joining_and_leaving(model):
     leave early): identical greedy tokens."""
     prompts = _prompts([7, 40, 16, 23, 3])
     new = [12, 5, 20, 9, 15]
-    cfg = EngineConfig(max_batch=3, page_size=8, prefill_chunk=32)
-    together = Engine(model, cfg)
+    together = Engine(model, ENGINE)
     for p, n in zip(prompts, new):
         together.submit(p, n)
     batched = [r.output_ids for r in together.run()]
     for p, n, got in zip(prompts, new, batched):
-        alone = Engine(model, dataclasses.replace(cfg, max_batch=1))
+        alone = Engine(model, dataclasses.replace(ENGINE, max_batch=1))
         alone.submit(p, n)
         assert alone.run()[0].output_ids == got
         assert len(got) == n
@@ -44,8 +45,8 @@ def test_batch_invariance_mixed_lengths_joining_and_leaving(model):
 def test_prefill_chunk_size_does_not_change_tokens(model):
     prompts = _prompts([45, 17])
     outputs = []
-    for chunk in (16, 64):  # 45 = 16 + 16 + 13 (padded to 16) vs. one 64-bucket
-        engine = Engine(model, EngineConfig(max_batch=2, page_size=16, prefill_chunk=chunk))
+    for chunk in (16, 64):  # 45 = 16 + 16 + 8 + 4 + 1 vs. 32 + 8 + 4 + 1
+        engine = Engine(model, dataclasses.replace(ENGINE, prefill_chunk=chunk))
         for p in prompts:
             engine.submit(p, 10)
         outputs.append([r.output_ids for r in engine.run()])
@@ -54,12 +55,12 @@ def test_prefill_chunk_size_does_not_change_tokens(model):
 
 def test_eos_stops_a_request_and_frees_its_row(model):
     prompt = _prompts([12])[0]
-    free_run = ess_jax.generate(model, [prompt], 16)
+    free_run = ess_jax.generate(model, [prompt], 16, engine=ENGINE)
     eos = free_run.output_ids[0][5]
     first = free_run.output_ids[0].index(eos)
     stopping = ess_jax.Model.__new__(ess_jax.Model)
     stopping.__dict__.update(model.__dict__, cfg=dataclasses.replace(model.cfg, eos_token_id=(999, eos)))
-    result = ess_jax.generate(stopping, [prompt, prompt], 16)
+    result = ess_jax.generate(stopping, [prompt, prompt], 16, engine=ENGINE)
     for out, reason in zip(result.output_ids, result.finish_reasons):
         assert out == free_run.output_ids[0][: first + 1] and reason == "stop"
     assert free_run.finish_reasons == ["length"]
@@ -67,23 +68,24 @@ def test_eos_stops_a_request_and_frees_its_row(model):
 
 def test_seeded_sampling_reproducible_and_seed_dependent(model):
     prompts = _prompts([9, 30])
+    generate = functools.partial(ess_jax.generate, model, max_new_tokens=12, engine=ENGINE)
     hot = [SamplingParams(temperature=1.5, seed=s) for s in (11, 12)]
-    a = ess_jax.generate(model, prompts, 12, sampling=hot)
-    b = ess_jax.generate(model, prompts[::-1], 12, sampling=hot[::-1])  # other order, other rows
+    a = generate(prompts, sampling=hot)
+    b = generate(prompts[::-1], sampling=hot[::-1])  # other order, other rows
     assert a.output_ids == b.output_ids[::-1]
-    c = ess_jax.generate(model, prompts, 12, sampling=[SamplingParams(temperature=1.5, seed=s) for s in (13, 14)])
+    c = generate(prompts, sampling=[SamplingParams(temperature=1.5, seed=s) for s in (13, 14)])
     assert a.output_ids != c.output_ids
-    greedy = ess_jax.generate(model, prompts, 12)
+    greedy = generate(prompts)
     assert a.output_ids != greedy.output_ids
-    top1 = ess_jax.generate(model, prompts, 12, sampling=SamplingParams(temperature=1.5, top_k=1, seed=3))
+    top1 = generate(prompts, sampling=SamplingParams(temperature=1.5, top_k=1, seed=3))
     assert top1.output_ids == greedy.output_ids
 
 
 def test_small_pool_queues_requests_instead_of_failing(model):
     """A pool that holds one request at a time still serves all of them, in order, identically."""
     prompts = _prompts([20, 20, 20])
-    tight = Engine(model, EngineConfig(max_batch=4, page_size=8, num_pages=1 + 4))  # 4 pages = 32 tokens
-    roomy = Engine(model, EngineConfig(max_batch=4, page_size=8))
+    tight = Engine(model, dataclasses.replace(ENGINE, num_pages=1 + 4))  # 4 pages = 32 tokens
+    roomy = Engine(model, ENGINE)
     for engine in (tight, roomy):
         for p in prompts:
             engine.submit(p, 8)
@@ -91,16 +93,16 @@ def test_small_pool_queues_requests_instead_of_failing(model):
 
 
 def test_requests_that_can_never_fit_are_refused(model):
-    engine = Engine(model, EngineConfig(max_batch=2, page_size=8, num_pages=4, max_seq_len=100))
+    engine = Engine(model, dataclasses.replace(ENGINE, num_pages=1 + 4))
     with pytest.raises(ValueError, match="--num-pages"):
-        engine.submit(list(range(30)), 10)  # 40 tokens > 3 pages of 8
+        engine.submit(list(range(30)), 10)  # 40 tokens > 4 pages of 8
     with pytest.raises(ValueError, match="exceeds"):
-        engine.submit(list(range(20)), 90)
+        engine.submit(list(range(20)), 50)  # 70 tokens > max_seq_len 64
     with pytest.raises(ValueError, match="empty prompt"):
         engine.submit([], 4)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.submit([1, 2, 1000], 4)
-    engine.submit([1, 2, 3], 4)  # the refusals left no trace: a good request still runs
+    engine.submit([1, 2, 3, 4], 4)  # the refusals left no trace: a good request still runs
     assert len(engine.run()[0].output_ids) == 4
 
 
@@ -113,7 +115,7 @@ def test_v4_engine_matches_transformers_and_is_batch_invariant():
     transformers' greedy tokens, computed by transformers one request at a time."""
     model = ess_jax.load_model(V4_FIXTURE)
     ref = np.load(V4_FIXTURE / "reference.npz")
-    engine = Engine(model, EngineConfig(max_batch=2, prefill_chunk=16))  # few piece shapes: few compiles
+    engine = Engine(model, EngineConfig(max_batch=2, prefill_chunk=3))  # 300, 45 and 21 tokens: one piece shape
     long_id = engine.submit(ref["prompt_1"].tolist(), 24)
     engine.submit(_prompts([45])[0], 6)
     late_id = engine.submit(ref["prompt_0"].tolist(), 24)
@@ -125,10 +127,11 @@ def test_v4_engine_matches_transformers_and_is_batch_invariant():
 @pytest.mark.parametrize("offload", [dict(offload="none"), dict(offload="ess", pool_size=17)])
 def test_pallas_kernels_match_xla_through_the_engine(model, offload):
     """--kernels pallas (interpret mode on CPU) gives the XLA path's greedy tokens and logits."""
-    prompt = _prompts([40])[0]
+    prompt = _prompts([32])[0]
     runs = []
-    for kernels in ("xla", "pallas"):
-        engine = Engine(model, EngineConfig(max_batch=1, keep_logits=True, kernels=kernels, **offload))
+    for kernels in ("xla", "pallas"):  # batch 1: the resident pages and the offload's prefill scratch share a shape
+        engine = Engine(model, EngineConfig(max_batch=1, page_size=8, prefill_chunk=32, max_seq_len=64,
+                                            keep_logits=True, kernels=kernels, **offload))
         engine.submit(prompt, 5)
         runs.append(engine.run()[0])
     assert runs[0].output_ids == runs[1].output_ids

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import ess_jax
+from helpers import ENGINE
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CASES = ["hf-v32-a", "hf-v32-b", "hf-v32-fp8"]
@@ -36,7 +37,7 @@ def test_greedy_tokens_match_transformers_generate(case):
     name, model, refs = case
     for prompt, _, full in refs:
         new = len(full) - len(prompt)
-        result = ess_jax.generate(model, [prompt.tolist()], max_new_tokens=new)
+        result = ess_jax.generate(model, [prompt.tolist()], max_new_tokens=new, engine=ENGINE)
         assert result.output_ids[0] == full[len(prompt):].tolist(), f"{name} T={len(prompt)}"
 
 

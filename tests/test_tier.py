@@ -14,7 +14,7 @@ from ess_jax import tier
 from ess_jax.engine import Engine, EngineConfig
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf-v32-a"  # index_topk 16
-LENGTHS, NEW = (300, 170, 90), 16
+LENGTHS, NEW = (264, 136, 72), 16  # prefill pieces of 64 and 8: each prompt ends in one < tier.WARMUP_QUERIES
 MAX_SEQ = max(LENGTHS) + NEW
 
 
@@ -31,7 +31,7 @@ def model():
 
 
 def serve(model, **offload):
-    engine = Engine(model, EngineConfig(max_batch=2, page_size=16, prefill_chunk=128, max_seq_len=MAX_SEQ,
+    engine = Engine(model, EngineConfig(max_batch=2, page_size=16, prefill_chunk=64, max_seq_len=MAX_SEQ,
                                         keep_logits=True, **offload))
     rng = np.random.default_rng(0)
     for n in LENGTHS:  # three requests, two rows: the third joins when the first leaves
@@ -46,12 +46,31 @@ def resident(model):
 
 POOLS = {"top_k+1": dict(pool_size=17), "2*top_k": dict(pool_size=32), "ratio 0.1": dict(pool_ratio=0.1),
          "ratio 0.5": dict(pool_ratio=0.5), "every entry": dict(pool_size=MAX_SEQ)}
+# every pool size with one fetch backend, the smallest pool with both
+RUNS = [("top_k+1", "inline"), ("top_k+1", "split"), ("2*top_k", "split"), ("ratio 0.1", "inline"),
+        ("ratio 0.5", "split"), ("every entry", "inline")]
 
 
-@pytest.mark.parametrize("fetch", tier.FETCH_BACKENDS)
-@pytest.mark.parametrize("pool", list(POOLS))
-def test_offload_is_exact(model, resident, pool, fetch):
-    engine, requests = serve(model, offload="ess", fetch=fetch, **POOLS[pool])
+@pytest.fixture(scope="module")
+def offloaded(model):
+    """``offloaded(pool, fetch)``: the engine and requests of ``serve`` with ESS offload, each served once."""
+    runs = {}
+
+    def get(pool, fetch):
+        if (pool, fetch) not in runs:
+            runs[pool, fetch] = serve(model, offload="ess", fetch=fetch, **POOLS[pool])
+        return runs[pool, fetch]
+    return get
+
+
+def test_runs_cover_every_pool_and_fetch_backend():
+    assert {pool for pool, _ in RUNS} == set(POOLS)
+    assert {fetch for _, fetch in RUNS} == set(tier.FETCH_BACKENDS)
+
+
+@pytest.mark.parametrize("pool, fetch", RUNS)
+def test_offload_is_exact(model, resident, offloaded, pool, fetch):
+    engine, requests = offloaded(pool, fetch)
     for got, ref in zip(requests, resident):
         assert got.output_ids == ref.output_ids
         close(got.logits, ref.logits)
@@ -68,13 +87,13 @@ def test_offload_is_exact(model, resident, pool, fetch):
         assert metrics["misses"] == 0  # warm-up put every prompt entry in the pool; nothing is evicted
 
 
-def test_split_and_inline_move_the_same_rows(model):
-    counts = [serve(model, offload="ess", fetch=f, pool_size=20)[0].offload_metrics() for f in tier.FETCH_BACKENDS]
+def test_split_and_inline_move_the_same_rows(offloaded):
+    counts = [offloaded("top_k+1", f)[0].offload_metrics() for f in tier.FETCH_BACKENDS]
     assert counts[0] == counts[1]
 
 
-def test_device_bytes_are_the_real_arrays(model):
-    engine, _ = serve(model, offload="ess", pool_ratio=0.1)
+def test_device_bytes_are_the_real_arrays(model, offloaded):
+    engine, _ = offloaded("ratio 0.1", "inline")
     cache, cfg = engine.cache, model.cfg
     latent = cache.latent
     expected = (cache.index_keys.nbytes + latent.pool.nbytes + latent.slot_entry.nbytes + latent.slot_last_use.nbytes
@@ -89,14 +108,18 @@ def test_device_bytes_are_the_real_arrays(model):
     assert latent.pool.nbytes < 0.5 * report["resident_device_bytes"]
 
 
-def test_long_prompt_far_beyond_the_pool():
+@pytest.fixture(scope="module")
+def tiny():
+    return ess_jax.load_model("tiny-v32")
+
+
+def test_long_prompt_far_beyond_the_pool(tiny):
     """tiny-v32 (index_topk 64), a 2048-token prompt, P = 65: inline equals resident."""
-    model = ess_jax.load_model("tiny-v32")
     prompt = np.random.default_rng(1).integers(0, 256, 2048).tolist()
     runs = []
     for offload in (dict(), dict(offload="ess", pool_size=65)):
-        engine = Engine(model, EngineConfig(max_batch=1, page_size=64, prefill_chunk=512, keep_logits=True,
-                                            max_seq_len=2048 + 6, **offload))
+        engine = Engine(tiny, EngineConfig(max_batch=1, page_size=64, prefill_chunk=512, keep_logits=True,
+                                           max_seq_len=2048 + 6, **offload))
         engine.submit(prompt, 6)
         runs.append((engine, engine.run()[0]))
     (_, ref), (engine, got) = runs
@@ -120,7 +143,10 @@ def test_bad_offload_settings_are_refused(model):
 
 # ---- LRU resolution invariants --------------------------------------------------------------
 
-@settings(max_examples=60, deadline=None)
+RESOLVE = jax.jit(tier._resolve)
+
+
+@settings(max_examples=30, deadline=None)
 @given(st.data())
 def test_lru_resolution_invariants(data):
     """Drive one (layer, request) pool through random top-k sequences and check every step: no slot
@@ -128,7 +154,6 @@ def test_lru_resolution_invariants(data):
     and the new entry land in a slot, and evictions take the least recently used slots."""
     k = data.draw(st.integers(1, 6))
     slots = data.draw(st.integers(k + 1, k + 6))
-    resolve = jax.jit(tier._resolve)
     entry = np.full(slots, -1, np.int32)
     stamp = np.full(slots, tier.EMPTY, np.int32)
     resident: dict[int, int] = {}
@@ -138,7 +163,7 @@ def test_lru_resolution_invariants(data):
         chosen = data.draw(st.lists(st.integers(0, position), min_size=1, max_size=min(k, visible), unique=True))
         ids = np.array(chosen + [-1] * (k - len(chosen)), np.int32)
         known = np.array([resident.get(int(i), -1) if i >= 0 else -1 for i in ids], np.int32)
-        res = jax.tree.map(np.asarray, resolve(ids, known, np.int32(position), True, entry, stamp, np.int32(clock)))
+        res = jax.tree.map(np.asarray, RESOLVE(ids, known, np.int32(position), True, entry, stamp, np.int32(clock)))
         hits = known >= 0
         assert (res.slot_K[hits] == known[hits]).all()  # a hit keeps its slot
         assert not res.evicted_P[known[hits]].any()  # and is never evicted in the step that uses it
@@ -162,16 +187,15 @@ def test_lru_resolution_invariants(data):
 
 # ---- FP8 rows ---------------------------------------------------------------------------------
 
-def test_fp8_cache_error_is_bounded_and_bytes_shrink():
+def test_fp8_cache_error_is_bounded_and_bytes_shrink(tiny):
     """tiny-v32 (C 64, R 16): FP8 rows are 64 e4m3 + one f32 scale + 16 bf16 = 100 bytes against 160
     in bf16. First-token logits with FP8 latent rows stay within 2e-3 of the logits' scale of the
     bf16 cache (measured: 3.1e-4), and every byte count follows the row size."""
-    model = ess_jax.load_model("tiny-v32")
     prompt = np.random.default_rng(0).integers(0, 256, 300).tolist()
     runs = {}
     for cache_dtype in ("bfloat16", "fp8"):
-        engine = Engine(model, EngineConfig(max_batch=1, keep_logits=True, offload="ess", pool_size=65,
-                                            cache_dtype=cache_dtype, max_seq_len=306))
+        engine = Engine(tiny, EngineConfig(max_batch=1, keep_logits=True, offload="ess", pool_size=65,
+                                           cache_dtype=cache_dtype, prefill_chunk=300, max_seq_len=306))
         engine.submit(prompt, 6)
         runs[cache_dtype] = (engine, engine.run()[0])
     (bf16, bf16_req), (fp8, fp8_req) = runs["bfloat16"], runs["fp8"]
@@ -190,9 +214,10 @@ def test_fp8_offload_is_exact_against_fp8_resident(model):
     """Offload stays exact in FP8: the tier moves the same bytes the resident FP8 cache holds."""
     runs = []
     for offload in (dict(), dict(offload="ess", pool_size=17)):
-        engine = Engine(model, EngineConfig(max_batch=1, keep_logits=True, cache_dtype="fp8", max_seq_len=MAX_SEQ,
-                                            **offload))
-        engine.submit(np.random.default_rng(2).integers(0, 256, 200).tolist(), 10)
+        engine = Engine(model, EngineConfig(max_batch=1, keep_logits=True, cache_dtype="fp8", prefill_chunk=64,
+                                            max_seq_len=MAX_SEQ, **offload))
+        engine.submit(np.random.default_rng(2).integers(0, 256, 192).tolist(), 10)
         runs.append(engine.run()[0])
     assert runs[0].output_ids == runs[1].output_ids
     close(runs[1].logits, runs[0].logits)
+    assert engine.offload_metrics()["misses"] > 0

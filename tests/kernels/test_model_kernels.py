@@ -37,9 +37,9 @@ def _decode(run: PagedRun, module, cache, token_B, steps: int):
 def test_v32_decode_pallas_equals_xla(monkeypatch):
     cfg = small_v32()
     module = lively_v32(cfg, seed=1)
-    run = PagedRun(module, batch=2, capacity=24)
-    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12))
-    first = run(prompt)[:, -1].argmax(-1)  # 12 positions > index_topk 8: the selection is sparse
+    run = PagedRun(module, batch=2, capacity=32)
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 23))
+    first = run(prompt)[:, -1].argmax(-1)  # 23 positions > index_topk 8: the selection is sparse
     cache = jax.tree.map(lambda x: x.copy(), run.cache)
     xla_logits, xla_tokens = _decode(run, module, cache, first, steps=2)
     _force_pallas(monkeypatch, "sparse_mla")

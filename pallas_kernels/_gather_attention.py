@@ -315,6 +315,19 @@ def check_float(name: str, x):
         raise ValueError(f"{name} must be a float array, got dtype {x.dtype}")
 
 
+def check_mla_queries(q_latent_BTNC, q_rope_BTNR) -> tuple[int, int, int, int, int]:
+    """The absorbed-MLA queries of both pool formats: float ``[B, T, N, C]`` and ``[B, T, N, R]``.
+    Returns ``(B, T, N, C, R)``."""
+    check_rank("q_latent_BTNC", q_latent_BTNC, 4, "[B, T, N, C]")
+    check_rank("q_rope_BTNR", q_rope_BTNR, 4, "[B, T, N, R]")
+    b, t, n, c = q_latent_BTNC.shape
+    if q_rope_BTNR.shape[:3] != (b, t, n):
+        raise ValueError(f"q_rope_BTNR must be [B, T, N, R] with B, T, N = {(b, t, n)}, got {q_rope_BTNR.shape}")
+    check_float("q_latent_BTNC", q_latent_BTNC)
+    check_float("q_rope_BTNR", q_rope_BTNR)
+    return b, t, n, c, q_rope_BTNR.shape[3]
+
+
 def check_knobs(*, block_h: int, block_k: int, num_splits: int | None):
     for name, value in (("block_h", block_h), ("block_k", block_k)):
         if value < 1 or value & (value - 1):

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ess_jax.pallas_kernels._gather_attention import (KNOBS, Chunk, RowLayout, check_float, check_ids, check_knobs,
-                                                      check_rank, gather_attention)
+                                                      check_mla_queries, check_rank, gather_attention)
 from ess_jax.pallas_kernels.sparse_mla import sparse_mla_reference
 from ess_jax.pallas_kernels.sparse_v4_attention import check_v4_inputs, sparse_v4_attention_reference
 
@@ -206,15 +206,8 @@ def dequantize_v4_rows(rows_X: jax.Array, *, head_dim: int, rope_dim: int, dtype
 
 
 def _check_mla(q_latent_BTNC, q_rope_BTNR, pool_PX, ids_BTK):
-    check_rank("q_latent_BTNC", q_latent_BTNC, 4, "[B, T, N, C]")
-    check_rank("q_rope_BTNR", q_rope_BTNR, 4, "[B, T, N, R]")
+    b, t, _, c, r = check_mla_queries(q_latent_BTNC, q_rope_BTNR)
     check_rank("pool_PX", pool_PX, 2, "u8[P, row_bytes]")
-    b, t, n, c = q_latent_BTNC.shape
-    if q_rope_BTNR.shape[:3] != (b, t, n):
-        raise ValueError(f"q_rope_BTNR must be [B, T, N, R] with B, T, N = {(b, t, n)}, got {q_rope_BTNR.shape}")
-    check_float("q_latent_BTNC", q_latent_BTNC)
-    check_float("q_rope_BTNR", q_rope_BTNR)
-    r = q_rope_BTNR.shape[3]
     x = mla_row_bytes(c, r)
     if pool_PX.dtype != jnp.uint8 or pool_PX.shape[1] != x or pool_PX.shape[0] < 1:
         raise ValueError(f"pool_PX must be u8[P >= 1, {x}] (V3.2 FP8 rows for C={c}, R={r}), got "

@@ -35,25 +35,19 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ess_jax.pallas_kernels._gather_attention import (KNOBS, check_float, check_ids, check_knobs, check_rank,
-                                                      gather_attention, plain_layout)
+from ess_jax.pallas_kernels._gather_attention import (KNOBS, check_float, check_ids, check_knobs,
+                                                      check_mla_queries, check_rank, gather_attention, plain_layout)
 
 
 def _check(q_latent_BTNC, q_rope_BTNR, pool_PW, ids_BTK):
-    check_rank("q_latent_BTNC", q_latent_BTNC, 4, "[B, T, N, C]")
-    check_rank("q_rope_BTNR", q_rope_BTNR, 4, "[B, T, N, R]")
+    b, t, _, c, r = check_mla_queries(q_latent_BTNC, q_rope_BTNR)
     check_rank("pool_PW", pool_PW, 2, "[P, W = C + R]")
-    b, t, n, c = q_latent_BTNC.shape
-    if q_rope_BTNR.shape[:3] != (b, t, n):
-        raise ValueError(f"q_rope_BTNR must be [B, T, N, R] with B, T, N = {(b, t, n)}, got {q_rope_BTNR.shape}")
-    r = q_rope_BTNR.shape[3]
     if pool_PW.shape[1] != c + r:
         raise ValueError(f"pool_PW must be [P, W] with W = C + R = {c} + {r}, got {pool_PW.shape}")
     if pool_PW.shape[0] < 1:
         raise ValueError(f"pool_PW must hold at least one row, got {pool_PW.shape}")
     check_ids("ids_BTK", ids_BTK, b, t)
-    for name, x in (("q_latent_BTNC", q_latent_BTNC), ("q_rope_BTNR", q_rope_BTNR), ("pool_PW", pool_PW)):
-        check_float(name, x)
+    check_float("pool_PW", pool_PW)
     return c, r
 
 

@@ -148,16 +148,16 @@ def _timed_engine_class():
     from ess_jax.engine import Engine
 
     class TimedEngine(Engine):
-        """An Engine whose decode steps are timed one by one; ``steps`` holds ``(seconds, d2h_rows)`` per step."""
+        """An Engine whose decode steps are timed one by one; ``steps`` holds the seconds of each."""
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.steps: list[tuple[float, int]] = []
 
         def _decode_step(self) -> int:
-            rows, start = self.stats["d2h_rows"], time.perf_counter()
+            start = time.perf_counter()
             served = super()._decode_step()
-            self.steps.append((time.perf_counter() - start, self.stats["d2h_rows"] - rows))
+            self.steps.append(time.perf_counter() - start)
             return served
 
     return TimedEngine
@@ -207,7 +207,7 @@ def run_settings(model, settings: list[Setting], prompts: list[list[int]], args,
                 outputs[i] = [r.output_ids for r in requests]
             if cache_bytes[i] is None:  # resident_device_bytes sums every request submitted so far: read it once
                 cache_bytes[i] = engine.cache_bytes()
-            measured = [t for t, _ in engine.steps[first + args.warmup_steps:]]
+            measured = engine.steps[first + args.warmup_steps:]
             tok_s[i].append(len(prompts) * len(measured) / sum(measured))
             steps_ms[i] += [1e3 * t for t in measured]
             log(f"repeat {rep + 1}/{args.repeats}  {settings[i].label:<22} {tok_s[i][-1]:8.1f} tok/s")
@@ -225,7 +225,7 @@ def run_settings(model, settings: list[Setting], prompts: list[list[int]], args,
             "step_ms_mean": float(np.mean(ms)), "measured_steps": len(ms), "decode_steps": steps,
             "hit_rate": metrics["hit_rate"] if metrics else None,
             "h2d_bytes_per_step": metrics["h2d_bytes"] / steps if metrics else 0.0,
-            "d2h_bytes_per_step": sum(r for _, r in engine.steps) * engine.row_bytes / steps,
+            "d2h_bytes_per_step": metrics["decode_d2h_bytes"] / steps if metrics else 0.0,
             "per_layer": ([dict(c, hit_rate=c["hits"] / c["lookups"] if c["lookups"] else 0.0)
                            for c in metrics["per_layer"]] if metrics else None),
             "device_bytes": cb["device_bytes"], "host_bytes": cb["host_bytes"],

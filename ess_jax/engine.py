@@ -225,7 +225,7 @@ class Engine:
         self.buckets = _buckets(config.prefill_chunk)
         self.requests: dict[int, Request] = {}
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "decode_s": 0.0, "prefill_s": 0.0,
-                      "d2h_rows": 0}
+                      "prompt_rows_to_host": 0}
         b = config.max_batch
         self._lengths = np.zeros(b, np.int32)  # tokens in the cache per batch row
         self._last = np.zeros(b, np.int32)  # token each row feeds next
@@ -314,7 +314,7 @@ class Engine:
             csa = self.cache.entries.csa
             if csa.store is not None:  # split: the prompt's entries go to the NumPy store from here
                 csa.store.array[:, slot + 1] = np.asarray(self.scratch.entries.csa)[:, 0]
-            self.stats["d2h_rows"] += entries * len(self.csa_layers)
+            self.stats["prompt_rows_to_host"] += entries * len(self.csa_layers)
         elif offloaded:
             self.scratch = cache
             self.cache = _ADMIT_OFFLOADED(self.cache, self.scratch, jnp.asarray(table_X), jnp.asarray(pages_X),
@@ -323,7 +323,7 @@ class Engine:
             if latent.store is not None:  # split: the prompt's rows go to the NumPy store from here
                 scratch_rows = np.asarray(self.scratch.latent.pages)[:, table_X[: pages.size]]
                 latent.store.array[:, pages] = scratch_rows
-            self.stats["d2h_rows"] += len(prompt) * self.model.cfg.num_hidden_layers
+            self.stats["prompt_rows_to_host"] += len(prompt) * self.model.cfg.num_hidden_layers
         else:
             self.cache = cache
         self.stats["prefill_tokens"] += len(prompt)
@@ -344,13 +344,11 @@ class Engine:
         tokens, logits_BV, self.cache = self._decode(self.model.params, jnp.asarray(self._last[:, None]), meta, self.cache,
                                           self._sampling_arrays(rows))
         tokens = np.asarray(tokens)
-        if self.scratch is not None:  # entries written this step: staged at (page, offset), page 0 = none
-            staged = _tier_of(self.cache)
-            pages, offsets = np.asarray(staged.staged_page), np.asarray(staged.staged_offset)
+        offloaded = _tier_of(self.cache) if self.scratch is not None else None
+        if offloaded is not None and offloaded.store is not None:  # split: back up this step's new entries,
+            pages, offsets = np.asarray(offloaded.staged_page), np.asarray(offloaded.staged_offset)  # page 0: none
             new = pages > 0
-            self.stats["d2h_rows"] += int(new.sum()) * staged.counters.shape[0]
-            if staged.store is not None:  # split: back them up, one transfer for all layers
-                staged.store.array[:, pages[new], offsets[new]] = np.asarray(staged.staged)[:, new]
+            offloaded.store.array[:, pages[new], offsets[new]] = np.asarray(offloaded.staged)[:, new]  # one transfer
         self.stats["decode_s"] += time.perf_counter() - start
         self._lengths += active
         self.stats["decode_tokens"] += len(running)
@@ -409,13 +407,15 @@ class Engine:
         """Tier counters (read from the device once) as the ``--json`` ``metrics.offload`` object."""
         if self.scratch is None:
             return None
-        counts = np.asarray(_tier_of(self.cache).counters)  # [L, 3] lookups, hits, misses (per offloaded layer)
+        counts = np.asarray(_tier_of(self.cache).counters)  # [L, 4] lookups, hits, misses, staged (per layer)
         layers = self.csa_layers if self.model.cfg.family == "deepseek_v4" else range(len(counts))
-        lookups, hits, misses = (int(x) for x in counts.sum(0))
+        lookups, hits, misses, staged = (int(x) for x in counts.sum(0))
         row_bytes = self.row_bytes
         return {"lookups": lookups, "hits": hits, "misses": misses,
                 "hit_rate": hits / lookups if lookups else 0.0,
-                "h2d_bytes": misses * row_bytes, "d2h_bytes": self.stats["d2h_rows"] * row_bytes,
+                "h2d_bytes": misses * row_bytes,
+                "d2h_bytes": (self.stats["prompt_rows_to_host"] + staged) * row_bytes,
+                "decode_d2h_bytes": staged * row_bytes,
                 "pool_slots": self.pool_slots,
                 "per_layer": [{"layer": i, "lookups": int(c[0]), "hits": int(c[1]), "misses": int(c[2])}
                               for i, c in zip(layers, counts)]}

@@ -62,7 +62,7 @@ CACHE_DTYPES = ("bfloat16", "fp8")
 INDEX_DTYPES = ("auto", "bfloat16", "fp8", "fp4")
 ACCOUNTINGS = ("ess_jax", "paper")
 MAP_BYTES = 4  # ess_jax residency map: int32 slot per entry (tier.TieredLatents.resident_slot)
-SLOT_TABLE_BYTES = 8  # ess_jax slot tables: int32 slot_entry + int32 slot_last_use per pool slot
+SLOT_TABLE_BYTES = 8  # ess_jax slot tables: int32 slot_entry + int32 slot_order per pool slot
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,8 +6,8 @@ slots. A decode step, per layer (``TieredLatents.attend``):
 
 1. the indexer's top-k positions resolve to slots through the residency map ``position -> slot``,
    kept in pages beside the indexer keys, so a hit costs one gather, not a k x P comparison;
-2. hits refresh their last-use stamp; the new entry and every miss take the least recently used
-   slots that no hit of this step holds;
+2. the new entry and every miss take the least recently used slots that no hit of this step holds,
+   read off the front of a recency order of the slots (no sort: see ``_resolve``);
 3. missed rows are fetched from the host store (``inline``: a host-side gather under
    ``compute_on('device_host')`` and an in-step ``device_put`` to device memory; ``split``: a host
    callback at the fetch point gathers them from a NumPy store, one batched transfer per layer);
@@ -15,7 +15,7 @@ slots. A decode step, per layer (``TieredLatents.attend``):
    log-sum-exp (ESS Dual-Attention), so the transfer can hide behind the hit half;
 5. the new rows are staged and written to the host store batched over layers: ``inline`` at the
    start of the next compiled step (before its fetches), ``split`` by the engine after the step.
-Lookups, hits and misses are counted on the device and read once at the end.
+Lookups, hits, misses and staged entries are counted on the device and read once at the end.
 
 With ``P >=`` a request's entries nothing is ever evicted and the tier equals the resident cache.
 """
@@ -34,7 +34,6 @@ from ess_jax import ops
 from ess_jax.cache import StepMeta
 
 FETCH_BACKENDS = ("inline", "split")
-EMPTY = -(2**30)  # last-use stamp of an empty slot: older than anything
 WARMUP_QUERIES = 32  # prompt positions whose top-k warm the pool (ESS LRU-Warmup)
 
 
@@ -55,13 +54,12 @@ class TieredLatents:
 
     pool: jax.Array  # [L, R, P, W] working-set rows
     slot_entry: jax.Array  # i32[L, R, P] position held by each slot, -1 = empty
-    slot_last_use: jax.Array  # i32[L, R, P] clock of the last use, EMPTY for empty slots
+    slot_order: jax.Array  # i32[L, R, P] the slots from least to most recently used (empty ones first)
     resident_slot: jax.Array  # i32[L, G, Z] slot holding each position, -1 = host only
     staged: jax.Array  # [L, R, W] rows written by the last step, backed up at the start of the next
     staged_page: jax.Array  # i32[R] their host page (0, the null page, when nothing is pending)
     staged_offset: jax.Array  # i32[R] their offset in the page
-    counters: jax.Array  # i32[L, 3] lookups, hits, misses since the engine started
-    clock: jax.Array  # i32[] decode steps so far
+    counters: jax.Array  # i32[L, 4] lookups, hits, misses, entries staged for the host, since the engine started
     host: jax.Array | None  # inline: [L, G, Z, W] pinned_host store; split: None
     store: HostStore | None = dataclasses.field(default=None, metadata=dict(static=True))  # split only
     kernels: str = dataclasses.field(default="xla", metadata=dict(static=True))  # ops kernel choice
@@ -130,7 +128,7 @@ class TieredLatents:
         known_BK = jnp.where(ids_BK >= 0, self.resident_slot[layer, page_BK, offset_BK], -1)
         with jax.named_scope("resolve"):
             res = jax.vmap(_resolve)(ids_BK, known_BK, new_id_B, active_B, self.slot_entry[layer],
-                                     self.slot_last_use[layer], jnp.broadcast_to(self.clock, (b,)))
+                                     self.slot_order[layer])
         with jax.named_scope("fetch"):
             fetched_BKW = self._fetch(layer, jnp.where(res.miss_K, page_BK, 0), jnp.where(res.miss_K, offset_BK, 0))
         p = self.pool.shape[2]
@@ -162,12 +160,13 @@ class TieredLatents:
             arrive_page_BJ = jnp.where(write_BJ, jnp.concatenate([new_page_B1, look.page_BK], axis=1), g)
             arrive_offset_BJ = jnp.concatenate([new_offset_B1, look.offset_BK], axis=1)
             resident = resident.at[layer, arrive_page_BJ, arrive_offset_BJ].set(slot_BJ, mode="drop")
-            counts = jnp.stack([(look.ids_BK >= 0).sum(), look.hit_BK.sum(), res.miss_K.sum()]).astype(jnp.int32)
+            counts = jnp.stack([(look.ids_BK >= 0).sum(), look.hit_BK.sum(), res.miss_K.sum(),
+                                has_new_B.sum()]).astype(jnp.int32)
         return dataclasses.replace(
             self,
             pool=pool,
             slot_entry=look.slot_entry.at[layer].set(res.slot_entry_P),
-            slot_last_use=self.slot_last_use.at[layer].set(res.last_use_P),
+            slot_order=self.slot_order.at[layer].set(res.order_P),
             resident_slot=resident,
             staged=self.staged.at[layer].set(look.new_row_BW),
             staged_page=new_page_B1[:, 0],  # the null page where no entry is new
@@ -188,17 +187,14 @@ class TieredLatents:
         return jax.device_put(rows, jax.memory.Space.Device)
 
     def begin_step(self) -> TieredLatents:
-        """Advance the LRU clock and back up the previous step's staged rows (batched over layers).
+        """Back up the previous step's staged rows (batched over layers).
 
         inline: the pinned host store is written here, at the start of the next compiled step and
         before any fetch reads it (backing up at the end of the step would make XLA copy the whole
         store, since the step's fetches read it); rows staged for the null page (nothing pending) are
         harmless. split: the engine copies ``staged`` into the NumPy store right after each step.
         """
-        clock = self.clock + 1
-        if self.store is not None:
-            return dataclasses.replace(self, clock=clock)
-        return dataclasses.replace(self.flush(), clock=clock)
+        return self if self.store is not None else self.flush()
 
     def flush(self) -> TieredLatents:
         """Write the staged rows to their host positions and mark nothing pending (inline)."""
@@ -218,7 +214,7 @@ class Resolution:
     new_slot: jax.Array  # i32[] the slot the new entry takes
     evicted_P: jax.Array  # bool[P] slots whose previous entry was evicted
     slot_entry_P: jax.Array  # i32[P] updated slot -> position table
-    last_use_P: jax.Array  # i32[P] updated stamps
+    order_P: jax.Array  # i32[P] updated recency order
 
 
 jax.tree_util.register_dataclass(Resolution)
@@ -247,30 +243,43 @@ def _check_decode(ids_BTK: jax.Array):
         raise ValueError(f"the tier serves decode steps of one token per request, got T={ids_BTK.shape[1]}")
 
 
-def _resolve(ids_K, known_K, new_id, active, slot_entry_P, last_use_P, clock) -> Resolution:
-    """LRU resolution for one (layer, request): ``known_K`` is the residency map's slot per id,
-    ``new_id`` the entry written this step (-1: none), ``active`` whether the row runs at all."""
+def _resolve(ids_K, known_K, new_id, active, slot_entry_P, order_P) -> Resolution:
+    """LRU resolution for one (layer, request): ``known_K`` is the residency map's slot per id (ids
+    are distinct, as top-k ids are), ``new_id`` the entry written this step (-1: none), ``active``
+    whether the row runs at all, ``order_P`` the slots from least to most recently used.
+
+    The new entry and the misses take, in that order, the first slots of ``order_P`` that no hit
+    holds. Hits and takers together are at most K + 1 slots, so the takers lie within the order's
+    first K + 1 positions. Every slot used this step then moves to the back of the order, by slot
+    number, the others keeping theirs: the order stays sorted by (last use, slot), without a sort."""
     valid_K = ids_K >= 0
     has_new = new_id >= 0
     is_new_K = valid_K & (ids_K == new_id) & has_new
     hit_K = valid_K & ~is_new_K & (known_K >= 0)
     miss_K = valid_K & ~is_new_K & ~hit_K & active
-    p = slot_entry_P.shape[0]
-    held_P = jnp.zeros(p, bool).at[jnp.where(hit_K, known_K, p)].set(True, mode="drop")
-    order_P = jnp.argsort(jnp.where(held_P, jnp.iinfo(jnp.int32).max, last_use_P), stable=True)
-    new_slot = order_P[0]
-    miss_rank_K = jnp.cumsum(miss_K) - 1
-    miss_slot_K = order_P[jnp.clip(has_new + miss_rank_K, 0, p - 1)]  # after the new entry's slot
+    p, k = slot_entry_P.shape[0], ids_K.shape[0]
+    hit_slot_K = jnp.where(hit_K, known_K, -1)
+    front_J = order_P[: k + 1]  # J = K + 1 (the pool holds at least that many slots)
+    free_J = ~(front_J[:, None] == hit_slot_K[None, :]).any(axis=1)
+    rank_J = jnp.cumsum(free_J) - 1
+    take_J = free_J & (rank_J < miss_K.sum() + has_new.astype(jnp.int32))
+    taker_J = jnp.full(k + 1, p, jnp.int32).at[jnp.where(take_J, rank_J, k + 1)].set(front_J, mode="drop")
+    new_slot = taker_J[0]
+    miss_slot_K = taker_J[jnp.clip(has_new + jnp.cumsum(miss_K) - 1, 0, k)]  # after the new entry's slot
     slot_K = jnp.where(hit_K, known_K, jnp.where(is_new_K, new_slot, jnp.where(miss_K, miss_slot_K, -1)))
-    taken = miss_K.sum() + has_new.astype(jnp.int32)
-    taken_P = jnp.zeros(p, bool).at[order_P].set(jnp.arange(p) < taken)
+    taken_P = jnp.zeros(p, bool).at[taker_J].set(True, mode="drop")
     evicted_P = taken_P & (slot_entry_P >= 0)
     entries = jnp.where(taken_P, -1, slot_entry_P)
     entries = entries.at[jnp.where(has_new, new_slot, p)].set(new_id, mode="drop")
     entries = entries.at[jnp.where(miss_K, miss_slot_K, p)].set(ids_K, mode="drop")
-    stamps = last_use_P.at[jnp.where(hit_K | is_new_K | miss_K, slot_K, p)].set(clock, mode="drop")
-    stamps = stamps.at[jnp.where(has_new, new_slot, p)].set(clock, mode="drop")
-    return Resolution(slot_K, hit_K, miss_K, is_new_K, new_slot, evicted_P, entries, stamps)
+    # the recency order: slots untouched this step keep their order, then the used ones by slot
+    used_U = jnp.sort(jnp.concatenate([jnp.where(hit_K, known_K, p), jnp.where(take_J, front_J, p)]))  # p = none
+    used_P = jnp.zeros(p, bool).at[used_U].set(True, mode="drop")
+    keep_P = ~used_P[order_P]
+    n_keep = keep_P.sum()
+    order = jnp.zeros(p, jnp.int32).at[jnp.where(keep_P, jnp.cumsum(keep_P) - 1, p)].set(order_P, mode="drop")
+    order = order.at[jnp.where(used_U < p, n_keep + jnp.arange(used_U.shape[0]), p)].set(used_U, mode="drop")
+    return Resolution(slot_K, hit_K, miss_K, is_new_K, new_slot, evicted_P, entries, order)
 
 
 def _locate(page_table_BX: jax.Array, ids_BK: jax.Array, page_size: int) -> tuple[jax.Array, jax.Array]:
@@ -311,13 +320,12 @@ def init_tiered(*, layers: int, batch: int, slots: int, num_pages: int, page_siz
     return TieredLatents(
         pool=jnp.zeros((layers, batch, slots, width), dtype),
         slot_entry=jnp.full((layers, batch, slots), -1, jnp.int32),
-        slot_last_use=jnp.full((layers, batch, slots), EMPTY, jnp.int32),
+        slot_order=jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (layers, batch, slots)),
         resident_slot=jnp.full((layers, num_pages, page_size), -1, jnp.int32),
         staged=jnp.zeros((layers, batch, width), dtype),
         staged_page=jnp.zeros((batch,), jnp.int32),
         staged_offset=jnp.zeros((batch,), jnp.int32),
-        counters=jnp.zeros((layers, 3), jnp.int32),
-        clock=jnp.zeros((), jnp.int32),
+        counters=jnp.zeros((layers, 4), jnp.int32),
         host=host,
         store=store,
         kernels=kernels,
@@ -327,7 +335,7 @@ def init_tiered(*, layers: int, batch: int, slots: int, num_pages: int, page_siz
 def _warm_layer(ids_QK, prompt_len, slots: int, capacity: int):
     """Pool contents for one layer after prefill: the ``slots`` most recently selected positions of
     the last prompt queries (their top-k ids in order, ``ids_QK``), or the whole prompt if it fits.
-    Returns ``slot_entry i32[P]`` (-1 empty) and ``last_use i32[P]`` (negative: older than decode)."""
+    Returns ``slot_entry i32[P]`` (-1 empty) and the recency order ``i32[P]`` (empty slots first)."""
     flat = ids_QK.reshape(-1)
     order = jnp.arange(flat.shape[0], dtype=jnp.int32)
     seen_S = jnp.full((capacity,), -1, jnp.int32).at[jnp.where(flat >= 0, flat, capacity)].max(order, mode="drop")
@@ -335,7 +343,7 @@ def _warm_layer(ids_QK, prompt_len, slots: int, capacity: int):
     seen_S = jnp.where(prompt_len <= slots, every_S, seen_S)
     stamp, entry = jax.lax.top_k(seen_S, slots)
     held = stamp >= 0
-    return jnp.where(held, entry, -1), jnp.where(held, stamp - flat.shape[0] - capacity - 1, EMPTY)
+    return jnp.where(held, entry, -1), jnp.argsort(jnp.where(held, stamp, -1), stable=True).astype(jnp.int32)
 
 
 def warm(tier: TieredLatents, scratch_pages_LGZW, scratch_table_X, pages_X, slot, prompt_len, ids_LQK
@@ -346,7 +354,7 @@ def warm(tier: TieredLatents, scratch_pages_LGZW, scratch_table_X, pages_X, slot
     layers, _, slots, _ = tier.pool.shape
     page_size = tier.resident_slot.shape[2]
     capacity = pages_X.shape[0] * page_size
-    entry_LP, stamp_LP = jax.vmap(_warm_layer, in_axes=(0, None, None, None))(ids_LQK, prompt_len, slots, capacity)
+    entry_LP, order_LP = jax.vmap(_warm_layer, in_axes=(0, None, None, None))(ids_LQK, prompt_len, slots, capacity)
     safe = jnp.maximum(entry_LP, 0)
     rows_LPW = jax.vmap(lambda pages, e: pages[scratch_table_X[e // page_size], e % page_size])(scratch_pages_LGZW,
                                                                                                safe)
@@ -359,7 +367,7 @@ def warm(tier: TieredLatents, scratch_pages_LGZW, scratch_table_X, pages_X, slot
         tier,
         pool=tier.pool.at[:, slot].set(rows_LPW.astype(tier.pool.dtype)),
         slot_entry=tier.slot_entry.at[:, slot].set(entry_LP),
-        slot_last_use=tier.slot_last_use.at[:, slot].set(stamp_LP),
+        slot_order=tier.slot_order.at[:, slot].set(order_LP),
         resident_slot=resident,
     )
 

@@ -88,7 +88,7 @@ class V4Cache:
     kernels: str = dataclasses.field(default="xla", metadata=dict(static=True))  # ops kernel choice
 
     def begin_step(self) -> V4Cache:
-        """Start-of-step work of the HiSparse tier (its clock, the backup of the last step's entries);
+        """Start-of-step work of the HiSparse tier (the backup of the last step's entries);
         nothing for a resident cache."""
         if isinstance(self.entries.csa, jax.Array):
             return self

@@ -66,6 +66,7 @@ def test_offloaded_equals_resident_and_counts_add_up(model, resident, pool, fetc
     # backed up: every prompt entry, then one entry per closed window of decode, per CSA layer
     closed = sum((n + new - 1) // 4 - n // 4 for n, new in zip(PROMPTS, NEW_TOKENS))
     assert metrics["d2h_bytes"] == (sum(PROMPTS) // 4 + closed) * len(CSA_LAYERS) * row_bytes
+    assert metrics["decode_d2h_bytes"] == closed * len(CSA_LAYERS) * row_bytes
     if pool == "top_k + 1":
         assert metrics["misses"] > 0
     if pool == "every entry":
@@ -77,7 +78,7 @@ def test_offloaded_equals_resident_and_counts_add_up(model, resident, pool, fetc
     assert got_bytes["host_bytes"] == lc * (b + 1) * entries * row_bytes
     assert got_bytes["resident_device_bytes"] == ref_bytes["device_bytes"]
     tier_device = lc * b * slots * (row_bytes + 4 + 4) + lc * (b + 1) * entries * 4 + lc * b * row_bytes + 2 * b * 4
-    tier_device += lc * 3 * 4 + 4  # counters, clock
+    tier_device += lc * 4 * 4  # counters
     assert got_bytes["device_bytes"] == ref_bytes["device_bytes"] - lc * b * entries * row_bytes + tier_device
 
 

@@ -81,6 +81,7 @@ def test_offload_is_exact(model, resident, offloaded, pool, fetch):
     assert metrics["h2d_bytes"] == metrics["misses"] * row_bytes
     decode_rows = sum(NEW - 1 for _ in LENGTHS)  # the first token of each request comes from prefill
     assert metrics["d2h_bytes"] == (sum(LENGTHS) + decode_rows) * model.cfg.num_hidden_layers * row_bytes
+    assert metrics["decode_d2h_bytes"] == decode_rows * model.cfg.num_hidden_layers * row_bytes
     if pool == "top_k+1":
         assert metrics["misses"] > 0 and engine.pool_slots == 17
     if pool == "every entry":
@@ -96,9 +97,9 @@ def test_device_bytes_are_the_real_arrays(model, offloaded):
     engine, _ = offloaded("ratio 0.1", "inline")
     cache, cfg = engine.cache, model.cfg
     latent = cache.latent
-    expected = (cache.index_keys.nbytes + latent.pool.nbytes + latent.slot_entry.nbytes + latent.slot_last_use.nbytes
+    expected = (cache.index_keys.nbytes + latent.pool.nbytes + latent.slot_entry.nbytes + latent.slot_order.nbytes
                 + latent.resident_slot.nbytes + latent.staged.nbytes + latent.staged_page.nbytes
-                + latent.staged_offset.nbytes + latent.counters.nbytes + latent.clock.nbytes)
+                + latent.staged_offset.nbytes + latent.counters.nbytes)
     report = engine.cache_bytes()
     assert report["device_bytes"] == expected
     assert report["host_bytes"] == latent.host.nbytes == cfg.num_hidden_layers * engine.allocator.num_pages * 16 * \
@@ -149,44 +150,51 @@ RESOLVE = jax.jit(tier._resolve)
 @settings(max_examples=30, deadline=None)
 @given(st.data())
 def test_lru_resolution_invariants(data):
-    """Drive one (layer, request) pool through random top-k sequences and check every step: no slot
-    holds two entries, the residency map and slot table are inverse, a hit keeps its slot, each miss
-    and the new entry land in a slot, and evictions take the least recently used slots. A step may
-    write no new entry (V4's CSA layers add one only when a 4-token window closes)."""
+    """Drive one (layer, request) pool through random top-k sequences against a reference LRU that
+    keeps last-use stamps, and check every step: a hit keeps its slot and is never evicted, the new
+    entry and then each miss (in id order) take the least recently used free slots by (stamp, slot),
+    no slot holds two entries, the residency map and slot table are inverse, and the recency order
+    equals the slots sorted by (stamp, slot). A step may write no new entry (V4's CSA layers add one
+    only when a 4-token window closes)."""
     k = data.draw(st.integers(1, 6))
     slots = data.draw(st.integers(k + 1, k + 6))
     entry = np.full(slots, -1, np.int32)
-    stamp = np.full(slots, tier.EMPTY, np.int32)
+    order = np.arange(slots, dtype=np.int32)
+    stamp = np.full(slots, -1)  # reference: the step of each slot's last use, -1 never
     resident: dict[int, int] = {}
     newest = 2  # entries 0..2 exist before decoding starts
-    for clock in range(data.draw(st.integers(1, 12))):
+    for step in range(data.draw(st.integers(1, 12))):
         has_new = data.draw(st.booleans())
         newest += has_new
         chosen = data.draw(st.lists(st.integers(0, newest), min_size=1, max_size=min(k, newest + 1), unique=True))
         ids = np.array(chosen + [-1] * (k - len(chosen)), np.int32)
         known = np.array([resident.get(int(i), -1) if i >= 0 else -1 for i in ids], np.int32)
         new_id = np.int32(newest if has_new else -1)
-        res = jax.tree.map(np.asarray, RESOLVE(ids, known, new_id, True, entry, stamp, np.int32(clock)))
+        res = jax.tree.map(np.asarray, RESOLVE(ids, known, new_id, True, entry, order))
         hits = known >= 0
         assert (res.slot_K[hits] == known[hits]).all()  # a hit keeps its slot
         assert not res.evicted_P[known[hits]].any()  # and is never evicted in the step that uses it
         assert res.is_new_K.any() == (has_new and newest in chosen)
-        assert (res.slot_K[ids >= 0] >= 0).all() and len(set(res.slot_K[ids >= 0].tolist())) == (ids >= 0).sum()
-        # evictions are the least recently used among the slots no hit holds
-        taken = np.flatnonzero(res.evicted_P | ((entry < 0) & (res.slot_entry_P >= 0)))
-        free = [s for s in range(slots) if s not in set(known[hits].tolist())]
-        oldest = sorted(free, key=lambda s: (stamp[s], s))[: res.miss_K.sum() + has_new]
-        assert set(taken.tolist()) <= set(oldest)
+        misses = (ids >= 0) & ~hits & ~res.is_new_K
+        assert (res.miss_K == misses).all()
+        # the takers are the least recently used slots no hit holds: the new entry first, then the misses
+        free = sorted(set(range(slots)) - set(known[hits].tolist()), key=lambda s: (stamp[s], s))
+        takers = free[: has_new + misses.sum()]
+        assert ([int(res.new_slot)] if has_new else []) + res.slot_K[misses].tolist() == takers
+        assert (res.evicted_P == np.isin(np.arange(slots), takers) & (entry >= 0)).all()
         for s in np.flatnonzero(res.evicted_P):
             del resident[int(entry[s])]
         for i, s in zip(ids[res.miss_K], res.slot_K[res.miss_K]):
             resident[int(i)] = int(s)
         if has_new:
             resident[newest] = int(res.new_slot)
-        entry, stamp = res.slot_entry_P, res.last_use_P
+        stamp[known[hits]] = step
+        stamp[takers] = step
+        entry, order = res.slot_entry_P, res.order_P
         held = entry[entry >= 0]
         assert len(set(held.tolist())) == len(held)  # no entry in two slots
         assert resident == {int(e): s for s, e in enumerate(entry) if e >= 0}  # inverse maps
+        assert order.tolist() == sorted(range(slots), key=lambda s: (stamp[s], s))
 
 
 # ---- FP8 rows ---------------------------------------------------------------------------------

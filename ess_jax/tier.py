@@ -134,11 +134,13 @@ class TieredLatents:
         p = self.pool.shape[2]
         pool = self.pool.at[layer, jnp.arange(b), jnp.where(new_id_B >= 0, res.new_slot, p)].set(new_row_BW,
                                                                                                  mode="drop")
-        evicted_BP = jnp.where(res.evicted_P, self.slot_entry[layer], -1)
+        # the entries leaving the slots taken this step (-1: the slot was empty, or no taker)
+        held_BJ = jnp.take_along_axis(self.slot_entry[layer], jnp.minimum(res.taker_J, p - 1), axis=1)
+        evicted_BJ = jnp.where(res.taker_J < p, held_BJ, -1)
         # every read of the old maps happens before their in-place updates in _commit
-        evicted_BP, resident, slot_entry = jax.lax.optimization_barrier(
-            (evicted_BP, self.resident_slot, self.slot_entry))
-        return Lookup(res, ids_BK, page_BK, offset_BK, fetched_BKW, res.hit_K | res.is_new_K, evicted_BP,
+        evicted_BJ, resident, slot_entry = jax.lax.optimization_barrier(
+            (evicted_BJ, self.resident_slot, self.slot_entry))
+        return Lookup(res, ids_BK, page_BK, offset_BK, fetched_BKW, res.hit_K | res.is_new_K, evicted_BJ,
                       new_row_BW, new_id_B, pool, resident, slot_entry)
 
     def _commit(self, layer: int, page_table_BX, look: Lookup) -> TieredLatents:
@@ -153,8 +155,8 @@ class TieredLatents:
             write_BJ = jnp.concatenate([has_new_B[:, None], res.miss_K], axis=1)  # J = 1 + K arrivals per row
             slot_BJ = jnp.where(write_BJ, jnp.concatenate([res.new_slot[:, None], res.slot_K], axis=1), p)
             # residency: evicted entries leave first, then the new entry and the misses arrive
-            ev_page_BP, ev_offset_BP = _locate(page_table_BX, look.evicted_BP, page_size)
-            resident = look.resident.at[layer, jnp.where(look.evicted_BP >= 0, ev_page_BP, g), ev_offset_BP].set(
+            ev_page_BJ, ev_offset_BJ = _locate(page_table_BX, look.evicted_BJ, page_size)
+            resident = look.resident.at[layer, jnp.where(look.evicted_BJ >= 0, ev_page_BJ, g), ev_offset_BJ].set(
                 -1, mode="drop")
             new_page_B1, new_offset_B1 = _locate(page_table_BX, look.new_id_B[:, None], page_size)
             arrive_page_BJ = jnp.where(write_BJ, jnp.concatenate([new_page_B1, look.page_BK], axis=1), g)
@@ -212,7 +214,7 @@ class Resolution:
     miss_K: jax.Array  # bool[K] fetched from the host this step
     is_new_K: jax.Array  # bool[K] the entry written this step
     new_slot: jax.Array  # i32[] the slot the new entry takes
-    evicted_P: jax.Array  # bool[P] slots whose previous entry was evicted
+    taker_J: jax.Array  # i32[K + 1] the slots taken this step, least recently used first (P = none)
     slot_entry_P: jax.Array  # i32[P] updated slot -> position table
     order_P: jax.Array  # i32[P] updated recency order
 
@@ -230,7 +232,7 @@ class Lookup:
     offset_BK: jax.Array  # i32[B, K] and offset
     fetched_BKW: jax.Array  # [B, K, W] missed rows from the host store (garbage where not a miss)
     hit_BK: jax.Array  # bool[B, K] hits and the new entry, all in the pool at res.slot_K
-    evicted_BP: jax.Array  # i32[B, P] ids evicted from each slot this step, -1 none
+    evicted_BJ: jax.Array  # i32[B, K + 1] ids evicted from the taken slots this step, -1 none
     new_row_BW: jax.Array  # [B, W] the entry written this step (stored format)
     new_id_B: jax.Array  # i32[B] its id, -1 where no entry is new
     pool: jax.Array  # [L, R, P, W] the pool with the new entry written
@@ -267,10 +269,8 @@ def _resolve(ids_K, known_K, new_id, active, slot_entry_P, order_P) -> Resolutio
     new_slot = taker_J[0]
     miss_slot_K = taker_J[jnp.clip(has_new + jnp.cumsum(miss_K) - 1, 0, k)]  # after the new entry's slot
     slot_K = jnp.where(hit_K, known_K, jnp.where(is_new_K, new_slot, jnp.where(miss_K, miss_slot_K, -1)))
-    taken_P = jnp.zeros(p, bool).at[taker_J].set(True, mode="drop")
-    evicted_P = taken_P & (slot_entry_P >= 0)
-    entries = jnp.where(taken_P, -1, slot_entry_P)
-    entries = entries.at[jnp.where(has_new, new_slot, p)].set(new_id, mode="drop")
+    # every taker is overwritten: the new entry's slot, then one per miss
+    entries = slot_entry_P.at[jnp.where(has_new, new_slot, p)].set(new_id, mode="drop")
     entries = entries.at[jnp.where(miss_K, miss_slot_K, p)].set(ids_K, mode="drop")
     # the recency order: slots untouched this step keep their order, then the used ones by slot
     used_U = jnp.sort(jnp.concatenate([jnp.where(hit_K, known_K, p), jnp.where(take_J, front_J, p)]))  # p = none
@@ -279,7 +279,7 @@ def _resolve(ids_K, known_K, new_id, active, slot_entry_P, order_P) -> Resolutio
     n_keep = keep_P.sum()
     order = jnp.zeros(p, jnp.int32).at[jnp.where(keep_P, jnp.cumsum(keep_P) - 1, p)].set(order_P, mode="drop")
     order = order.at[jnp.where(used_U < p, n_keep + jnp.arange(used_U.shape[0]), p)].set(used_U, mode="drop")
-    return Resolution(slot_K, hit_K, miss_K, is_new_K, new_slot, evicted_P, entries, order)
+    return Resolution(slot_K, hit_K, miss_K, is_new_K, new_slot, taker_J, entries, order)
 
 
 def _locate(page_table_BX: jax.Array, ids_BK: jax.Array, page_size: int) -> tuple[jax.Array, jax.Array]:

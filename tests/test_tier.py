@@ -173,7 +173,6 @@ def test_lru_resolution_invariants(data):
         res = jax.tree.map(np.asarray, RESOLVE(ids, known, new_id, True, entry, order))
         hits = known >= 0
         assert (res.slot_K[hits] == known[hits]).all()  # a hit keeps its slot
-        assert not res.evicted_P[known[hits]].any()  # and is never evicted in the step that uses it
         assert res.is_new_K.any() == (has_new and newest in chosen)
         misses = (ids >= 0) & ~hits & ~res.is_new_K
         assert (res.miss_K == misses).all()
@@ -181,9 +180,10 @@ def test_lru_resolution_invariants(data):
         free = sorted(set(range(slots)) - set(known[hits].tolist()), key=lambda s: (stamp[s], s))
         takers = free[: has_new + misses.sum()]
         assert ([int(res.new_slot)] if has_new else []) + res.slot_K[misses].tolist() == takers
-        assert (res.evicted_P == np.isin(np.arange(slots), takers) & (entry >= 0)).all()
-        for s in np.flatnonzero(res.evicted_P):
-            del resident[int(entry[s])]
+        assert res.taker_J.tolist() == takers + [slots] * (k + 1 - len(takers))  # so no hit is evicted
+        for s in takers:  # their entries are evicted
+            if entry[s] >= 0:
+                del resident[int(entry[s])]
         for i, s in zip(ids[res.miss_K], res.slot_K[res.miss_K]):
             resident[int(i)] = int(s)
         if has_new:

@@ -4,13 +4,14 @@ Each op has a pure-XLA implementation here; the Pallas kernels (pallas_kernels/)
 same signatures, chosen per call by the keyword-only ``kernels`` argument (the CLI's ``--kernels``):
 
 - ``"xla"`` (the default): the jnp code in this module, on any backend;
-- ``"pallas"``: the Pallas kernel; compiled on GPU, ``interpret=True`` on CPU (slow, for tests);
-  there is no TPU lowering yet, so it raises there;
+- ``"pallas"``: the Pallas kernel, one Mosaic GPU kernel (pallas_kernels/_gather_attention.py):
+  compiled on GPU, run in the Mosaic GPU interpreter on CPU (slow, for tests); there is no TPU
+  lowering, so it raises there;
 - ``"auto"``: Pallas on GPU, XLA on CPU and TPU.
 
-The backend is the default one (``jax.default_backend()``) at trace time. On GPU the kernels go
-through Pallas' default (Triton) lowering, which is unverified on real hardware (see
-pallas_kernels/sparse_mla.py).
+The backend is the default one (``jax.default_backend()``) at trace time. The kernels lower to Mosaic
+GPU modules for an H200 without a GPU (tests/kernels/test_lowering.py); running them on a GPU is
+unverified (see pallas_kernels/sparse_mla.py).
 
 Latent rows are float ``[..., C + R]`` or, for ``--cache-dtype fp8``, V3.2 FP8 rows
 ``uint8 [..., mla_row_bytes(C, R)]`` (656 bytes for C = 512, R = 64; ess_jax.pallas_kernels.fp8_rows):
@@ -32,7 +33,8 @@ KERNELS = ("auto", "xla", "pallas")
 
 def resolve_kernels(kernels: str) -> str:
     """What ``kernels`` runs as on the default backend: ``"xla"``, ``"pallas"`` or ``"interpret"``
-    (Pallas in interpret mode, on CPU). Raises ValueError for an unknown choice or Pallas on TPU."""
+    (the Pallas kernel in the Mosaic GPU interpreter, on CPU). Raises ValueError for an unknown
+    choice or Pallas on TPU."""
     if kernels not in KERNELS:
         raise ValueError(f"--kernels {kernels!r} is not a kernel choice; use one of {', '.join(KERNELS)}")
     backend = jax.default_backend()

@@ -33,8 +33,10 @@ the rope slice is exact for bf16 inputs.
 **Kernels.** ``sparse_mla_fp8`` is ``sparse_mla`` over a pool of V3.2 FP8 rows,
 ``sparse_v4_attention_fp8`` is ``sparse_v4_attention`` over pools of V4 FP8 rows; both dequantize
 each gathered chunk in the kernel (e4m3 bytes bitcast to float8, times a scale assembled from its
-bytes). Same sentinels, returns and lowering status as their float versions (the GPU lowering is
-unverified; the kernels lower to Triton IR for an abstract H200).
+bytes; the bf16 rope values assembled from byte pairs). Same sentinels, returns and lowering status as
+their float versions: the Mosaic GPU kernel, which copies each row from the flattened byte pool in
+pieces of a multiple of 128 bytes (its TMA copies address bytes, not rows), so rows need no alignment
+(the 584- and 88-byte V4 rows included); unverified on a GPU.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ess_jax.pallas_kernels._gather_attention import (KNOBS, Chunk, RowLayout, check_float, check_ids, check_knobs,
-                                                      check_mla_queries, check_rank, gather_attention)
+from ess_jax.pallas_kernels._gather_attention import (KNOBS, Chunk, Interpret, RowLayout, check_float, check_ids,
+                                                      check_knobs, check_mla_queries, check_rank, gather_attention)
 from ess_jax.pallas_kernels.sparse_mla import sparse_mla_reference
 from ess_jax.pallas_kernels.sparse_v4_attention import check_v4_inputs, sparse_v4_attention_reference
 
@@ -218,17 +220,16 @@ def _check_mla(q_latent_BTNC, q_rope_BTNR, pool_PX, ids_BTK):
 
 @functools.partial(jax.jit, static_argnames=("scale", *KNOBS))
 def sparse_mla_fp8(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, pool_PX: jax.Array, ids_BTK: jax.Array, *,
-                   scale: float, block_h: int = 16, block_k: int = 32, num_splits: int | None = None,
-                   num_warps: int = 4, num_stages: int = 2, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                   scale: float, block_k: int = 64, num_splits: int | None = None,
+                   interpret: Interpret = False) -> tuple[jax.Array, jax.Array]:
     """``sparse_mla`` over a pool of V3.2 FP8 rows ``u8[P, mla_row_bytes(C, R)]``, dequantized in the
     kernel. Returns ``(out f32[B, T, N, C], lse f32[B, T, N])``; ids, sentinels and knobs as
     ``sparse_mla``."""
     c, r = _check_mla(q_latent_BTNC, q_rope_BTNR, pool_PX, ids_BTK)
-    check_knobs(block_h=block_h, block_k=block_k, num_splits=num_splits)
+    check_knobs(block_k=block_k, num_splits=num_splits)
     return gather_attention(q_latent_BTNC, q_rope_BTNR if r else None, [(pool_PX, ids_BTK)], None,
-                            layouts=(mla_fp8_layout(c, r),), scale=scale, block_h=block_h, block_k=block_k,
-                            num_splits=num_splits, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-                            name="sparse_mla_fp8")
+                            layouts=(mla_fp8_layout(c, r),), scale=scale, block_k=block_k,
+                            num_splits=num_splits, interpret=interpret, name="sparse_mla_fp8")
 
 
 @functools.partial(jax.jit, static_argnames=("scale",))
@@ -243,19 +244,17 @@ def sparse_mla_fp8_reference(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, p
 @functools.partial(jax.jit, static_argnames=("scale", "rope_dim", *KNOBS))
 def sparse_v4_attention_fp8(q_BTNH: jax.Array, window_PX: jax.Array, window_ids_BTK: jax.Array,
                             entries_MX: jax.Array | None, entry_ids_BTK: jax.Array | None, sinks_N: jax.Array, *,
-                            scale: float, rope_dim: int, block_h: int = 16, block_k: int = 32,
-                            num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                            interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                            scale: float, rope_dim: int, block_k: int = 64, num_splits: int | None = None,
+                            interpret: Interpret = False) -> tuple[jax.Array, jax.Array]:
     """``sparse_v4_attention`` over pools of V4 FP8 rows ``u8[rows, v4_row_bytes(H, rope_dim)]``,
     dequantized in the kernel. Returns ``(out f32[B, T, N, H], lse f32[B, T, N])``."""
     h = _v4_head_dim(q_BTNH, rope_dim)
     sources = check_v4_inputs(q_BTNH, window_PX, window_ids_BTK, entries_MX, entry_ids_BTK, sinks_N,
                               row_width=v4_row_bytes(h, rope_dim), pool_names=("window_PX", "entries_MX"))
-    check_knobs(block_h=block_h, block_k=block_k, num_splits=num_splits)
+    check_knobs(block_k=block_k, num_splits=num_splits)
     layouts = (v4_fp8_layout(h, rope_dim),) * len(sources)
-    return gather_attention(q_BTNH, None, sources, sinks_N, layouts=layouts, scale=scale, block_h=block_h,
-                            block_k=block_k, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-                            interpret=interpret, name="sparse_v4_attention_fp8")
+    return gather_attention(q_BTNH, None, sources, sinks_N, layouts=layouts, scale=scale, block_k=block_k,
+                            num_splits=num_splits, interpret=interpret, name="sparse_v4_attention_fp8")
 
 
 def _v4_head_dim(q_BTNH, rope_dim: int) -> int:

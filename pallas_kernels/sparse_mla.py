@@ -22,10 +22,12 @@ could alias (unused rows may be NaN). A query with no valid id returns ``out = 0
 ``lse = -inf``, so its (out, lse) pair merges with any other as an empty half
 (``ess_jax.ops.merge_attention``). Valid ids must be ``< P`` (not checked on the device).
 
-**Lowering.** CPU runs ``interpret=True``. On GPU the kernel goes through ``pl.pallas_call``'s
-default GPU lowering, Triton (deprecated in jax 0.11), with ``num_warps`` / ``num_stages``; the kernel
-lowers to Triton IR for an abstract H200 (tests/kernels), but compiling and running it on a GPU is
-unverified. There is no Mosaic GPU (``plgpu``) version yet.
+**Lowering.** One Mosaic GPU kernel (``jax.experimental.pallas.mosaic_gpu``, Hopper: TMA row
+copies, ``wgmma``), ``ess_jax.pallas_kernels._gather_attention``. ``interpret=True`` runs that same
+kernel in the Mosaic GPU interpreter on the CPU (simulated shared memory, TMA copies and barriers);
+tests/kernels checks it there against the reference, and lowers it for an abstract H200 to the
+serialized Mosaic GPU module (TMA copies, wgmma, shared memory within the 227 KiB). Compiling that
+module to PTX and running it on a GPU is unverified (tests/kernels/test_gpu.py, tools/gpu_check.sh).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ess_jax.pallas_kernels._gather_attention import (KNOBS, check_float, check_ids, check_knobs,
+from ess_jax.pallas_kernels._gather_attention import (KNOBS, Interpret, check_float, check_ids, check_knobs,
                                                       check_mla_queries, check_rank, gather_attention, plain_layout)
 
 
@@ -53,23 +55,22 @@ def _check(q_latent_BTNC, q_rope_BTNR, pool_PW, ids_BTK):
 
 @functools.partial(jax.jit, static_argnames=("scale", *KNOBS))
 def sparse_mla(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, pool_PW: jax.Array, ids_BTK: jax.Array, *,
-               scale: float, block_h: int = 16, block_k: int = 32, num_splits: int | None = None,
-               num_warps: int = 4, num_stages: int = 2, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+               scale: float, block_k: int = 64, num_splits: int | None = None,
+               interpret: Interpret = False) -> tuple[jax.Array, jax.Array]:
     """Absorbed MLA over the pool rows at ``ids_BTK`` (-1 = none). Returns ``(out f32[B, T, N, C],
     lse f32[B, T, N])``.
 
-    Knobs: ``block_h`` heads and ``block_k`` ids per step (powers of two; heads are padded up to a
-    multiple of ``block_h``, ids with -1 up to a multiple of ``num_splits * block_k``);
-    ``num_splits`` programs per query, each over a contiguous part of the ids, merged exactly by
-    log-sum-exp (split-K for small batches; ``None``: about two programs per SM on a GPU, 1
-    elsewhere); ``num_warps`` / ``num_stages`` reach the GPU compiler only.
+    Knobs: ``block_k`` ids per step (a multiple of 64 up to 256; heads go 64 to a program, padded up
+    to a multiple of 64); ``num_splits`` programs per query, each over every S-th of its valid ids,
+    merged exactly by log-sum-exp (split-K for small batches; ``None``: about two programs per SM on
+    a GPU, 1 elsewhere); ``interpret`` (``True`` or ``plgpu.InterpretGPUParams``) runs the kernel in
+    the Mosaic GPU interpreter instead of compiling it for the GPU (the only way it runs on a CPU).
     """
     c, r = _check(q_latent_BTNC, q_rope_BTNR, pool_PW, ids_BTK)
-    check_knobs(block_h=block_h, block_k=block_k, num_splits=num_splits)
+    check_knobs(block_k=block_k, num_splits=num_splits)
     return gather_attention(q_latent_BTNC, q_rope_BTNR if r else None, [(pool_PW, ids_BTK)], None,
-                            layouts=(plain_layout(c, r, pool_PW.dtype),), scale=scale, block_h=block_h,
-                            block_k=block_k, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-                            interpret=interpret, name="sparse_mla")
+                            layouts=(plain_layout(c, r, pool_PW.dtype),), scale=scale, block_k=block_k,
+                            num_splits=num_splits, interpret=interpret, name="sparse_mla")
 
 
 @functools.partial(jax.jit, static_argnames=("scale",))

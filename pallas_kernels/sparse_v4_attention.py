@@ -22,8 +22,9 @@ the ids are global row ids into it, -1 = no row. The model's window ring plus th
 **Sentinels.** Ids ``< 0`` are skipped, whatever the pool holds. A query with no valid row returns
 ``out = 0`` and ``lse = sinks[n]`` (``-inf`` for a ``-inf`` sink).
 
-**Lowering** as ``sparse_mla``: interpret mode on CPU; the default (Triton) GPU lowering builds
-Triton IR for an abstract H200 but is unverified on a GPU; no Mosaic GPU version yet.
+**Lowering** as ``sparse_mla``: the Mosaic GPU kernel, run in the Mosaic GPU interpreter on the CPU
+and lowered to a Mosaic GPU module for an abstract H200 by the tests; unverified on a GPU. The window
+and entry pools of one call must share a dtype (the kernel reads both through one row layout).
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ess_jax.pallas_kernels._gather_attention import (KNOBS, check_float, check_ids, check_knobs, check_rank,
-                                                      gather_attention, plain_layout)
+from ess_jax.pallas_kernels._gather_attention import (KNOBS, Interpret, check_float, check_ids, check_knobs,
+                                                      check_rank, gather_attention, plain_layout)
 
 
 def check_v4_inputs(q_BTNH, window_PX, window_ids_BTK, entries_MX, entry_ids_BTK, sinks_N, *,
@@ -68,24 +69,25 @@ def check_v4_inputs(q_BTNH, window_PX, window_ids_BTK, entries_MX, entry_ids_BTK
             out.append((pool, ids))
     if not out:
         raise ValueError(f"window_ids_BTK selects no rows (K = 0); got {window_ids_BTK.shape}")
+    if entries_MX is not None and entries_MX.dtype != window_PX.dtype:
+        raise ValueError(f"{pool_names[0]} and {pool_names[1]} must share a dtype, got {window_PX.dtype} and "
+                         f"{entries_MX.dtype}")
     return out
 
 
 @functools.partial(jax.jit, static_argnames=("scale", *KNOBS))
 def sparse_v4_attention(q_BTNH: jax.Array, window_PH: jax.Array, window_ids_BTK: jax.Array,
                         entries_MH: jax.Array | None, entry_ids_BTK: jax.Array | None, sinks_N: jax.Array, *,
-                        scale: float, block_h: int = 16, block_k: int = 32, num_splits: int | None = None,
-                        num_warps: int = 4, num_stages: int = 2,
-                        interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                        scale: float, block_k: int = 64, num_splits: int | None = None,
+                        interpret: Interpret = False) -> tuple[jax.Array, jax.Array]:
     """V4 attention over window rows + compressed entries with a sink. Returns ``(out f32[B, T, N, H],
     lse f32[B, T, N])``. Knobs as ``sparse_mla``."""
     sources = check_v4_inputs(q_BTNH, window_PH, window_ids_BTK, entries_MH, entry_ids_BTK, sinks_N,
                               row_width=None, pool_names=("window_PH", "entries_MH"))
-    check_knobs(block_h=block_h, block_k=block_k, num_splits=num_splits)
+    check_knobs(block_k=block_k, num_splits=num_splits)
     layouts = tuple(plain_layout(q_BTNH.shape[-1], 0, pool.dtype) for pool, _ in sources)
-    return gather_attention(q_BTNH, None, sources, sinks_N, layouts=layouts, scale=scale, block_h=block_h,
-                            block_k=block_k, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-                            interpret=interpret, name="sparse_v4_attention")
+    return gather_attention(q_BTNH, None, sources, sinks_N, layouts=layouts, scale=scale, block_k=block_k,
+                            num_splits=num_splits, interpret=interpret, name="sparse_v4_attention")
 
 
 def attention_with_sink_reference(q_BTNH, rows_BTKH, valid_BTK, sinks_N, scale):

@@ -1,10 +1,12 @@
 """FP8 row formats: byte counts, byte layouts, round-trip error bounds, and the kernels that read FP8
-rows directly (interpret mode) against their references."""
+rows directly (the Mosaic GPU kernel in the Mosaic GPU interpreter) against their references."""
 
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races  # the detector's state
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ess_jax.pallas_kernels import fp8_rows
 from kernel_testing import assert_close, permuted_ids, poison_unused, random_array, valid_counts
@@ -119,8 +121,7 @@ def test_sparse_mla_fp8_matches_reference(c, r, k, dtype):
     pool = np.asarray(fp8_rows.quantize_mla_rows(random_array(rng, (rows, c + r), jnp.float32), latent_dim=c))
     pool = jnp.asarray(poison_unused(pool, ids))  # unused rows are 0xFF: NaN e4m3, NaN scales, NaN rope
     q_latent, q_rope = random_array(rng, (b, t, n, c), dtype), random_array(rng, (b, t, n, r), dtype)
-    out, lse = fp8_rows.sparse_mla_fp8(q_latent, q_rope, pool, jnp.asarray(ids), scale=0.1, block_k=8,
-                                       interpret=True)
+    out, lse = fp8_rows.sparse_mla_fp8(q_latent, q_rope, pool, jnp.asarray(ids), scale=0.1, interpret=True)
     ref_out, ref_lse = fp8_rows.sparse_mla_fp8_reference(q_latent, q_rope, pool, jnp.asarray(ids), scale=0.1)
     assert_close(out, ref_out, dtype, "out")
     assert_close(lse, ref_lse, dtype, "lse")
@@ -143,10 +144,30 @@ def test_sparse_v4_attention_fp8_matches_reference(h, r, with_entries, dtype):
     sinks = jnp.asarray(rng.standard_normal(n), jnp.float32)
     entries, entry_ids = (entries, jnp.asarray(entry_ids)) if with_entries else (None, None)
     args = (q, window, jnp.asarray(window_ids), entries, entry_ids, sinks)
-    out, lse = fp8_rows.sparse_v4_attention_fp8(*args, scale=0.1, rope_dim=r, block_k=8, interpret=True)
+    out, lse = fp8_rows.sparse_v4_attention_fp8(*args, scale=0.1, rope_dim=r, interpret=True)
     ref_out, ref_lse = fp8_rows.sparse_v4_attention_fp8_reference(*args, scale=0.1, rope_dim=r)
     assert_close(out, ref_out, dtype, "out")
     assert_close(lse, ref_lse, dtype, "lse")
+
+
+def test_kernel_has_no_data_races():
+    """The interpreter's happens-before race detector over the kernel's TMA copies, barriers, SMEM
+    reads and writes and wgmma operands (V4 FP8 rows: e4m3 chunks, decoded bf16 byte pairs, the raw
+    rows and the softmax weights sharing memory; two sources, two blocks of window rows) finds none."""
+    rng = np.random.default_rng(7)
+    b, t, n, h, r = 1, 2, 4, 64, 16
+    window_ids = permuted_ids(rng, np.array([[70, 3]]), 70, 80)
+    entry_ids = permuted_ids(rng, np.array([[5, 0]]), 8, 20)
+    quantize = lambda rows, ids: jnp.asarray(poison_unused(np.asarray(fp8_rows.quantize_v4_rows(
+        random_array(rng, (rows, h), jnp.float32), rope_dim=r)), ids))
+    args = (random_array(rng, (b, t, n, h), jnp.bfloat16), quantize(80, window_ids), jnp.asarray(window_ids),
+            quantize(20, entry_ids), jnp.asarray(entry_ids), jnp.asarray(rng.standard_normal(n), jnp.float32))
+    out, lse = fp8_rows.sparse_v4_attention_fp8(*args, scale=0.1, rope_dim=r,
+                                                interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not get_races().races_found
+    ref_out, ref_lse = fp8_rows.sparse_v4_attention_fp8_reference(*args, scale=0.1, rope_dim=r)
+    assert_close(out, ref_out, jnp.bfloat16, "out")
+    assert_close(lse, ref_lse, jnp.bfloat16, "lse")
 
 
 def test_fp8_kernel_checks_row_width():

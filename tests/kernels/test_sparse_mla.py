@@ -1,6 +1,7 @@
-"""sparse_mla (interpret mode) against its reference: poisoned pools, -1 sentinels, masked queries,
-ids around the block size, permuted slots, head padding."""
+"""sparse_mla (the Mosaic GPU kernel in the Mosaic GPU interpreter) against its reference: poisoned
+pools, -1 sentinels, masked queries, ids around the block size, permuted slots, head padding."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -8,7 +9,7 @@ import pytest
 from ess_jax.pallas_kernels.sparse_mla import sparse_mla, sparse_mla_reference
 from kernel_testing import assert_close, permuted_ids, poison_unused, random_array, valid_counts
 
-BLOCK_K = 8
+BLOCK_K = 64
 
 
 def _case(seed, *, b, t, n, c, r, k, rows, dtype):
@@ -22,7 +23,7 @@ def _case(seed, *, b, t, n, c, r, k, rows, dtype):
 @pytest.mark.parametrize("k, dtype", [(BLOCK_K - 1, jnp.float32), (BLOCK_K, jnp.float32), (BLOCK_K + 1, jnp.float32),
                                       (BLOCK_K - 1, jnp.bfloat16), (2 * BLOCK_K + 1, jnp.bfloat16)])
 def test_matches_reference(k, dtype):
-    q_latent, q_rope, pool, ids = _case(k, b=2, t=2, n=4, c=64, r=16, k=k, rows=48, dtype=dtype)
+    q_latent, q_rope, pool, ids = _case(k, b=2, t=2, n=4, c=64, r=16, k=k, rows=2 * BLOCK_K + 8, dtype=dtype)
     out, lse = sparse_mla(q_latent, q_rope, pool, ids, scale=0.3, block_k=BLOCK_K, interpret=True)
     ref_out, ref_lse = sparse_mla_reference(q_latent, q_rope, pool, ids, scale=0.3)
     assert_close(out, ref_out, dtype, "out")
@@ -33,9 +34,9 @@ def test_matches_reference(k, dtype):
 
 
 def test_head_blocks_and_padding():
-    """20 heads in blocks of 8 (the last one padded), several query tokens, no rope."""
-    q_latent, q_rope, pool, ids = _case(7, b=1, t=3, n=20, c=32, r=0, k=11, rows=30, dtype=jnp.float32)
-    out, lse = sparse_mla(q_latent, q_rope, pool, ids, scale=0.2, block_h=8, block_k=4, interpret=True)
+    """70 heads in blocks of 64 (the last one padded), several query tokens, no rope."""
+    q_latent, q_rope, pool, ids = _case(7, b=1, t=3, n=70, c=32, r=0, k=11, rows=30, dtype=jnp.float32)
+    out, lse = sparse_mla(q_latent, q_rope, pool, ids, scale=0.2, interpret=True)
     ref_out, ref_lse = sparse_mla_reference(q_latent, q_rope, pool, ids, scale=0.2)
     assert_close(out, ref_out, jnp.float32, "out")
     assert_close(lse, ref_lse, jnp.float32, "lse")
@@ -52,8 +53,8 @@ def test_real_width_rows():
 
 @pytest.mark.parametrize("num_splits", [2, 3])
 def test_split_k_matches_reference(num_splits):
-    """The ids cut into parts attended by separate programs, merged by log-sum-exp."""
-    q_latent, q_rope, pool, ids = _case(11, b=2, t=2, n=4, c=64, r=16, k=2 * BLOCK_K + 3, rows=48,
+    """The ids dealt to parts attended by separate programs, merged by log-sum-exp."""
+    q_latent, q_rope, pool, ids = _case(11, b=2, t=2, n=4, c=64, r=16, k=2 * BLOCK_K + 3, rows=2 * BLOCK_K + 8,
                                         dtype=jnp.float32)
     out, lse = sparse_mla(q_latent, q_rope, pool, ids, scale=0.3, block_k=BLOCK_K, num_splits=num_splits,
                           interpret=True)
@@ -63,10 +64,11 @@ def test_split_k_matches_reference(num_splits):
 
 
 def test_order_of_ids_does_not_matter():
-    q_latent, q_rope, pool, ids = _case(5, b=2, t=1, n=4, c=64, r=16, k=13, rows=40, dtype=jnp.float32)
-    perm = np.random.default_rng(0).permutation(13)
-    a = sparse_mla(q_latent, q_rope, pool, ids, scale=0.3, block_k=4, interpret=True)
-    b = sparse_mla(q_latent, q_rope, pool, ids[..., perm], scale=0.3, block_k=4, interpret=True)
+    k = BLOCK_K + 13  # two blocks of ids
+    q_latent, q_rope, pool, ids = _case(5, b=2, t=1, n=4, c=64, r=16, k=k, rows=k + 8, dtype=jnp.float32)
+    perm = np.random.default_rng(0).permutation(k)
+    a = sparse_mla(q_latent, q_rope, pool, ids, scale=0.3, interpret=True)
+    b = sparse_mla(q_latent, q_rope, pool, ids[..., perm], scale=0.3, interpret=True)
     for x, y, name in zip(a, b, ("out", "lse")):
         assert_close(x, y, jnp.float32, name)
 
@@ -78,13 +80,25 @@ def test_order_of_ids_does_not_matter():
     (dict(pool=jnp.zeros((10, 80), jnp.int32)), "pool_PW"),
     (dict(ids=jnp.zeros((2, 2, 5), jnp.int32)), "ids_BTK"),
     (dict(ids=jnp.zeros((2, 1, 5), jnp.float32)), "ids_BTK"),
-    (dict(block_k=6), "block_k"),
+    (dict(block_k=32), "block_k"),
+    (dict(q_latent=jnp.zeros((2, 1, 4, 60)), pool=jnp.zeros((10, 76))), "multiple of 8 columns"),
     (dict(num_splits=0), "num_splits"),
 ])
 def test_input_checks_name_the_argument(bad, match):
     args = dict(q_latent=jnp.zeros((2, 1, 4, 64)), q_rope=jnp.zeros((2, 1, 4, 16)), pool=jnp.zeros((10, 80)),
-                ids=jnp.zeros((2, 1, 5), jnp.int32), block_k=8, num_splits=None)
+                ids=jnp.zeros((2, 1, 5), jnp.int32), block_k=64, num_splits=None)
     args.update(bad)
     with pytest.raises(ValueError, match=match):
         sparse_mla(args["q_latent"], args["q_rope"], args["pool"], args["ids"], scale=1.0, block_k=args["block_k"],
                    num_splits=args["num_splits"], interpret=True)
+
+
+def test_rows_too_wide_for_shared_memory_are_refused():
+    """float32 rows of DeepSeek's width (576) need more than an H100 / H200 block's 227 KiB of shared
+    memory (three bf16 pieces per operand); bf16 rows of that width fit."""
+    S = jax.ShapeDtypeStruct
+    args = lambda dtype: (S((1, 1, 64, 512), dtype), S((1, 1, 64, 64), dtype), S((4096, 576), dtype),
+                          S((1, 1, 2048), jnp.int32))
+    with pytest.raises(ValueError, match=r"sparse_mla: one program needs \d+ KiB of shared memory"):
+        sparse_mla.trace(*args(jnp.float32), scale=0.1)
+    sparse_mla.trace(*args(jnp.bfloat16), scale=0.1)

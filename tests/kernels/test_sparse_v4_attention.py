@@ -1,5 +1,6 @@
-"""sparse_v4_attention (interpret mode) against its reference: window + selected (CSA) or all
-visible (HCA) entries, window-only layers, finite and -inf sinks, poisoned pools, -1 sentinels."""
+"""sparse_v4_attention (the Mosaic GPU kernel in the Mosaic GPU interpreter) against its reference:
+window + selected (CSA) or all visible (HCA) entries, window-only layers, finite and -inf sinks,
+poisoned pools, -1 sentinels."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -8,11 +9,11 @@ import pytest
 from ess_jax.pallas_kernels.sparse_v4_attention import sparse_v4_attention, sparse_v4_attention_reference
 from kernel_testing import assert_close, permuted_ids, poison_unused, random_array, valid_counts
 
-BLOCK_K = 8
+BLOCK_K = 64
 B, T, N, H = 2, 2, 4, 64
 
 
-def _pools(rng, k_window, k_entries, *, window_rows=40, entry_rows=30, dtype=jnp.float32):
+def _pools(rng, k_window, k_entries, *, window_rows=BLOCK_K + 16, entry_rows=2 * BLOCK_K + 8, dtype=jnp.float32):
     window_ids = permuted_ids(rng, valid_counts(B, T, k_window), k_window, window_rows)
     entry_ids = permuted_ids(rng, valid_counts(B, T, k_entries), k_entries, entry_rows)
     window = poison_unused(rng.standard_normal((window_rows, H)).astype(np.float32), window_ids)
@@ -35,7 +36,7 @@ def test_window_plus_selected_entries(k_window, k_entries, dtype):
     window, window_ids, entries, entry_ids = _pools(rng, k_window, k_entries, dtype=dtype)
     sinks = jnp.asarray(rng.standard_normal(N), jnp.float32)
     q = random_array(rng, (B, T, N, H), dtype)
-    out, lse = _check((q, window, window_ids, entries, entry_ids), dtype, sinks=sinks, block_k=BLOCK_K)
+    out, lse = _check((q, window, window_ids, entries, entry_ids), dtype, sinks=sinks)
     # query (0, 0) selects nothing from either source: out 0, the denominator is the sink alone
     assert np.all(out[0, 0] == 0.0)
     np.testing.assert_allclose(lse[0, 0], np.asarray(sinks), rtol=1e-6)
@@ -44,7 +45,7 @@ def test_window_plus_selected_entries(k_window, k_entries, dtype):
 def test_all_visible_entries_hca():
     """HCA: every entry ``w < floor((t + 1) / 128)`` of the request, ids ``b * M + w``."""
     rng = np.random.default_rng(1)
-    m, k_window = 6, BLOCK_K + 1
+    m, k_window = 6, 9
     window_ids = permuted_ids(rng, valid_counts(B, T, k_window), k_window, 40)
     visible_BT = np.array([[0, 3], [5, 6]])
     w = np.arange(m)
@@ -53,15 +54,14 @@ def test_all_visible_entries_hca():
     entries = poison_unused(rng.standard_normal((B * m, H)).astype(np.float32), entry_ids)
     q = random_array(rng, (B, T, N, H), jnp.float32)
     _check((q, jnp.asarray(window), jnp.asarray(window_ids), jnp.asarray(entries), jnp.asarray(entry_ids, jnp.int32)),
-           jnp.float32, sinks=jnp.asarray(rng.standard_normal(N), jnp.float32), block_k=4)
+           jnp.float32, sinks=jnp.asarray(rng.standard_normal(N), jnp.float32))
 
 
 def test_window_only_and_minus_inf_sink():
     rng = np.random.default_rng(2)
     window, window_ids, _, _ = _pools(rng, BLOCK_K + 1, 1)
     q = random_array(rng, (B, T, N, H), jnp.float32)
-    out, lse = _check((q, window, window_ids, None, None), jnp.float32, sinks=jnp.full((N,), -jnp.inf),
-                      block_k=BLOCK_K)
+    out, lse = _check((q, window, window_ids, None, None), jnp.float32, sinks=jnp.full((N,), -jnp.inf))
     assert np.all(out[0, 0] == 0.0) and np.all(np.isneginf(lse[0, 0]))
 
 
@@ -72,16 +72,16 @@ def test_split_k_adds_the_sink_once(sink):
     window, window_ids, entries, entry_ids = _pools(rng, BLOCK_K + 1, 2 * BLOCK_K + 1)
     q = random_array(rng, (B, T, N, H), jnp.float32)
     out, lse = _check((q, window, window_ids, entries, entry_ids), jnp.float32, sinks=jnp.full((N,), sink),
-                      block_k=4, num_splits=3)
+                      num_splits=3)
     assert np.all(out[0, 0] == 0.0) and np.all(lse[0, 0] == sink)
 
 
 def test_heads_in_several_blocks():
     rng = np.random.default_rng(3)
     window, window_ids, entries, entry_ids = _pools(rng, 5, 9)
-    q = random_array(rng, (B, T, 12, H), jnp.float32)
+    q = random_array(rng, (B, T, 70, H), jnp.float32)
     _check((q, window, window_ids, entries, entry_ids), jnp.float32,
-           sinks=jnp.asarray(rng.standard_normal(12), jnp.float32), block_h=8, block_k=4)
+           sinks=jnp.asarray(rng.standard_normal(70), jnp.float32))
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -90,6 +90,7 @@ def test_heads_in_several_blocks():
     (dict(entry_ids=None), "entry_ids_BTK"),
     (dict(entry_ids=jnp.zeros((1, 2, 3), jnp.int32)), "entry_ids_BTK"),
     (dict(q=jnp.zeros((2, 2, 64))), "q_BTNH"),
+    (dict(entries=jnp.zeros((10, H), jnp.bfloat16)), "share a dtype"),
 ])
 def test_input_checks_name_the_argument(bad, match):
     args = dict(q=jnp.zeros((B, T, N, H)), window=jnp.zeros((10, H)), window_ids=jnp.zeros((B, T, 3), jnp.int32),

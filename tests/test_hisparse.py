@@ -38,13 +38,13 @@ def resident(model):
 
 
 @pytest.mark.parametrize("pool,fetch", [
-    ("top_k + 1", "inline"), ("top_k + 1", "split"), ("2 * top_k", "inline"), ("ratio 0.1", "inline"),
+    ("top_k + 1", "inline"), ("top_k + 1", "split"), ("ratio 0.1", "inline"),
     ("ratio 0.5", "split"), ("every entry", "inline"), ("every entry", "split"),
 ])
 def test_offloaded_equals_resident_and_counts_add_up(model, resident, pool, fetch):
     cfg = model.cfg
     k, entries = cfg.index_topk, MAX_SEQ_LEN // cfg.compress_rate_csa
-    size = {"top_k + 1": dict(pool_size=k + 1), "2 * top_k": dict(pool_size=2 * k),
+    size = {"top_k + 1": dict(pool_size=k + 1),
             "ratio 0.1": dict(pool_ratio=0.1), "ratio 0.5": dict(pool_ratio=0.5),
             "every entry": dict(pool_size=entries)}[pool]
     engine, requests = _serve(model, offload="ess", fetch=fetch, **size)
@@ -96,12 +96,12 @@ def test_bad_pool_and_host_budget_are_named(model):
 def test_pallas_kernels_match_xla(model):
     """--kernels pallas (interpret mode on CPU) through a HiSparse engine: the prefill's resident V4
     attention and the tier's hit / miss halves run the Pallas kernel; tokens and logits match XLA."""
-    prompt = np.random.default_rng(1).integers(0, model.cfg.vocab_size, 128).tolist()
+    prompt = np.random.default_rng(1).integers(0, model.cfg.vocab_size, 80).tolist()  # 20 entries > 17 slots
     runs = []
     for kernels in ("xla", "pallas"):
-        engine = Engine(model, EngineConfig(max_batch=1, max_seq_len=136, prefill_chunk=128, keep_logits=True,
+        engine = Engine(model, EngineConfig(max_batch=1, max_seq_len=88, prefill_chunk=128, keep_logits=True,
                                             kernels=kernels, offload="ess", pool_size=model.cfg.index_topk + 1))
-        engine.submit(prompt, 6)
+        engine.submit(prompt, 5)
         runs.append(engine.run()[0])
         assert engine.offload_metrics()["misses"] > 0
     assert runs[0].output_ids == runs[1].output_ids

@@ -69,9 +69,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        help="longest prefill piece in tokens; a shorter remainder runs as power-of-two pieces "
                             "(default 256)")
     p.add_argument("--kernels", choices=["auto", "xla", "pallas"], default="xla",
-                   help="attention kernels: 'xla' (default: on an H200 the Pallas kernels are exact but not yet "
-                        "faster, docs/results/h200.md), 'auto' = Pallas on GPU and XLA elsewhere, 'pallas' (on CPU: "
-                        "interpret mode, slow, for checking)")
+                   help="attention kernels: 'xla' (default: the Pallas kernels, Mosaic GPU kernels for Hopper, have "
+                        "not yet run on a GPU), 'auto' = Pallas on a Hopper GPU and XLA elsewhere, 'pallas' (on CPU: "
+                        "the Mosaic GPU interpreter, slow, for checking)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter and compute dtype")
     p.add_argument("--cache-dtype", choices=["bfloat16", "float32", "fp8"], default=None,
                    help="V3.2 latent rows / V4 CSA entries in the cache, host store and pool: default the --dtype; "

@@ -7,7 +7,8 @@ same signatures, chosen per call by the keyword-only ``kernels`` argument (the C
 - ``"pallas"``: the Pallas kernel, one Mosaic GPU kernel (pallas_kernels/_gather_attention.py):
   compiled on GPU, run in the Mosaic GPU interpreter on CPU (slow, for tests); there is no TPU
   lowering, so it raises there;
-- ``"auto"``: Pallas on GPU, XLA on CPU and TPU.
+- ``"auto"``: Pallas on a Hopper GPU (compute capability 9.x: the kernels use TMA and wgmma), XLA on
+  other GPUs, CPU and TPU.
 
 The backend is the default one (``jax.default_backend()``) at trace time. The kernels lower to Mosaic
 GPU modules for an H200 without a GPU (tests/kernels/test_lowering.py); running them on a GPU is
@@ -34,14 +35,19 @@ KERNELS = ("auto", "xla", "pallas")
 def resolve_kernels(kernels: str) -> str:
     """What ``kernels`` runs as on the default backend: ``"xla"``, ``"pallas"`` or ``"interpret"``
     (the Pallas kernel in the Mosaic GPU interpreter, on CPU). Raises ValueError for an unknown
-    choice or Pallas on TPU."""
+    choice, or Pallas on TPU or on a GPU other than Hopper."""
     if kernels not in KERNELS:
         raise ValueError(f"--kernels {kernels!r} is not a kernel choice; use one of {', '.join(KERNELS)}")
     backend = jax.default_backend()
-    if kernels == "xla" or (kernels == "auto" and backend != "gpu"):
+    capability = str(getattr(jax.devices()[0], "compute_capability", "")) if backend == "gpu" else ""
+    hopper = capability.startswith("9.")
+    if kernels == "xla" or (kernels == "auto" and not hopper):
         return "xla"
     if backend == "tpu":
         raise ValueError("--kernels pallas: the Pallas kernels have no TPU lowering yet; use --kernels xla or auto")
+    if backend == "gpu" and not hopper:
+        raise ValueError(f"--kernels pallas: the Pallas kernels are Mosaic GPU kernels for Hopper (compute capability "
+                         f"9.x: TMA and wgmma); this GPU has {capability or 'an unknown one'}: use --kernels xla or auto")
     return "interpret" if backend == "cpu" else "pallas"
 
 

@@ -26,6 +26,20 @@ def test_resolve_kernels_on_cpu():
         ops.resolve_kernels("triton")
 
 
+@pytest.mark.parametrize("capability,auto", [("9.0", "pallas"), ("8.0", "xla"), ("10.0", "xla")])
+def test_resolve_kernels_takes_pallas_on_hopper_gpus_only(monkeypatch, capability, auto):
+    """The kernels use TMA and wgmma (sm_90): auto takes them on Hopper only, --kernels pallas on another
+    GPU is refused by name. The backend and its device are what jax would report on such a machine."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda *a: [type("CudaDevice", (), {"compute_capability": capability})()])
+    assert ops.resolve_kernels("auto") == auto
+    if auto == "pallas":
+        assert ops.resolve_kernels("pallas") == "pallas"
+    else:
+        with pytest.raises(ValueError, match=rf"Hopper .* this GPU has {capability}: use --kernels xla"):
+            ops.resolve_kernels("pallas")
+
+
 def _mla_inputs(seed, fp8: bool):
     rng = np.random.default_rng(seed)
     ids = jnp.asarray(permuted_ids(rng, valid_counts(B, T, K), K, ROWS))

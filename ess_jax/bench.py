@@ -152,7 +152,7 @@ def _timed_engine_class():
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.steps: list[tuple[float, int]] = []
+            self.steps: list[float] = []
 
         def _decode_step(self) -> int:
             start = time.perf_counter()

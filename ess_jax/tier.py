@@ -260,7 +260,7 @@ def _resolve(ids_K, known_K, new_id, active, slot_entry_P, order_P) -> Resolutio
     hit_K = valid_K & ~is_new_K & (known_K >= 0)
     miss_K = valid_K & ~is_new_K & ~hit_K & active
     p, k = slot_entry_P.shape[0], ids_K.shape[0]
-    hit_slot_K = jnp.where(hit_K, known_K, -1)
+    hit_slot_K = jnp.where(hit_K, known_K, p)  # p = none
     front_J = order_P[: k + 1]  # J = K + 1 (the pool holds at least that many slots)
     free_J = ~(front_J[:, None] == hit_slot_K[None, :]).any(axis=1)
     rank_J = jnp.cumsum(free_J) - 1
@@ -273,7 +273,7 @@ def _resolve(ids_K, known_K, new_id, active, slot_entry_P, order_P) -> Resolutio
     entries = slot_entry_P.at[jnp.where(has_new, new_slot, p)].set(new_id, mode="drop")
     entries = entries.at[jnp.where(miss_K, miss_slot_K, p)].set(ids_K, mode="drop")
     # the recency order: slots untouched this step keep their order, then the used ones by slot
-    used_U = jnp.sort(jnp.concatenate([jnp.where(hit_K, known_K, p), jnp.where(take_J, front_J, p)]))  # p = none
+    used_U = jnp.sort(jnp.concatenate([hit_slot_K, jnp.where(take_J, front_J, p)]))  # p = none
     used_P = jnp.zeros(p, bool).at[used_U].set(True, mode="drop")
     keep_P = ~used_P[order_P]
     n_keep = keep_P.sum()

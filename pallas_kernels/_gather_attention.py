@@ -420,10 +420,10 @@ def default_splits(*, programs: int, k_blocks: int, interpret: Interpret) -> int
     return max(1, min(-(-2 * sms // max(programs, 1)), k_blocks // 4))
 
 
-def gather_attention(q_value_BTNC, q_key_BTNR, sources, sinks_N, *, layouts: tuple[RowLayout, ...], scale: float,
+def gather_attention(q_value_BTNC, q_key_BTNR, sources, sinks_N, *, layout: RowLayout, scale: float,
                      block_k: int, num_splits: int | None, interpret: Interpret, name: str):
-    """Run the kernel. ``sources``: ``[(pool [P, X], ids i32[B, T, K]), ...]`` matching ``layouts``;
-    ``q_key_BTNR`` is None when the layouts have no key chunks, ``sinks_N`` None for no sink.
+    """Run the kernel. ``sources``: ``[(pool [P, X], ids i32[B, T, K]), ...]``, every pool's rows read
+    through ``layout``; ``q_key_BTNR`` is None when it has no key chunks, ``sinks_N`` None for no sink.
     ``interpret``: run in the Mosaic GPU interpreter (any backend) instead of compiling for the GPU,
     ``True`` or the interpreter's parameters (``plgpu.InterpretGPUParams``, e.g. ``detect_races``).
     Returns ``out f32[B, T, N, Cv]`` and ``lse f32[B, T, N]``. Inputs are checked by the callers.
@@ -432,9 +432,6 @@ def gather_attention(q_value_BTNC, q_key_BTNR, sources, sinks_N, *, layouts: tup
     separate programs attend to (split-K, as FlashMLA does for small batches); the partial
     (out, lse) pairs merge exactly by log-sum-exp here, and the sink joins after the merge.
     """
-    layout = layouts[0]
-    if any(lay != layout for lay in layouts):
-        raise ValueError(f"{name}: all pools of one call must share one row layout, got {layouts}")
     for chunk in layout.chunks:  # a WGMMA-layout tile holds whole groups of 8 columns
         if chunk.width % 8:
             raise ValueError(f"{name}: rows are read in chunks of a multiple of 8 columns, got {chunk}")

@@ -228,7 +228,7 @@ def sparse_mla_fp8(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, pool_PX: ja
     c, r = _check_mla(q_latent_BTNC, q_rope_BTNR, pool_PX, ids_BTK)
     check_knobs(block_k=block_k, num_splits=num_splits)
     return gather_attention(q_latent_BTNC, q_rope_BTNR if r else None, [(pool_PX, ids_BTK)], None,
-                            layouts=(mla_fp8_layout(c, r),), scale=scale, block_k=block_k,
+                            layout=mla_fp8_layout(c, r), scale=scale, block_k=block_k,
                             num_splits=num_splits, interpret=interpret, name="sparse_mla_fp8")
 
 
@@ -252,9 +252,8 @@ def sparse_v4_attention_fp8(q_BTNH: jax.Array, window_PX: jax.Array, window_ids_
     sources = check_v4_inputs(q_BTNH, window_PX, window_ids_BTK, entries_MX, entry_ids_BTK, sinks_N,
                               row_width=v4_row_bytes(h, rope_dim), pool_names=("window_PX", "entries_MX"))
     check_knobs(block_k=block_k, num_splits=num_splits)
-    layouts = (v4_fp8_layout(h, rope_dim),) * len(sources)
-    return gather_attention(q_BTNH, None, sources, sinks_N, layouts=layouts, scale=scale, block_k=block_k,
-                            num_splits=num_splits, interpret=interpret, name="sparse_v4_attention_fp8")
+    return gather_attention(q_BTNH, None, sources, sinks_N, layout=v4_fp8_layout(h, rope_dim), scale=scale,
+                            block_k=block_k, num_splits=num_splits, interpret=interpret, name="sparse_v4_attention_fp8")
 
 
 def _v4_head_dim(q_BTNH, rope_dim: int) -> int:

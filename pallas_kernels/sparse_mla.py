@@ -69,7 +69,7 @@ def sparse_mla(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, pool_PW: jax.Ar
     c, r = _check(q_latent_BTNC, q_rope_BTNR, pool_PW, ids_BTK)
     check_knobs(block_k=block_k, num_splits=num_splits)
     return gather_attention(q_latent_BTNC, q_rope_BTNR if r else None, [(pool_PW, ids_BTK)], None,
-                            layouts=(plain_layout(c, r, pool_PW.dtype),), scale=scale, block_k=block_k,
+                            layout=plain_layout(c, r, pool_PW.dtype), scale=scale, block_k=block_k,
                             num_splits=num_splits, interpret=interpret, name="sparse_mla")
 
 

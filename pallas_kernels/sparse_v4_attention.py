@@ -85,8 +85,8 @@ def sparse_v4_attention(q_BTNH: jax.Array, window_PH: jax.Array, window_ids_BTK:
     sources = check_v4_inputs(q_BTNH, window_PH, window_ids_BTK, entries_MH, entry_ids_BTK, sinks_N,
                               row_width=None, pool_names=("window_PH", "entries_MH"))
     check_knobs(block_k=block_k, num_splits=num_splits)
-    layouts = tuple(plain_layout(q_BTNH.shape[-1], 0, pool.dtype) for pool, _ in sources)
-    return gather_attention(q_BTNH, None, sources, sinks_N, layouts=layouts, scale=scale, block_k=block_k,
+    layout = plain_layout(q_BTNH.shape[-1], 0, window_PH.dtype)  # the entries share its dtype (checked)
+    return gather_attention(q_BTNH, None, sources, sinks_N, layout=layout, scale=scale, block_k=block_k,
                             num_splits=num_splits, interpret=interpret, name="sparse_v4_attention")
 
 

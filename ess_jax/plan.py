@@ -197,12 +197,17 @@ def param_bytes(cfg: ModelConfig, path: tuple[str, ...], shape: tuple[int, ...],
 
 
 def weight_bytes(cfg: ModelConfig) -> dict[str, float]:
-    """Routed-expert and other weight bytes of the whole model (shapes from the NNX model, built abstractly)."""
+    """Routed-expert and other weight bytes of the whole model (shapes from the NNX model, built abstractly;
+    the only part of the planner that imports flax and the model)."""
     import jax.numpy as jnp
     from flax import nnx
-    from ess_jax.api import MODEL_CLASSES
 
-    abstract = nnx.eval_shape(lambda: MODEL_CLASSES[cfg.family](cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    if cfg.family == "deepseek_v32":
+        from ess_jax.models.deepseek_v32 import DeepseekV32 as model_cls
+    else:
+        from ess_jax.models.deepseek_v4 import DeepseekV4 as model_cls
+
+    abstract = nnx.eval_shape(lambda: model_cls(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     totals = {"routed": 0.0, "other": 0.0}
     for path, variable in nnx.to_flat_state(nnx.state(abstract)):
         kind, size = param_bytes(cfg, path, tuple(variable.shape), variable.dtype.itemsize)

@@ -1,0 +1,91 @@
+"""What each entry point imports, in a fresh interpreter: the package root is lazy (PEP 562), so the
+planner and the kernels load without flax, the engine or the API, and the public names still resolve."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+RUNTIME = {"flax", "ess_jax.api", "ess_jax.engine"}
+
+
+def loaded(code: str) -> set[str]:
+    """The modules in ``sys.modules`` after running ``code`` in a fresh interpreter (a ``SystemExit``,
+    such as ``--help``'s, ends the code, not the check)."""
+    script = textwrap.dedent("""
+        import json, sys
+        try:
+        {code}
+        except SystemExit:
+            pass
+        print(json.dumps(sorted(sys.modules)))
+    """).format(code=textwrap.indent(textwrap.dedent(code), "    "))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return set(json.loads(proc.stdout.splitlines()[-1]))
+
+
+def plan_run(*argv: str) -> str:
+    """``python -m ess_jax.plan *argv``, as ``-m`` runs it (the package first, then the module as __main__)."""
+    return f"""
+        import runpy
+        sys.argv = ["ess_jax.plan", *{list(argv)!r}]
+        runpy.run_module("ess_jax.plan", run_name="__main__", alter_sys=True)
+    """
+
+
+def test_package_root_imports_nothing_else():
+    mods = loaded("import ess_jax")
+    assert not {m for m in mods if m.startswith("ess_jax.")}
+    assert not mods & (RUNTIME | {"jax"})
+
+
+@pytest.mark.parametrize("argv", [("--help",),
+                                  ("--model", "deepseek-v3.2", "--kv-budget-gb", "82", "--context", "32768")],
+                         ids=["help", "kv-budget"])
+def test_plan_loads_no_flax_engine_or_api(argv):
+    mods = loaded(plan_run(*argv))
+    assert {"ess_jax.cli", "ess_jax.config"} <= mods
+    assert not mods & RUNTIME
+
+
+def test_plan_weight_estimate_builds_the_model_without_the_runtime():
+    mods = loaded(plan_run("--model", "tiny-v32", "--context", "1024", "--json"))
+    assert {"flax", "ess_jax.models.deepseek_v32"} <= mods
+    assert not mods & {"ess_jax.api", "ess_jax.engine", "ess_jax.models.deepseek_v4"}
+
+
+def test_fp8_rows_loads_no_flax_engine_or_api():
+    mods = loaded("import ess_jax.pallas_kernels.fp8_rows")
+    assert "ess_jax.pallas_kernels.fp8_rows" in mods
+    assert not mods & RUNTIME
+
+
+def test_public_names_resolve_through_the_lazy_root():
+    code = """
+        import ess_jax
+        assert "ess_jax.api" not in sys.modules
+        for name, module in [("Model", "ess_jax.api"), ("Result", "ess_jax.api"), ("generate", "ess_jax.api"),
+                             ("load_model", "ess_jax.api"), ("Engine", "ess_jax.engine"),
+                             ("EngineConfig", "ess_jax.engine"), ("SamplingParams", "ess_jax.sampling")]:
+            assert getattr(ess_jax, name) is getattr(sys.modules[module], name), name
+        from ess_jax import load_model
+        assert load_model is sys.modules["ess_jax.api"].load_model
+        assert set(ess_jax.__all__) == {"Model", "Result", "generate", "load_model", "Engine", "EngineConfig",
+                                        "RequestOutput", "SamplingParams"}
+        assert set(ess_jax.__all__) <= set(dir(ess_jax))
+        try:
+            ess_jax.no_such_name
+        except AttributeError:
+            pass
+        else:
+            raise AssertionError("ess_jax.no_such_name resolved")
+    """
+    assert "ess_jax.api" in loaded(code)
+
+
+def test_public_name_access_imports_the_api():
+    mods = loaded("import ess_jax\ness_jax.load_model")
+    assert {"ess_jax.api", "ess_jax.engine", "flax"} <= mods

@@ -135,29 +135,43 @@ class Admission:
         return len(self._free_slots)
 
     def submit(self, request_id: Hashable, prompt_len: int, max_new_tokens: int) -> None:
-        """Queue a request. Raises ``ValueError`` when it could never run: an empty prompt,
-        ``max_new_tokens < 1``, more positions than the model has, or more pages than the whole pool."""
+        """Queue a request. Raises ``ValueError`` when it could never run (``check``) or was already queued."""
         if request_id in self._running or request_id in self._waiting_ids:
             raise ValueError(f"request {request_id!r} was already submitted")
+        self._queue.append(_Waiting(request_id, self.check(request_id, prompt_len, max_new_tokens)))
+        self._waiting_ids.add(request_id)
+
+    def check(self, request_id: Hashable, prompt_len: int, max_new_tokens: int) -> int:
+        """The pages a request reserves; raises ``ValueError`` when it could never run: an empty prompt,
+        ``max_new_tokens < 1``, more positions than the model has, or more pages than the whole pool.
+        Reads only the pool's fixed size, so any thread may call it. ``request_id`` None: a request not
+        yet queued (its messages say "the request")."""
+        who = "the request" if request_id is None else f"request {request_id!r}"
         if prompt_len < 1:
-            raise ValueError(f"request {request_id!r} has an empty prompt ({prompt_len=})")
+            raise ValueError(f"{who} has an empty prompt ({prompt_len=})")
         if max_new_tokens < 1:
-            raise ValueError(f"request {request_id!r}: {max_new_tokens=} must be >= 1")
+            raise ValueError(f"{who}: {max_new_tokens=} must be >= 1")
         tokens = prompt_len + max_new_tokens
         if tokens > self.max_position_embeddings:
             raise ValueError(
-                f"request {request_id!r}: prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {tokens} "
-                f"exceeds max_position_embeddings={self.max_position_embeddings}; shorten the prompt or lower "
-                "--max-new-tokens")
+                f"{who}: prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {tokens} "
+                f"exceeds the {self.max_position_embeddings} tokens a request may have (max_position_embeddings, or "
+                "the engine's --max-seq-len); shorten the prompt or ask for fewer new tokens")
         pages = self.allocator.pages_for(tokens)
         if pages > self.allocator.capacity:
             size = self.allocator.page_size
             raise ValueError(
-                f"request {request_id!r} needs {pages} pages ({tokens} tokens at page size {size}) but the pool has "
+                f"{who} needs {pages} pages ({tokens} tokens at page size {size}) but the pool has "
                 f"{self.allocator.capacity} allocatable pages ({self.allocator.capacity * size} tokens); raise "
                 f"--num-pages to at least {pages + 1} (page 0 is reserved) or --page-size")
-        self._queue.append(_Waiting(request_id, pages))
-        self._waiting_ids.add(request_id)
+        return pages
+
+    def cancel(self, request_id: Hashable) -> None:
+        """Drop a waiting request from the queue."""
+        if request_id not in self._waiting_ids:
+            raise KeyError(f"request {request_id!r} is not waiting")
+        self._waiting_ids.remove(request_id)
+        self._queue = deque(w for w in self._queue if w.request_id != request_id)
 
     def admit(self, max_new: int) -> list[Admitted]:
         """Admit up to ``max_new`` requests from the head of the queue while pages and batch rows allow;

@@ -19,7 +19,7 @@ from ess_jax.models.deepseek_v32 import DeepseekV32
 from ess_jax.models.deepseek_v4 import DeepseekV4
 from ess_jax.engine import Engine, EngineConfig
 from ess_jax.sampling import SamplingParams
-from ess_jax.tokenizer import Tokenizer, load_tokenizer
+from ess_jax.tokenizer import ChatTemplate, Tokenizer, load_chat_template, load_tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 MODEL_CLASSES = {"deepseek_v32": DeepseekV32, "deepseek_v4": DeepseekV4}  # by ModelConfig.family
@@ -32,10 +32,12 @@ class Model:
     jitted function merges them inside the trace, so each call pays no Python object-graph walk.
     """
 
-    def __init__(self, name: str, module: DeepseekV32 | DeepseekV4, tokenizer: Tokenizer):
+    def __init__(self, name: str, module: DeepseekV32 | DeepseekV4, tokenizer: Tokenizer,
+                 chat_template: ChatTemplate | None = None):
         self.name = name
         self.cfg: ModelConfig = module.cfg
         self.tokenizer = tokenizer
+        self.chat_template = chat_template  # the checkpoint's, if it has one
         self.graphdef, self.params = nnx.split(module)
 
     @property
@@ -82,7 +84,7 @@ def load_model(name_or_dir: str | Path, dtype: str = "float32", *, seed: int = 0
         cfg = ModelConfig.from_json(path / "config.json")
         cls = MODEL_CLASSES[cfg.family]
         module = checkpoint.load_into(lambda: cls(cfg, dtype=jdtype, rngs=nnx.Rngs(seed)), cfg, path, jdtype)
-        return Model(str(path), module, load_tokenizer(path, cfg))
+        return Model(str(path), module, load_tokenizer(path, cfg), load_chat_template(path))
     if str(name_or_dir) in PRESETS:
         cfg = ModelConfig.from_preset(str(name_or_dir))
         module = MODEL_CLASSES[cfg.family](cfg, dtype=jdtype, rngs=nnx.Rngs(seed))
@@ -101,10 +103,11 @@ class Result:
 
 def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_tokens: int, *,
              sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+             stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
              engine: EngineConfig = EngineConfig(), progress: bool = False) -> Result:
     """Serve ``prompts`` (text or token ids) with continuous batching; greedy unless ``sampling`` says
-    otherwise (one SamplingParams for all prompts, or one per prompt). Stops at ``max_new_tokens``
-    or on one of the config's ``eos_token_id``."""
+    otherwise (one SamplingParams for all prompts, or one per prompt). Stops at ``max_new_tokens``,
+    on one of ``stop_token_ids`` or on one of the config's ``eos_token_id`` (unless ``ignore_eos``)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     encoded = [model.tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
@@ -121,7 +124,7 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
     server = Engine(model, engine, progress=progress)
     for i, (prompt, params) in enumerate(zip(encoded, per_prompt)):
         try:
-            server.submit(prompt, max_new_tokens, params)
+            server.add_request(prompt, max_new_tokens, params, stop_token_ids, ignore_eos=ignore_eos)
         except ValueError as e:
             raise ValueError(f"prompt {i}: {e}") from None
     requests = server.run()

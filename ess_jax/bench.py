@@ -154,9 +154,9 @@ def _timed_engine_class():
             super().__init__(*args, **kwargs)
             self.steps: list[float] = []
 
-        def _decode_step(self) -> int:
+        def _decode_step(self, new) -> int:
             start = time.perf_counter()
-            served = super()._decode_step()
+            served = super()._decode_step(new)
             self.steps.append(time.perf_counter() - start)
             return served
 
@@ -198,7 +198,7 @@ def run_settings(model, settings: list[Setting], prompts: list[list[int]], args,
         for i in order:
             engine = engines[i]
             for prompt in prompts:
-                engine.submit(prompt, args.new_tokens)
+                engine.add_request(prompt, args.new_tokens, ignore_eos=True)  # decode every --new-tokens step
             first, prefill = len(engine.steps), (engine.stats["prefill_tokens"], engine.stats["prefill_s"])
             requests = engine.run()[-len(prompts):]
             prefill_tok_s[i].append((engine.stats["prefill_tokens"] - prefill[0])
@@ -506,7 +506,6 @@ def bench(args: argparse.Namespace, log) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = load_model(args.model, args.dtype, seed=args.weights_seed)
-    model.cfg = dataclasses.replace(model.cfg, eos_token_id=())  # decode every --new-tokens step: ignore eos
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(0, cfg.vocab_size, args.context).tolist() for _ in range(args.batch)]
     settings = [Setting("none")] + [Setting("ess", r, f) for r in args.ratios for f in args.fetch]

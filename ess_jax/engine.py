@@ -1,22 +1,29 @@
-"""The serving engine: paged cache, admission, chunked prefill, continuous batched decode.
+"""The serving engine: paged cache, admission, chunked prefill interleaved with continuous batched decode.
 
-The host does bookkeeping (pages, batch rows, stop conditions) in NumPy; the device runs two
-jitted functions, both donating the cache:
+Online API: ``add_request`` (any thread, while the engine runs), ``step`` (admission, prefill pieces
+of at most ``prefill_chunk`` tokens in all, one decode step; returns each request's new tokens and
+text), ``abort``, ``has_unfinished``; ``run`` steps until every added request is finished.
+
+The host does bookkeeping (pages, batch rows, stop rules) in NumPy; the device runs two jitted
+functions, both donating the cache:
 - ``prefill``: one piece of one request's prompt, ``[1, T]``: pieces of ``prefill_chunk`` tokens,
   the remainder cut into power-of-two pieces (exact, never padded, so compiles stay bounded),
   and the token sampled after the prompt's last token;
-- ``decode``: one token for every batch row, ``[max_batch, 1]``; inactive rows are masked.
+- ``decode``: one token for every batch row, ``[max_batch, 1]``; inactive rows are masked (a row
+  whose prompt is mid-prefill keeps its cache).
 Requests join the batch when admitted (their pages reserved for prompt + max_new_tokens) and
-leave when they stop, while the others keep decoding. A request's tokens do not depend on what
-else is in the batch: every row is computed independently and sampled from its own seed.
-"""
+leave when they stop or are aborted, while the others keep decoding. A request's tokens do not
+depend on what else is in the batch or when it arrived: every row is computed independently, its
+prompt is cut into the same pieces, and it samples from its own seed."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import sys
+import threading
 import time
+from collections import deque
 from typing import Sequence
 
 import numpy as np
@@ -30,16 +37,46 @@ from ess_jax.allocator import Admission, PageAllocator
 from ess_jax.cache import PagedCacheV32, StepMeta
 from ess_jax.models.deepseek_v4 import V4Cache, V4Entries
 from ess_jax.sampling import SamplingParams, sample
+from ess_jax.tokenizer import IncrementalDetokenizer
 
 
 @dataclasses.dataclass
 class Request:
+    """One request's parameters and what it has produced so far."""
+
     prompt_ids: list[int]
     max_new_tokens: int
     sampling: SamplingParams
+    stop_ids: frozenset[int]  # tokens that end it ("stop"): the config's eos ids unless ignored, and stop_token_ids
+    detokenizer: IncrementalDetokenizer
+    logprobs: int | None = None  # top-N log-probabilities to report per output token (0: the chosen one only)
     output_ids: list[int] = dataclasses.field(default_factory=list)
     logits: list[np.ndarray] = dataclasses.field(default_factory=list)  # f32[V] per output token, if kept
-    finish_reason: str | None = None  # "stop" (an eos token) or "length" (max_new_tokens)
+    finish_reason: str | None = None  # "stop" (a stop id), "length" (max_new_tokens) or "abort"
+    prefilled: int = 0  # prompt tokens in the cache (chunked prefill progress)
+    windows: list = dataclasses.field(default_factory=list)  # warm-up ids of each prefill piece (offloaded)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model (raw logits, before sampling filters) and the
+    ``top`` most likely tokens with theirs, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """What one ``Engine.step`` produced for one request."""
+
+    request_id: int
+    new_token_ids: list[int]  # tokens generated this step (the prefill's first token and a decode token at most)
+    text_delta: str  # new text; never splits a UTF-8 character; the deltas concatenate to the full decode
+    finished: bool
+    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    logprobs: list[TokenLogprob] | None = None  # one per new token when the request asked for them
 
 
 CACHE_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "fp8": jnp.uint8}  # fp8: 656-byte-style rows
@@ -126,11 +163,18 @@ def _tier_of(cache):
     return cache.entries.csa if isinstance(cache, V4Cache) else cache.latent
 
 
-def _flush(cache):
-    flushed = _tier_of(cache).flush()
+def _with_tier(cache, tiered):
     if isinstance(cache, V4Cache):
-        return dataclasses.replace(cache, entries=dataclasses.replace(cache.entries, csa=flushed))
-    return dataclasses.replace(cache, latent=flushed)
+        return dataclasses.replace(cache, entries=dataclasses.replace(cache.entries, csa=tiered))
+    return dataclasses.replace(cache, latent=tiered)
+
+
+def _flush(cache):
+    return _with_tier(cache, _tier_of(cache).flush())
+
+
+def _release(cache, row, pages_X):
+    return _with_tier(cache, tier.release(_tier_of(cache), row, pages_X))
 
 
 # Module-level jits: engines over the same model and shapes share compiled executables.
@@ -139,6 +183,7 @@ _DECODE = jax.jit(_decode, static_argnums=0, donate_argnums=4)
 _ADMIT_OFFLOADED = jax.jit(_admit_offloaded, donate_argnums=0)
 _ADMIT_OFFLOADED_V4 = jax.jit(_admit_offloaded_v4, donate_argnums=0)
 _FLUSH = jax.jit(_flush, donate_argnums=0)
+_RELEASE = jax.jit(_release, donate_argnums=0)
 
 
 def _buckets(chunk: int) -> tuple[int, ...]:
@@ -223,55 +268,145 @@ class Engine:
             # prefill computes on a device scratch for one prompt (a prefill node's view), then hands off
             self.scratch = self._resident_cache(module, self.pages_per_row + 1)
         self.buckets = _buckets(config.prefill_chunk)
-        self.requests: dict[int, Request] = {}
+        self.requests: dict[int, Request] = {}  # unfinished requests by id (added from any thread)
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "decode_s": 0.0, "prefill_s": 0.0,
-                      "prompt_rows_to_host": 0}
+                      "prompt_rows_to_host": 0, "reserved_pages": 0}
         b = config.max_batch
         self._lengths = np.zeros(b, np.int32)  # tokens in the cache per batch row
         self._last = np.zeros(b, np.int32)  # token each row feeds next
-        self._decode = None  # compiled on the first run()
+        self._decoding: dict[int, int] = {}  # request id -> batch row, for requests past their prefill
+        self._prefilling: deque = deque()  # admitted requests (allocator.Admitted) whose prompt is not all cached
+        self._pending: dict[int, RequestOutput] = {}  # outputs of aborts done between steps, for the next step
+        self._next_id = 0
+        self._inbox: deque[int] = deque()  # added requests not yet queued for admission
+        self._aborts: set[int] = set()  # abort requests not yet carried out
+        self._inbox_lock = threading.Lock()  # guards requests, _inbox, _aborts, _next_id across threads
+        self._step_lock = threading.Lock()  # held while the engine's state changes (step, abort)
+        self._decode = None  # compiled on the first step
 
     def _resident_cache(self, module, num_pages: int) -> PagedCacheV32:
         cache = module.init_cache(num_pages, self.config.page_size, self.latent_dtype)
         return dataclasses.replace(cache, latent=dataclasses.replace(cache.latent, kernels=self.config.kernels))
 
-    # ---- requests ------------------------------------------------------------------------------
-    def submit(self, prompt_ids: Sequence[int], max_new_tokens: int,
-               sampling: SamplingParams = SamplingParams()) -> int:
-        """Queue a request; raises ValueError naming the problem if it can never be served."""
+    # ---- the online API ------------------------------------------------------------------------
+    def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+                    stop_token_ids: Sequence[int] = (), *, ignore_eos: bool = False, logprobs: int | None = None
+                    ) -> int:
+        """Queue a request; its id. Safe to call from any thread, also while another thread steps.
+        Stops at one of the config's eos ids (unless ``ignore_eos``), one of ``stop_token_ids``, or after
+        ``max_new_tokens``. ``logprobs=N`` reports each output token's log-probability and the top N.
+        Raises ValueError naming the problem if the request can never be served."""
         prompt = [int(t) for t in prompt_ids]
-        vocab = self.model.cfg.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            bad = next(t for t in prompt if not 0 <= t < vocab)
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        request_id = len(self.requests)
-        self.admission.submit(request_id, len(prompt), max_new_tokens)
-        self.requests[request_id] = Request(prompt, max_new_tokens, sampling)
+        pages = self.check_request(prompt, max_new_tokens, stop_token_ids, logprobs=logprobs)
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        stop = frozenset(() if ignore_eos else self.model.cfg.eos_token_id) | frozenset(map(int, stop_token_ids))
+        request = Request(prompt, max_new_tokens, sampling, stop, IncrementalDetokenizer(self.model.tokenizer),
+                          logprobs)
+        with self._inbox_lock:
+            request_id = self._next_id
+            self._next_id += 1
+            self.requests[request_id] = request
+            self._inbox.append(request_id)
+            self.stats["reserved_pages"] += pages
         return request_id
 
+    def check_request(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int] = (), *,
+                      logprobs: int | None = None) -> int:
+        """The pages a request would reserve; raises ValueError naming the problem (and the numbers) if it can
+        never be served: token ids outside the vocabulary, an empty prompt, more tokens than the engine serves,
+        more pages than the pool has. ``add_request`` runs it; callers may run it first to refuse early."""
+        vocab = self.model.cfg.vocab_size
+        for name, ids in (("prompt token id", prompt_ids), ("stop token id", stop_token_ids)):
+            bad = [int(t) for t in ids if not 0 <= int(t) < vocab]
+            if bad:
+                raise ValueError(f"{name} {bad[0]} is outside the vocabulary [0, {vocab})")
+        if logprobs is not None and not 0 <= logprobs <= vocab:
+            raise ValueError(f"logprobs={logprobs} must be in [0, {vocab}] (the vocabulary size)")
+        return self.admission.check(None, len(prompt_ids), max_new_tokens)
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request: its pages, batch row, host pages and pool slots are free when this returns if
+        no step is running, else when the running step ends; the next ``step`` reports it finished with
+        reason "abort". A request that already finished is left alone. Safe from any thread."""
+        with self._inbox_lock:
+            if not 0 <= request_id < self._next_id:
+                raise KeyError(f"request {request_id} was never added")
+            if request_id not in self.requests:
+                return
+            self._aborts.add(request_id)
+        if self._step_lock.acquire(blocking=False):
+            try:
+                self._take_inbox()
+            finally:
+                self._step_lock.release()
+
+    def has_unfinished(self) -> bool:
+        with self._inbox_lock:
+            return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Admit what fits, run prefill pieces of up to ``prefill_chunk`` tokens in all (the running
+        requests wait for at most one chunk), then one decode step for every request past its prefill.
+        One output per request that produced tokens, finished or was aborted."""
+        with self._step_lock:
+            if self._decode is None:  # one shape: compile ahead, so decode timings never include compilation
+                self._compile_decode()
+            self._take_inbox()
+            self._prefilling.extend(self.admission.admit(self.config.max_batch))
+            new: dict[int, tuple[Request, list]] = {}  # request id -> (request, [(token, f32[V] logits | None)])
+            self._prefill_pieces(new)
+            if self._decoding:
+                self._decode_step(new)
+            outputs, self._pending = self._pending, {}
+            for request_id, (request, tokens) in new.items():
+                outputs[request_id] = _output(request_id, request, tokens)
+            return list(outputs.values())
+
     def run(self) -> list[Request]:
-        """Serve every submitted request to completion; requests in submission order."""
-        if self._decode is None:  # one shape: compile ahead, so decode timings never include compilation
-            b, start = self.config.max_batch, time.perf_counter()
-            self._decode = _DECODE.lower(
-                self.model.graphdef, self.model.params, jnp.zeros((b, 1), jnp.int32),
-                self._decode_meta(np.zeros(b, bool)), self.cache, self._sampling_arrays([None] * b)).compile()
-            self.stats["compile_s"] = time.perf_counter() - start
-        pending = [r for r in self.requests.values() if r.finish_reason is None]
-        self._bar = tqdm(total=sum(len(r.prompt_ids) + r.max_new_tokens for r in pending), desc="prefill + decode",
-                         unit="tok", file=sys.stderr, disable=not self.progress, leave=False)
-        while self.admission.running or self.admission.waiting:
-            for entry in self.admission.admit(self.config.max_batch):
-                self._prefill_request(entry.request_id, entry.slot, entry.pages)
-                self._bar.update(1)
-            if self.admission.running:
-                self._bar.update(self._decode_step())
+        """Step until every request added so far is finished; those requests in id order."""
+        with self._inbox_lock:
+            requests = dict(self.requests)
+        bar = tqdm(total=sum(r.max_new_tokens for r in requests.values()), desc="generate", unit="tok",
+                   file=sys.stderr, disable=not self.progress, leave=False)
+        while self.has_unfinished():
+            bar.update(sum(len(out.new_token_ids) for out in self.step()))
         if self.scratch is not None and _tier_of(self.cache).store is None:
             self.cache = _FLUSH(self.cache)  # the last step's rows reach the host store too
-        self._bar.close()
-        return [self.requests[i] for i in sorted(self.requests)]
+        bar.close()
+        return [requests[i] for i in sorted(requests)]
+
+    def usage(self) -> dict[str, int]:
+        """What the admitted requests hold now: pages (of the device cache, or V3.2's host store with
+        offload), batch rows, and device pool slots in use (read from the device)."""
+        out = {"pages_in_use": self.allocator.capacity - self.allocator.num_free, "pages_total": self.allocator.capacity,
+               "rows_in_use": self.config.max_batch - self.admission.num_free_slots, "rows_total": self.config.max_batch}
+        if self.scratch is not None:
+            out["pool_slots_in_use"] = int((np.asarray(_tier_of(self.cache).slot_entry) >= 0).sum())
+        return out
 
     # ---- host loop -----------------------------------------------------------------------------
+    def _take_inbox(self):
+        """Queue the added requests for admission and carry out the aborts (engine state; step lock held)."""
+        with self._inbox_lock:
+            added, self._inbox = list(self._inbox), deque()
+            aborts, self._aborts = self._aborts, set()
+        for request_id in added:
+            request = self.requests[request_id]
+            self.admission.submit(request_id, len(request.prompt_ids), request.max_new_tokens)
+        for request_id in sorted(aborts):
+            if request_id in self.requests:
+                request = self.requests[request_id]
+                self._finish(request_id, "abort")
+                self._pending[request_id] = _output(request_id, request, [])
+
+    def _compile_decode(self):
+        b, start = self.config.max_batch, time.perf_counter()
+        self._decode = _DECODE.lower(
+            self.model.graphdef, self.model.params, jnp.zeros((b, 1), jnp.int32),
+            self._decode_meta(np.zeros(b, bool)), self.cache, self._sampling_arrays([None] * b)).compile()
+        self.stats["compile_s"] = time.perf_counter() - start
+
     def _sampling_arrays(self, requests: list[Request | None]):
         params = [r.sampling if r else SamplingParams() for r in requests]
         steps = [len(r.output_ids) if r else 0 for r in requests]
@@ -281,63 +416,79 @@ class Engine:
                 jnp.asarray([p.seed for p in params], jnp.uint32),
                 jnp.asarray(steps, jnp.int32))
 
-    def _prefill_request(self, request_id: int, slot: int, pages: np.ndarray):
-        request = self.requests[request_id]
-        prompt = np.asarray(request.prompt_ids, np.int32)
+    def _prefill_pieces(self, new: dict[int, tuple[Request, list]]):
+        """Prefill the admitted prompts in order, one exact piece at a time (the largest bucket that fits the
+        rest of the prompt, so a prompt's pieces never depend on the others), while the step's
+        ``prefill_chunk`` tokens last. Offloaded engines prefill one prompt at a time on their scratch."""
+        budget = self.config.prefill_chunk
+        while self._prefilling:
+            entry = self._prefilling[0]
+            request = self.requests[entry.request_id]
+            real = max(b for b in self.buckets if b <= len(request.prompt_ids) - request.prefilled)
+            if real > budget:
+                return
+            budget -= real
+            self._prefill_piece(entry, request, real, new)
+
+    def _tables(self, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A request's page table ``pages_X`` and its scratch table ``table_X`` (offloaded V3.2 prompts fill
+        the scratch's pages 1..n, then move to their global pages)."""
         pages_X = np.zeros(self.pages_per_row, np.int32)
         pages_X[: pages.size] = pages
+        return pages_X, np.where(pages_X > 0, np.arange(1, self.pages_per_row + 1), 0).astype(np.int32)
+
+    def _prefill_piece(self, entry, request: Request, real: int, new: dict[int, tuple[Request, list]]):
+        request_id, slot, pages = entry
+        prompt = np.asarray(request.prompt_ids, np.int32)
+        pages_X, table_X = self._tables(pages)
         offloaded = self.scratch is not None
         v4 = self.model.cfg.family == "deepseek_v4"
-        # offloaded V3.2 prompts fill the scratch's pages 1..n, then move to their global pages; offloaded
-        # V4 prompts fill the scratch's one row
-        table_X = np.where(pages_X > 0, np.arange(1, self.pages_per_row + 1), 0).astype(np.int32)
         cache = self.scratch if offloaded else self.cache
-        row = 0 if offloaded and v4 else slot
-        start_time, start, windows = time.perf_counter(), 0, []
-        while start < len(prompt):
-            # exact pieces, no padding: the largest bucket that fits, so compiles stay bounded
-            real = max(b for b in self.buckets if b <= len(prompt) - start)
-            meta = StepMeta(jnp.asarray((start + np.arange(real, dtype=np.int32))[None]), jnp.ones((1, real), bool),
-                            jnp.asarray((table_X if offloaded else pages_X)[None]), jnp.asarray([row], jnp.int32))
-            token, logits_BV, ids_LBQK, cache = _PREFILL(self.model.graphdef, self.model.params,
-                                                         jnp.asarray(prompt[None, start:start + real]), meta, cache,
-                                                         jnp.asarray([real - 1], jnp.int32),
-                                                         self._sampling_arrays([request]))
-            windows.append((real, ids_LBQK[:, 0]))
-            start += real
-            self._bar.update(real)
-        if offloaded and v4:
+        row = 0 if offloaded and v4 else slot  # offloaded V4 prompts fill the scratch's one row
+        start_time, start = time.perf_counter(), request.prefilled
+        meta = StepMeta(jnp.asarray((start + np.arange(real, dtype=np.int32))[None]), jnp.ones((1, real), bool),
+                        jnp.asarray((table_X if offloaded else pages_X)[None]), jnp.asarray([row], jnp.int32))
+        token, logits_BV, ids_LBQK, cache = _PREFILL(self.model.graphdef, self.model.params,
+                                                     jnp.asarray(prompt[None, start:start + real]), meta, cache,
+                                                     jnp.asarray([real - 1], jnp.int32),
+                                                     self._sampling_arrays([request]))
+        if offloaded:
             self.scratch = cache
+            request.windows = request.windows[-1:] + [(real, ids_LBQK[:, 0])]  # the warm-up reads the last two
+        else:
+            self.cache = cache
+        request.prefilled += real
+        self.stats["prefill_tokens"] += real
+        if request.prefilled < len(prompt):
+            self.stats["prefill_s"] += time.perf_counter() - start_time
+            return
+        self._prefilling.popleft()
+        if offloaded and v4:
             entries = len(prompt) // self.model.cfg.compress_rate_csa
             self.cache = _ADMIT_OFFLOADED_V4(self.cache, self.scratch, slot, len(prompt), entries,
-                                             _last_queries(windows))
+                                             _last_queries(request.windows))
             csa = self.cache.entries.csa
             if csa.store is not None:  # split: the prompt's entries go to the NumPy store from here
                 csa.store.array[:, slot + 1] = np.asarray(self.scratch.entries.csa)[:, 0]
             self.stats["prompt_rows_to_host"] += entries * len(self.csa_layers)
         elif offloaded:
-            self.scratch = cache
             self.cache = _ADMIT_OFFLOADED(self.cache, self.scratch, jnp.asarray(table_X), jnp.asarray(pages_X),
-                                          slot, len(prompt), _last_queries(windows))
+                                          slot, len(prompt), _last_queries(request.windows))
             latent = self.cache.latent
             if latent.store is not None:  # split: the prompt's rows go to the NumPy store from here
                 scratch_rows = np.asarray(self.scratch.latent.pages)[:, table_X[: pages.size]]
                 latent.store.array[:, pages] = scratch_rows
             self.stats["prompt_rows_to_host"] += len(prompt) * self.model.cfg.num_hidden_layers
-        else:
-            self.cache = cache
-        self.stats["prefill_tokens"] += len(prompt)
+        request.windows = []
         self.stats["prefill_s"] += time.perf_counter() - start_time
         self._lengths[slot] = len(prompt)
-        if self.config.keep_logits:
-            request.logits.append(np.asarray(logits_BV[0]))
-        self._append(request_id, slot, int(token[0]))
+        self._decoding[request_id] = slot
+        self._append(request_id, slot, int(token[0]), logits_BV[0], new)
 
-    def _decode_step(self) -> int:
-        running = self.admission.running
+    def _decode_step(self, new: dict[int, tuple[Request, list]]) -> int:
         rows: list[Request | None] = [None] * self.config.max_batch
-        for request_id, entry in running.items():
-            rows[entry.slot] = self.requests[request_id]
+        for request_id, slot in self._decoding.items():
+            rows[slot] = self.requests[request_id]
         active = np.array([r is not None for r in rows])
         meta = self._decode_meta(active)
         start = time.perf_counter()
@@ -347,37 +498,56 @@ class Engine:
         offloaded = _tier_of(self.cache) if self.scratch is not None else None
         if offloaded is not None and offloaded.store is not None:  # split: back up this step's new entries,
             pages, offsets = np.asarray(offloaded.staged_page), np.asarray(offloaded.staged_offset)  # page 0: none
-            new = pages > 0
-            offloaded.store.array[:, pages[new], offsets[new]] = np.asarray(offloaded.staged)[:, new]  # one transfer
+            staged = pages > 0
+            offloaded.store.array[:, pages[staged], offsets[staged]] = np.asarray(offloaded.staged)[:, staged]
         self.stats["decode_s"] += time.perf_counter() - start
         self._lengths += active
-        self.stats["decode_tokens"] += len(running)
-        for request_id, entry in running.items():
-            if self.config.keep_logits:
-                self.requests[request_id].logits.append(np.asarray(logits_BV[entry.slot]))
-            self._append(request_id, entry.slot, int(tokens[entry.slot]))
-        return len(running)
+        self.stats["decode_tokens"] += len(self._decoding)
+        for request_id, slot in list(self._decoding.items()):
+            self._append(request_id, slot, int(tokens[slot]), logits_BV[slot], new)
+        return int(active.sum())
 
     def _decode_meta(self, active_B: np.ndarray) -> StepMeta:
         return StepMeta(jnp.asarray(self._lengths[:, None]), jnp.asarray(active_B[:, None]),
                         jnp.asarray(self.admission.page_table(self.pages_per_row)),
                         jnp.arange(self.config.max_batch, dtype=jnp.int32))
 
-    def _append(self, request_id: int, slot: int, token: int):
+    def _append(self, request_id: int, slot: int, token: int, logits_V: jax.Array, new: dict[int, tuple[Request, list]]):
         request = self.requests[request_id]
         request.output_ids.append(token)
+        kept = None
+        if self.config.keep_logits or request.logprobs is not None:
+            kept = np.asarray(logits_V, np.float32)
+            if self.config.keep_logits:
+                request.logits.append(kept)
+        new.setdefault(request_id, (request, []))[1].append((token, kept))
         self._last[slot] = token
-        if token in self.model.cfg.eos_token_id:
-            request.finish_reason = "stop"
+        if token in request.stop_ids:
+            self._finish(request_id, "stop")
         elif len(request.output_ids) >= request.max_new_tokens:
-            request.finish_reason = "length"
-        if request.finish_reason is not None:
+            self._finish(request_id, "length")
+
+    def _finish(self, request_id: int, reason: str):
+        """Release everything the request holds: queue place, or pages, batch row and pool slots."""
+        request = self.requests[request_id]
+        request.finish_reason = reason
+        if request_id in self.admission.waiting:
+            self.admission.cancel(request_id)
+        elif request_id in self.admission.running:
+            _, slot, pages = self.admission.running[request_id]
+            if self.scratch is not None:  # V3.2's host pages are its pages; V4's CSA entries fill host page row + 1
+                pages_X = self._tables(pages)[0] if self.model.cfg.family == "deepseek_v32" else [slot + 1]
+                self.cache = _RELEASE(self.cache, slot, jnp.asarray(pages_X, jnp.int32))
             self.admission.finish(request_id)
+            self._decoding.pop(request_id, None)
+            self._prefilling = deque(e for e in self._prefilling if e.request_id != request_id)
             self._lengths[slot] = 0
+        with self._inbox_lock:
+            del self.requests[request_id]
 
     def cache_bytes(self) -> dict[str, int]:
         """Bytes of the real cache arrays: device (the decode-time cache), host (the offload store), and
-        what the served requests would occupy on the device without offload (V3.2: their reserved
+        what the requests added so far would occupy on the device without offload (V3.2: their reserved
         pages of latent rows and indexer keys; V4: the resident per-row cache of ``max_batch`` rows)."""
         arrays = jax.tree.leaves(self.cache)
         host = 0
@@ -395,9 +565,7 @@ class Engine:
         else:
             keys = self.cache.index_keys
             per_token = cfg.num_hidden_layers * (self.row_bytes + keys.shape[-1] * keys.itemsize)
-            reserved = sum(self.allocator.pages_for(len(r.prompt_ids) + r.max_new_tokens)
-                           for r in self.requests.values())
-            resident = reserved * self.config.page_size * per_token
+            resident = self.stats["reserved_pages"] * self.config.page_size * per_token
         out = {"device_bytes": int(device), "host_bytes": int(host), "resident_device_bytes": int(resident)}
         if self.scratch is not None:
             out["prefill_scratch_bytes"] = int(sum(x.nbytes for x in jax.tree.leaves(self.scratch)))
@@ -417,8 +585,29 @@ class Engine:
                 "d2h_bytes": (self.stats["prompt_rows_to_host"] + staged) * row_bytes,
                 "decode_d2h_bytes": staged * row_bytes,
                 "pool_slots": self.pool_slots,
-                "per_layer": [{"layer": i, "lookups": int(c[0]), "hits": int(c[1]), "misses": int(c[2])}
+                "per_layer": [{"layer": i, "lookups": int(c[0]), "hits": int(c[1]), "misses": int(c[2]),
+                               "h2d_bytes": int(c[2]) * row_bytes, "decode_d2h_bytes": int(c[3]) * row_bytes}
                               for i, c in zip(layers, counts)]}
+
+
+
+def _output(request_id: int, request: Request, tokens: list) -> RequestOutput:
+    ids = [t for t, _ in tokens]
+    finished = request.finish_reason is not None
+    delta = request.detokenizer.push(ids, final=finished)
+    logprobs = None
+    if request.logprobs is not None:
+        logprobs = [_token_logprob(t, logits, request.logprobs) for t, logits in tokens]
+    return RequestOutput(request_id, ids, delta, finished, request.finish_reason, logprobs)
+
+
+def _token_logprob(token: int, logits_V: np.ndarray, top: int) -> TokenLogprob:
+    """Log-softmax of the raw logits (float64 on the host): the token's value and the ``top`` largest."""
+    logits = logits_V.astype(np.float64)
+    shifted = logits - logits.max()
+    logprobs_V = shifted - np.log(np.exp(shifted).sum())
+    best = np.argsort(-logprobs_V, kind="stable")[:top]
+    return TokenLogprob(token, float(logprobs_V[token]), tuple((int(i), float(logprobs_V[i])) for i in best))
 
 
 def _last_queries(windows: list[tuple[int, jax.Array]]) -> jax.Array:

@@ -14,17 +14,14 @@ import argparse
 import json
 import sys
 
-from ess_jax.api import DTYPES, generate, load_model
-from ess_jax.cli import Parser
-from ess_jax.engine import EngineConfig
+from ess_jax.api import generate, load_model
+from ess_jax.cli import Parser, add_engine_flags, add_model_flag, engine_config
 from ess_jax.sampling import SamplingParams
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = Parser("python -m ess_jax.generate", __doc__)
-    p.add_argument("--model", default="tiny-v32",
-                   help="preset name (tiny-v32, random weights from --weights-seed) or a HuggingFace checkpoint "
-                        "directory (config.json + *.safetensors [+ tokenizer.json]). Default: tiny-v32")
+    add_model_flag(p)
     # All prompt flags append to one list, so requests keep their command-line order.
     p.add_argument("--prompt", dest="prompts", action="append", type=lambda s: ("text", s),
                    help="a text prompt (repeatable); tokenized with the checkpoint's tokenizer.json, or byte-level")
@@ -43,43 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                           help="sample from the smallest set of tokens whose probability reaches p (default 1)")
     sampling.add_argument("--seed", type=int, default=0,
                           help="sampling seed; prompt i uses seed + i, so runs are reproducible (default 0)")
-    cache = p.add_argument_group("cache and batching")
-    cache.add_argument("--offload", choices=["ess", "none"], default="ess",
-                       help="'ess' (default): V3.2 latent rows live in pinned host memory behind an LRU device pool "
-                            "of --pool-size / --pool-ratio slots per layer and request, misses fetched each step; "
-                            "'none': the whole cache on the device. Both give the same tokens")
-    cache.add_argument("--pool-size", type=int, default=None,
-                       help="ess: device pool slots per (layer, request); at least index_topk + 1")
-    cache.add_argument("--pool-ratio", type=float, default=0.2,
-                       help="ess: pool slots as a fraction of the longest request's tokens, raised to "
-                            "index_topk + 1 (default 0.2; --pool-size wins)")
-    cache.add_argument("--fetch", choices=["inline", "split"], default="inline",
-                       help="ess: how missed rows reach the device: 'inline' gathers them host-side inside the "
-                            "compiled step and moves them with an in-step device_put; 'split' calls back to the "
-                            "host at each layer's fetch point and gathers from a NumPy store (default inline)")
-    cache.add_argument("--host-cache-mb", type=float, default=None,
-                       help="ess: host store budget in MiB; sets the page count (default: enough for "
-                            "--max-batch requests of the longest prompt + --max-new-tokens)")
-    cache.add_argument("--max-batch", type=int, default=8, help="decode batch rows (default 8)")
-    cache.add_argument("--page-size", type=int, default=64, help="tokens per cache page (default 64)")
-    cache.add_argument("--num-pages", type=int, default=None,
-                       help="pages in the device pool, page 0 included; default: enough for --max-batch requests "
-                            "of the longest prompt + --max-new-tokens")
-    cache.add_argument("--prefill-chunk", type=int, default=256,
-                       help="longest prefill piece in tokens; a shorter remainder runs as power-of-two pieces "
-                            "(default 256)")
-    p.add_argument("--kernels", choices=["auto", "xla", "pallas"], default="xla",
-                   help="attention kernels: 'xla' (default: the Pallas kernels, Mosaic GPU kernels for Hopper, have "
-                        "not yet run on a GPU), 'auto' = Pallas on a Hopper GPU and XLA elsewhere, 'pallas' (on CPU: "
-                        "the Mosaic GPU interpreter, slow, for checking)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter and compute dtype")
-    p.add_argument("--cache-dtype", choices=["bfloat16", "float32", "fp8"], default=None,
-                   help="V3.2 latent rows / V4 CSA entries in the cache, host store and pool: default the --dtype; "
-                        "'fp8' = FlashMLA-style rows (V3.2: e4m3 latent + one float32 scale per 128 values + bf16 "
-                        "rope, 656 bytes, and the indexer keys as 128 e4m3 + one float32 scale, 132 bytes; V4: e4m3 + "
-                        "ue8m0 scale per 64 values + bf16 rope, 584 bytes); V4's indexer keys, window and HCA "
-                        "entries stay in --dtype")
-    p.add_argument("--weights-seed", type=int, default=0, help="seed of a preset's random weights (default 0)")
+    add_engine_flags(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: model, family, offload, requests, metrics (see README)")
     return p.parse_args(argv)
@@ -113,10 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--greedy contradicts --temperature > 0; pass one of them")
         sampling = [SamplingParams(args.temperature, args.top_k, args.top_p, args.seed + i)
                     for i in range(len(prompts))]
-        engine = EngineConfig(max_batch=args.max_batch, page_size=args.page_size, num_pages=args.num_pages,
-                              prefill_chunk=args.prefill_chunk, offload=args.offload, pool_size=args.pool_size,
-                              pool_ratio=args.pool_ratio, fetch=args.fetch, host_cache_mb=args.host_cache_mb,
-                              kernels=args.kernels, cache_dtype=args.cache_dtype)
+        engine = engine_config(args)
         model = load_model(args.model, args.dtype, seed=args.weights_seed)
         result = generate(model, prompts, args.max_new_tokens, sampling=sampling, engine=engine,
                           progress=not args.json)

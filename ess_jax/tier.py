@@ -379,3 +379,15 @@ def store_prompt(tier: TieredLatents, scratch_pages_LGZW, scratch_table_X, pages
     host = compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)(
         lambda store, p, r: store.at[:, p].set(r))(tier.host, pages_X, rows)
     return dataclasses.replace(tier, host=host)
+
+
+def release(tier: TieredLatents, row, pages_X) -> TieredLatents:
+    """Empty batch row ``row``'s pools (every layer) and the residency of the request's host pages
+    ``pages_X`` (0 = none), when the request finishes or is aborted: the tier then holds nothing of it."""
+    slots = tier.slot_entry.shape[2]
+    return dataclasses.replace(
+        tier,
+        slot_entry=tier.slot_entry.at[:, row].set(-1),
+        slot_order=tier.slot_order.at[:, row].set(jnp.arange(slots, dtype=jnp.int32)),
+        resident_slot=tier.resident_slot.at[:, pages_X].set(-1),
+    )

@@ -4,6 +4,7 @@ UTF-8 bytes, special ids (bos / eos / pad from the config) live above them."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import tokenizers
@@ -26,6 +27,9 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id]) if 0 <= token_id < 256 else f"<{token_id}>"
+
 
 class HFTokenizer:
     """A checkpoint's ``tokenizer.json``, through the ``tokenizers`` library.
@@ -45,14 +49,73 @@ class HFTokenizer:
         if largest >= vocab_size:
             raise ConfigError(f"{path} has token id {largest}, outside the model's vocab_size={vocab_size}")
 
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text).ids
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """``add_special_tokens=False`` skips the post-processor (a rendered chat template has its bos)."""
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's own text (special tokens included), for per-token log-probabilities."""
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
 
 Tokenizer = ByteTokenizer | HFTokenizer
+
+
+class ChatTemplate:
+    """A checkpoint's chat template (``tokenizer_config.json``'s ``chat_template``), rendered with jinja2
+    as transformers renders it: a sandboxed environment with ``trim_blocks`` / ``lstrip_blocks``, the
+    loop-controls extension, ``raise_exception`` and a ``tojson`` filter; the special tokens of the
+    config (``bos_token``, ``eos_token``, ...) are template variables."""
+
+    def __init__(self, source: str, special_tokens: dict[str, str]):
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise ValueError(f"the chat template refused the messages: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent,
+                                                                                    ensure_ascii=ensure_ascii)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            self._template = env.from_string(source)
+        except jinja2.TemplateError as e:
+            raise ConfigError(f"the chat template does not parse: {e}") from None
+        self.special_tokens = special_tokens
+
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+        import jinja2
+
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         **self.special_tokens)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"the chat template failed on these messages: {e}") from None
+
+
+def load_chat_template(directory: str | Path | None) -> ChatTemplate | None:
+    """The chat template of a checkpoint directory's ``tokenizer_config.json``, or None without one."""
+    path = None if directory is None else Path(directory) / "tokenizer_config.json"
+    if path is None or not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read {path}: {e}") from None
+    source = config.get("chat_template")
+    if isinstance(source, list):  # named templates: the default one
+        source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+    if not source:
+        return None
+    special = {}
+    for key, value in config.items():
+        if key.endswith("_token") and value is not None:
+            special[key] = value.get("content", "") if isinstance(value, dict) else str(value)
+    return ChatTemplate(source, special)
 
 
 def load_tokenizer(directory: str | Path | None, cfg: ModelConfig) -> Tokenizer:
@@ -61,3 +124,28 @@ def load_tokenizer(directory: str | Path | None, cfg: ModelConfig) -> Tokenizer:
     if directory is not None and (Path(directory) / "tokenizer.json").is_file():
         return HFTokenizer(Path(directory) / "tokenizer.json", vocab_size=cfg.vocab_size)
     return ByteTokenizer(cfg)
+
+
+class IncrementalDetokenizer:
+    """The text of a growing token sequence, handed out in deltas.
+
+    Each ``push`` decodes every id so far and returns the new text past what was handed out, holding
+    back trailing replacement characters (U+FFFD): the bytes of an unfinished UTF-8 character, or the
+    first bytes of a multi-byte piece split across tokens, wait for the tokens that complete them. With
+    ``final=True`` nothing is held back, so the deltas concatenate to ``decode(all ids)`` exactly (for
+    decoders whose text of a prefix is a prefix of the text: byte-level ones, both tokenizers here).
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""  # handed out so far
+
+    def push(self, ids: list[int], *, final: bool = False) -> str:
+        self.ids.extend(ids)
+        full = self.tokenizer.decode(self.ids)
+        ready = full if final else full.rstrip("\ufffd")
+        if not ready.startswith(self.text):  # a decoder that rewrote earlier text (not byte-level): hand out nothing
+            return ""
+        delta, self.text = ready[len(self.text):], ready
+        return delta

@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import json
 from pathlib import Path
 
 import numpy as np
@@ -32,11 +33,11 @@ def test_batch_invariance_mixed_lengths_joining_and_leaving(model):
     new = [12, 5, 20, 9, 15]
     together = Engine(model, ENGINE)
     for p, n in zip(prompts, new):
-        together.submit(p, n)
+        together.add_request(p, n)
     batched = [r.output_ids for r in together.run()]
     for p, n, got in zip(prompts, new, batched):
         alone = Engine(model, dataclasses.replace(ENGINE, max_batch=1))
-        alone.submit(p, n)
+        alone.add_request(p, n)
         assert alone.run()[0].output_ids == got
         assert len(got) == n
     assert together.allocator.num_free == together.allocator.capacity  # every page came back
@@ -48,22 +49,38 @@ def test_prefill_chunk_size_does_not_change_tokens(model):
     for chunk in (16, 64):  # 45 = 16 + 16 + 8 + 4 + 1 vs. 32 + 8 + 4 + 1
         engine = Engine(model, dataclasses.replace(ENGINE, prefill_chunk=chunk))
         for p in prompts:
-            engine.submit(p, 10)
+            engine.add_request(p, 10)
         outputs.append([r.output_ids for r in engine.run()])
     assert outputs[0] == outputs[1]
 
 
-def test_eos_stops_a_request_and_frees_its_row(model):
+def test_stop_token_ends_a_request(model):
     prompt = _prompts([12])[0]
     free_run = ess_jax.generate(model, [prompt], 16, engine=ENGINE)
     eos = free_run.output_ids[0][5]
     first = free_run.output_ids[0].index(eos)
-    stopping = ess_jax.Model.__new__(ess_jax.Model)
-    stopping.__dict__.update(model.__dict__, cfg=dataclasses.replace(model.cfg, eos_token_id=(999, eos)))
-    result = ess_jax.generate(stopping, [prompt, prompt], 16, engine=ENGINE)
+    result = ess_jax.generate(model, [prompt, prompt], 16, stop_token_ids=(eos,), engine=ENGINE)
     for out, reason in zip(result.output_ids, result.finish_reasons):
         assert out == free_run.output_ids[0][: first + 1] and reason == "stop"
     assert free_run.finish_reasons == ["length"]
+
+
+def test_config_eos_stops_unless_ignored(model, tmp_path):
+    """The checkpoint's eos_token_id ends a request ("stop"); ignore_eos=True decodes past it."""
+    prompt = _prompts([12])[0]
+    free_run = ess_jax.generate(model, [prompt], 16, engine=ENGINE).output_ids[0]
+    eos = next(t for t in free_run[3:] if t != model.cfg.eos_token_id[0])
+    first = free_run.index(eos)
+    for f in FIXTURE.iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    (tmp_path / "config.json").unlink()
+    raw = json.loads((FIXTURE / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(raw, eos_token_id=[999, eos])))
+    stopping = ess_jax.load_model(tmp_path)
+    stopped = ess_jax.generate(stopping, [prompt], 16, engine=ENGINE)
+    assert stopped.output_ids[0] == free_run[: first + 1] and stopped.finish_reasons == ["stop"]
+    ignoring = ess_jax.generate(stopping, [prompt], 16, ignore_eos=True, engine=ENGINE)
+    assert ignoring.output_ids[0] == free_run and ignoring.finish_reasons == ["length"]
 
 
 def test_seeded_sampling_reproducible_and_seed_dependent(model):
@@ -88,21 +105,21 @@ def test_small_pool_queues_requests_instead_of_failing(model):
     roomy = Engine(model, ENGINE)
     for engine in (tight, roomy):
         for p in prompts:
-            engine.submit(p, 8)
+            engine.add_request(p, 8)
     assert [r.output_ids for r in tight.run()] == [r.output_ids for r in roomy.run()]
 
 
 def test_requests_that_can_never_fit_are_refused(model):
     engine = Engine(model, dataclasses.replace(ENGINE, num_pages=1 + 4))
     with pytest.raises(ValueError, match="--num-pages"):
-        engine.submit(list(range(30)), 10)  # 40 tokens > 4 pages of 8
+        engine.add_request(list(range(30)), 10)  # 40 tokens > 4 pages of 8
     with pytest.raises(ValueError, match="exceeds"):
-        engine.submit(list(range(20)), 50)  # 70 tokens > max_seq_len 64
+        engine.add_request(list(range(20)), 50)  # 70 tokens > max_seq_len 64
     with pytest.raises(ValueError, match="empty prompt"):
-        engine.submit([], 4)
+        engine.add_request([], 4)
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        engine.submit([1, 2, 1000], 4)
-    engine.submit([1, 2, 3, 4], 4)  # the refusals left no trace: a good request still runs
+        engine.add_request([1, 2, 1000], 4)
+    engine.add_request([1, 2, 3, 4], 4)  # the refusals left no trace: a good request still runs
     assert len(engine.run()[0].output_ids) == 4
 
 
@@ -116,9 +133,9 @@ def test_v4_engine_matches_transformers_and_is_batch_invariant():
     model = ess_jax.load_model(V4_FIXTURE)
     ref = np.load(V4_FIXTURE / "reference.npz")
     engine = Engine(model, EngineConfig(max_batch=2, prefill_chunk=3))  # 300, 45 and 21 tokens: one piece shape
-    long_id = engine.submit(ref["prompt_1"].tolist(), 24)
-    engine.submit(_prompts([45])[0], 6)
-    late_id = engine.submit(ref["prompt_0"].tolist(), 24)
+    long_id = engine.add_request(ref["prompt_1"].tolist(), 24)
+    engine.add_request(_prompts([45])[0], 6)
+    late_id = engine.add_request(ref["prompt_0"].tolist(), 24)
     out = engine.run()
     assert out[long_id].output_ids == ref["generate_1"][len(ref["prompt_1"]):].tolist()
     assert out[late_id].output_ids == ref["generate_0"][len(ref["prompt_0"]):].tolist()
@@ -133,7 +150,7 @@ def test_pallas_kernels_match_xla_through_the_engine(model):
     for kernels in ("xla", "pallas"):
         engine = Engine(model, EngineConfig(max_batch=1, page_size=8, prefill_chunk=32, max_seq_len=64,
                                             keep_logits=True, kernels=kernels, offload="ess", pool_size=17))
-        engine.submit(prompt, 5)
+        engine.add_request(prompt, 5)
         runs.append(engine.run()[0])
         assert engine.offload_metrics()["misses"] > 0  # both halves ran
     assert runs[0].output_ids == runs[1].output_ids

@@ -28,7 +28,7 @@ def _serve(model, **config):
                                         **config))
     rng = np.random.default_rng(0)
     for n, new in zip(PROMPTS, NEW_TOKENS):
-        engine.submit(rng.integers(0, model.cfg.vocab_size, n).tolist(), new)
+        engine.add_request(rng.integers(0, model.cfg.vocab_size, n).tolist(), new)
     return engine, engine.run()
 
 
@@ -101,7 +101,7 @@ def test_pallas_kernels_match_xla(model):
     for kernels in ("xla", "pallas"):
         engine = Engine(model, EngineConfig(max_batch=1, max_seq_len=88, prefill_chunk=128, keep_logits=True,
                                             kernels=kernels, offload="ess", pool_size=model.cfg.index_topk + 1))
-        engine.submit(prompt, 5)
+        engine.add_request(prompt, 5)
         runs.append(engine.run()[0])
         assert engine.offload_metrics()["misses"] > 0
     assert runs[0].output_ids == runs[1].output_ids
@@ -119,7 +119,7 @@ def test_fp8_entries_bounded_exact_through_the_tier_and_counted(model):
                          "fp8 tier": dict(offload="ess", cache_dtype="fp8", pool_size=model.cfg.index_topk + 1)}.items():
         engine = Engine(model, EngineConfig(max_batch=1, max_seq_len=530, prefill_chunk=512, keep_logits=True,
                                             **config))
-        engine.submit(prompt, 12)
+        engine.add_request(prompt, 12)
         runs[name] = (engine, np.stack(engine.run()[0].logits))
     scale = np.abs(runs["f32"][1]).max()
     assert 0 < np.abs(runs["fp8"][1] - runs["f32"][1]).max() <= 2e-3 * scale

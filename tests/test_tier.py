@@ -35,7 +35,7 @@ def serve(model, **offload):
                                         keep_logits=True, **offload))
     rng = np.random.default_rng(0)
     for n in LENGTHS:  # three requests, two rows: the third joins when the first leaves
-        engine.submit(rng.integers(0, 256, n).tolist(), NEW)
+        engine.add_request(rng.integers(0, 256, n).tolist(), NEW)
     return engine, engine.run()
 
 
@@ -121,7 +121,7 @@ def test_long_prompt_far_beyond_the_pool(tiny):
     for offload in (dict(), dict(offload="ess", pool_size=65)):
         engine = Engine(tiny, EngineConfig(max_batch=1, page_size=64, prefill_chunk=512, keep_logits=True,
                                            max_seq_len=2048 + 6, **offload))
-        engine.submit(prompt, 6)
+        engine.add_request(prompt, 6)
         runs.append((engine, engine.run()[0]))
     (_, ref), (engine, got) = runs
     assert got.output_ids == ref.output_ids
@@ -209,7 +209,7 @@ def test_fp8_cache_error_is_bounded_and_bytes_shrink(tiny):
     for cache_dtype in ("bfloat16", "fp8"):
         engine = Engine(tiny, EngineConfig(max_batch=1, keep_logits=True, offload="ess", pool_size=65,
                                            cache_dtype=cache_dtype, prefill_chunk=300, max_seq_len=306))
-        engine.submit(prompt, 6)
+        engine.add_request(prompt, 6)
         runs[cache_dtype] = (engine, engine.run()[0])
     (bf16, bf16_req), (fp8, fp8_req) = runs["bfloat16"], runs["fp8"]
     assert (bf16.row_bytes, fp8.row_bytes) == (160, 100)
@@ -234,7 +234,7 @@ def test_fp8_offload_is_exact_against_fp8_resident(model):
     for offload in (dict(), dict(offload="ess", pool_size=17)):
         engine = Engine(model, EngineConfig(max_batch=1, keep_logits=True, cache_dtype="fp8", prefill_chunk=64,
                                             max_seq_len=MAX_SEQ, **offload))
-        engine.submit(np.random.default_rng(2).integers(0, 256, 192).tolist(), 10)
+        engine.add_request(np.random.default_rng(2).integers(0, 256, 192).tolist(), 10)
         runs.append(engine.run()[0])
     assert runs[0].output_ids == runs[1].output_ids
     close(runs[1].logits, runs[0].logits)

@@ -35,7 +35,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ess_jax.config import RopeConfig
-from ess_jax.models.layers import Linear, apply_rope_interleaved, rope_cos_sin, rope_inv_freq
+from ess_jax.models.layers import (Linear, RMSNorm, apply_rope_interleaved, index_scores, rope_cos_sin,
+                                   rope_inv_freq)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,19 +56,6 @@ class TailRope:
         return jnp.concatenate([x[..., : -self.dim], apply_rope_interleaved(x[..., -self.dim:], cos, sin)], axis=-1)
 
 
-class RMSNorm(nnx.Module):
-    """RMSNorm with a float32 weight, multiplied in float32 and cast once (DeepSeek-V4's norms)."""
-
-    def __init__(self, dim: int, eps: float):
-        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
-        self.eps = eps
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (self.weight[...] * x32).astype(x.dtype)
-
-
 class Compressor(nnx.Module):
     """``kv_proj``, ``gate_proj`` (``[coff*D, hidden]``), ``position_bias [m, coff*D]``, ``kv_norm [D]``."""
 
@@ -77,7 +65,7 @@ class Compressor(nnx.Module):
         self.kv_proj = Linear(hidden, width, dtype=dtype, rngs=rngs)
         self.gate_proj = Linear(hidden, width, dtype=dtype, rngs=rngs)
         self.position_bias = nnx.Param(jnp.zeros((rate, width), jnp.float32))
-        self.kv_norm = RMSNorm(dim, eps)
+        self.kv_norm = RMSNorm(dim, eps, dtype=jnp.float32)
         self.dim, self.rate, self.overlap, self.rope = dim, rate, overlap, rope
 
     @property
@@ -196,19 +184,11 @@ class Indexer(Compressor):
 
     def scores(self, x_BTD: jax.Array, q_resid_BTQ: jax.Array, keys_BMJ: jax.Array, visible_BTM: jax.Array,
                cos: jax.Array, sin: jax.Array) -> jax.Array:
-        """Index scores ``f32[B, T, M]``; -inf where ``visible_BTM`` is False. cos/sin: the query positions'."""
+        """Index scores ``f32[B, T, M]`` (``layers.index_scores``); -inf where ``visible_BTM`` is False.
+        cos/sin: the query positions'."""
         b, t, _ = x_BTD.shape
         q_BTIJ = self.rope.apply(self.q_b_proj(q_resid_BTQ).reshape(b, t, self.n_heads, self.dim), cos, sin)
-        dots_BTIM = jnp.einsum("btij,bmj->btim", q_BTIJ.astype(jnp.float32), keys_BMJ.astype(jnp.float32))
-        relu_BTIM = jax.nn.relu(dots_BTIM) * self.dim**-0.5
-        weights_BTI = self.scorer.weights_proj(x_BTD).astype(jnp.float32) * self.n_heads**-0.5
-        scores_BTM = jnp.einsum("bti,btim->btm", weights_BTI, relu_BTIM)
-        return jnp.where(visible_BTM, scores_BTM, -jnp.inf)
-
-    def topk(self, scores_BTM: jax.Array) -> jax.Array:
-        """Top-k entry ids ``i32[B, T, K]``, ``K = min(index_topk, M)``; -1 where fewer entries are visible."""
-        values, ids = jax.lax.top_k(scores_BTM, min(self.top_k, scores_BTM.shape[-1]))
-        return jnp.where(values > -jnp.inf, ids, -1).astype(jnp.int32)
+        return index_scores(q_BTIJ, keys_BMJ, self.scorer.weights_proj(x_BTD), visible_BTM)
 
 
 class CSACompressor(Compressor):

@@ -22,16 +22,16 @@ from ess_jax import ops
 from ess_jax.cache import DeviceLatents, PagedCacheV32, StepMeta, gather_positions, write_slots
 from ess_jax.config import ModelConfig
 from ess_jax.models.layers import (
-    MLP, LayerNorm, Linear, MoE, RMSNorm, Router, apply_rope_half, apply_rope_interleaved, rope_cos_sin,
-    rope_inv_freq)
+    MLP, LayerNorm, Linear, MoE, RMSNorm, Router, apply_rope_half, apply_rope_interleaved, index_scores, index_topk,
+    rope_cos_sin, rope_inv_freq)
 
 
 class Indexer(nnx.Module):
-    """The DSA lightning indexer: scores every visible position, returns top-k ids."""
+    """The DSA lightning indexer: keys and index scores of every visible position (top-k: ``layers.index_topk``)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
         self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
-        self.index_topk = cfg.index_topk
+        self.top_k = cfg.index_topk
         self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, dtype=dtype, rngs=rngs)
         self.wk = Linear(cfg.hidden_size, cfg.index_head_dim, dtype=dtype, rngs=rngs)
         self.k_norm = LayerNorm(cfg.index_head_dim, 1e-6, dtype=dtype)
@@ -46,20 +46,10 @@ class Indexer(nnx.Module):
         return self._rope(self.k_norm(self.wk(x_BTD)), cos, sin)
 
     def scores(self, x_BTD, q_resid_BTQ, keys_BSJ, visible_BTS, cos, sin) -> jax.Array:
-        """Index scores ``f32[B, T, S]``; -inf where ``visible_BTS`` is False."""
+        """Index scores ``f32[B, T, S]`` (``layers.index_scores``); -inf where ``visible_BTS`` is False."""
         b, t, _ = x_BTD.shape
         q_BTIJ = self._rope(self.wq_b(q_resid_BTQ).reshape(b, t, self.n_heads, self.head_dim), cos, sin)
-        logits_BTIS = jnp.einsum("btij,bsj->btis", q_BTIJ.astype(jnp.float32), keys_BSJ.astype(jnp.float32))
-        relu_BTIS = jax.nn.relu(logits_BTIS * self.head_dim**-0.5)
-        weights_BTI = self.weights_proj(x_BTD.astype(jnp.float32)) * self.n_heads**-0.5
-        scores_BTS = jnp.einsum("bti,btis->bts", weights_BTI, relu_BTIS)
-        return jnp.where(visible_BTS, scores_BTS, -jnp.inf)
-
-    def topk(self, scores_BTS: jax.Array) -> jax.Array:
-        """Top-k positions ``i32[B, T, K]`` with ``K = min(index_topk, S)``; -1 where fewer are visible."""
-        k = min(self.index_topk, scores_BTS.shape[-1])
-        values, ids = jax.lax.top_k(scores_BTS, k)
-        return jnp.where(values > -jnp.inf, ids, -1).astype(jnp.int32)
+        return index_scores(q_BTIJ, keys_BSJ, self.weights_proj(x_BTD.astype(jnp.float32)), visible_BTS)
 
 
 class MLA(nnx.Module):
@@ -107,7 +97,7 @@ class MLA(nnx.Module):
         with jax.named_scope("indexer"):
             keys_BSJ = self.indexer.keys(x_BTD, cos, sin)
             scores_BTS = self.indexer.scores(x_BTD, q_resid_BTQ, keys_BSJ, causal_TS[None], cos, sin)
-            ids_BTK = self.indexer.topk(scores_BTS)
+            ids_BTK = index_topk(scores_BTS, self.indexer.top_k)
         selected_BTS = jnp.zeros((b, t, t + 1), bool)
         selected_BTS = selected_BTS.at[jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None],
                                        jnp.where(ids_BTK < 0, t, ids_BTK)].set(True)[..., :t]
@@ -139,7 +129,7 @@ class MLA(nnx.Module):
             visible_BTS = ((jnp.arange(keys_BSJ.shape[1])[None, None, :] <= meta.positions[..., None])
                            & meta.valid[..., None])
             scores_BTS = self.indexer.scores(x_BTD, q_resid_BTQ, keys_BSJ, visible_BTS, cos, sin)
-            ids_BTK = self.indexer.topk(scores_BTS)
+            ids_BTK = index_topk(scores_BTS, self.indexer.top_k)
         with jax.named_scope("sparse_mla"):
             w_uk_NHC, w_uv_NVC = self._kv_b()
             q_latent_BTNC = jnp.einsum("btnh,nhc->btnc", q_nope_BTNH, w_uk_NHC)
@@ -155,9 +145,9 @@ class DecoderLayer(nnx.Module):
         self.self_attn = MLA(cfg, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         if cfg.mlp_layer_types[layer] == "sparse":
-            router = Router(cfg.hidden_size, cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
-                            topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
-                            scaling=cfg.routed_scaling_factor, rngs=rngs)
+            router = Router(cfg.hidden_size, cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, scoring="sigmoid",
+                            norm_topk_prob=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor, n_group=cfg.n_group,
+                            topk_group=cfg.topk_group, rngs=rngs)
             self.mlp = MoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.n_shared_experts,
                            router=router, dtype=dtype, rngs=rngs)
         else:

@@ -33,15 +33,10 @@ from ess_jax import ops
 from ess_jax.cache import StepMeta
 from ess_jax.config import ModelConfig
 from ess_jax.models import mhc
-from ess_jax.models.compressor import (CSACompressor, Compressor, Indexer, RMSNorm, TailRope, visible_entries,
-                                       write_entries)
-from ess_jax.models.layers import MLP, Experts, Linear
+from ess_jax.models.compressor import CSACompressor, Compressor, Indexer, TailRope, visible_entries, write_entries
+from ess_jax.models.layers import Linear, MoE, RMSNorm, Router, index_topk, rms_normalize
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
-
-
-class Buffer(nnx.Variable):
-    """A persistent, non-trained tensor (a transformers buffer: ``tid2eid``, ``e_score_correction_bias``)."""
 
 
 # ---- cache -------------------------------------------------------------------------------------
@@ -108,11 +103,6 @@ class TierLayer:
 # ---- attention ---------------------------------------------------------------------------------
 
 
-def _unweighted_rms(x: jax.Array, eps: float) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
-
-
 class GroupedLinear(nnx.Module):
     """Block-diagonal ``o_a_proj``: ``weight [G*O, N*H/G]`` viewed ``[G, O, N*H/G]``, one block per head group."""
 
@@ -138,10 +128,10 @@ class Attention(nnx.Module):
         self.rope = TailRope(cfg.rope if self.layer_type == SLIDING else cfg.compress_rope, cfg.qk_rope_head_dim)
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.q_a_proj = Linear(d, cfg.q_lora_rank, dtype=dtype, rngs=rngs)
-        self.q_a_norm = RMSNorm(cfg.q_lora_rank, eps)
+        self.q_a_norm = RMSNorm(cfg.q_lora_rank, eps, dtype=jnp.float32)
         self.q_b_proj = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype=dtype, rngs=rngs)
         self.kv_proj = Linear(d, self.head_dim, dtype=dtype, rngs=rngs)
-        self.kv_norm = RMSNorm(self.head_dim, eps)
+        self.kv_norm = RMSNorm(self.head_dim, eps, dtype=jnp.float32)
         self.o_a_proj = GroupedLinear(self.n_heads * self.head_dim // cfg.o_groups, cfg.o_lora_rank, cfg.o_groups,
                                       dtype=dtype, rngs=rngs)
         self.o_b_proj = Linear(cfg.o_groups * cfg.o_lora_rank, d, dtype=dtype, rngs=rngs)
@@ -161,8 +151,8 @@ class Attention(nnx.Module):
         """Queries ``[B, T, N, H]`` (unweighted RMSNorm per head, RoPE), the q-LoRA residual, keys ``[B, T, H]``."""
         b, t, _ = x_BTD.shape
         q_resid_BTQ = self.q_a_norm(self.q_a_proj(x_BTD))
-        q_BTNH = _unweighted_rms(self.q_b_proj(q_resid_BTQ).reshape(b, t, self.n_heads, self.head_dim), self.eps)
-        q_BTNH = self.rope.apply(q_BTNH, cos, sin)
+        q_BTNH = self.q_b_proj(q_resid_BTQ).reshape(b, t, self.n_heads, self.head_dim)
+        q_BTNH = self.rope.apply(rms_normalize(q_BTNH, self.eps).astype(q_BTNH.dtype), cos, sin)
         kv_BTH = self.rope.apply(self.kv_norm(self.kv_proj(x_BTD)), cos, sin)
         return q_BTNH, q_resid_BTQ, kv_BTH
 
@@ -191,7 +181,7 @@ class Attention(nnx.Module):
                 with jax.named_scope("indexer"):
                     indexer = self.compressor.indexer
                     scores_BTM = indexer.scores(x_BTD, q_resid_BTQ, indexer(x_BTD), visible_BTM, cos, sin)
-                    ids_BTK = indexer.topk(scores_BTM)
+                    ids_BTK = index_topk(scores_BTM, indexer.top_k)
                     picked = jnp.zeros((b, t, n + 1), bool).at[
                         jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], jnp.where(ids_BTK < 0, n, ids_BTK)
                     ].set(True)
@@ -245,7 +235,8 @@ class Attention(nnx.Module):
             if keys_BMJ.shape[1] > 0:  # a cache too small for one entry has nothing to select
                 with jax.named_scope("indexer"):
                     visible_BTM = visible_entries(positions_BT, keys_BMJ.shape[1], self.compressor.rate)
-                    ids_BTK = indexer.topk(indexer.scores(x_BTD, q_resid_BTQ, keys_BMJ, visible_BTM, cos, sin))
+                    scores_BTM = indexer.scores(x_BTD, q_resid_BTQ, keys_BMJ, visible_BTM, cos, sin)
+                    ids_BTK = index_topk(scores_BTM, indexer.top_k)
                 if tiered:  # HiSparse: window + resident entries, fetched entries, merged
                     new_id_B = jnp.where(closes_BE[:, 0] & entries.active_B, entry_BE[:, 0], -1)
                     with jax.named_scope("sparse_attention"):
@@ -280,64 +271,6 @@ class Attention(nnx.Module):
         return self._output(out_BTNH, cos, sin, x_BTD.dtype), window_BSH, comp, ids_BTK
 
 
-# ---- MoE ---------------------------------------------------------------------------------------
-
-
-def _score(logits: jax.Array, scoring_func: str) -> jax.Array:
-    if scoring_func == "sqrtsoftplus":
-        return jnp.sqrt(jax.nn.softplus(logits))
-    if scoring_func == "sigmoid":
-        return jax.nn.sigmoid(logits)
-    return jax.nn.softmax(logits, axis=-1)
-
-
-class Router(nnx.Module):
-    """``weight [E, D]``; hash layers select ``tid2eid[token] [V, k]``, the others top-k of ``score + bias``.
-
-    Routing weights are the chosen experts' scores, renormalised to sum 1 (except for softmax scoring,
-    as in DeepSeek's reference), times ``routed_scaling_factor``.
-    """
-
-    def __init__(self, cfg: ModelConfig, *, hashed: bool, rngs: nnx.Rngs):
-        e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-        self.weight = nnx.Param(0.02 * jax.random.normal(rngs.params(), (e, cfg.hidden_size), jnp.float32))
-        if hashed:  # random distinct experts per token id until a checkpoint overrides them
-            ids = jnp.argsort(jax.random.uniform(rngs.params(), (cfg.vocab_size, e)), axis=-1)[:, :k]
-            self.tid2eid = Buffer(ids.astype(jnp.int32))
-        else:
-            self.e_score_correction_bias = Buffer(jnp.zeros((e,), jnp.float32))
-        self.hashed, self.top_k = hashed, k
-        self.scoring_func, self.scaling = cfg.scoring_func, cfg.routed_scaling_factor
-
-    def __call__(self, x_AD: jax.Array, tokens_A: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Routing weights ``f32[A, k]`` and expert ids ``i32[A, k]`` for tokens ``[A, D]``."""
-        logits_AE = jnp.einsum("ad,ed->ae", x_AD.astype(jnp.float32), self.weight[...].astype(jnp.float32))
-        scores_AE = _score(logits_AE, self.scoring_func)
-        if self.hashed:
-            experts_AK = self.tid2eid[...][tokens_A]
-        else:
-            _, experts_AK = jax.lax.top_k(scores_AE + self.e_score_correction_bias[...], self.top_k)
-        weights_AK = jnp.take_along_axis(scores_AE, experts_AK, axis=-1)
-        if self.scoring_func != "softmax":
-            weights_AK = weights_AK / (weights_AK.sum(-1, keepdims=True) + 1e-20)
-        return weights_AK * self.scaling, experts_AK.astype(jnp.int32)
-
-
-class MoE(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
-        limit = cfg.swiglu_limit
-        self.gate = Router(cfg, hashed=cfg.mlp_layer_types[layer] == "hash_moe", rngs=rngs)
-        self.experts = Experts(cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, limit=limit,
-                               dtype=dtype, rngs=rngs)
-        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size, limit=limit, dtype=dtype, rngs=rngs)
-
-    def __call__(self, x_BTD: jax.Array, tokens_BT: jax.Array) -> jax.Array:
-        x_AD = x_BTD.reshape(-1, x_BTD.shape[-1])
-        weights_AK, experts_AK = self.gate(x_AD, tokens_BT.reshape(-1))
-        routed_AD = self.experts(x_AD, weights_AK, experts_AK)
-        return (routed_AD.astype(x_BTD.dtype) + self.shared_experts(x_AD)).reshape(x_BTD.shape)
-
-
 # ---- model -------------------------------------------------------------------------------------
 
 
@@ -345,9 +278,15 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
         hc = dict(sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps, rngs=rngs)
         self.self_attn = Attention(cfg, layer, dtype=dtype, rngs=rngs)
-        self.mlp = MoE(cfg, layer, dtype=dtype, rngs=rngs)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # hash layers route by token id; softmax scores are not renormalised (DeepSeek's V4 reference)
+        hashed = cfg.mlp_layer_types[layer] == "hash_moe"
+        router = Router(cfg.hidden_size, cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, scoring=cfg.scoring_func,
+                        norm_topk_prob=cfg.scoring_func != "softmax", scaling=cfg.routed_scaling_factor,
+                        hash_vocab=cfg.vocab_size if hashed else None, rngs=rngs)
+        self.mlp = MoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, 1, router=router,
+                       limit=cfg.swiglu_limit, dtype=dtype, rngs=rngs)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=jnp.float32)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=jnp.float32)
         self.attn_hc = mhc.HyperConnection(cfg.hidden_size, cfg.hc_mult, **hc)
         self.ffn_hc = mhc.HyperConnection(cfg.hidden_size, cfg.hc_mult, **hc)
 
@@ -378,7 +317,7 @@ class DeepseekV4(nnx.Module):
         self.dtype = dtype
         self.embed_tokens = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size)).astype(dtype))
         self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=jnp.float32)
         self.hc_head = mhc.HyperHead(cfg.hidden_size, cfg.hc_mult, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
                                      rngs=rngs)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
@@ -428,10 +367,10 @@ class DeepseekV4(nnx.Module):
         """The engine's step: ``T`` tokens for the requests in batch rows ``meta.rows`` of ``cache``.
 
         A row whose first position is 0 starts a new request: its state is cleared first. Every token
-        must be real (no padding: the compressors would pool it); inactive rows may run, they only
-        change their own rows. With the HiSparse tier in ``cache.entries.csa`` the step is a decode
-        step over every batch row (``meta.rows`` = 0..B-1, T = 1) and inactive rows (``meta.valid``)
-        leave the tier alone. Returns logits ``f32[B, T, V]``, the CSA indexer's top-k entry ids
+        must be real (no padding: the compressors would pool it); inactive rows (``meta.valid`` False)
+        run but leave their rows unchanged, so a row whose prompt is mid-prefill survives decode steps.
+        With the HiSparse tier in ``cache.entries.csa`` the step is a decode step over every batch row
+        (``meta.rows`` = 0..B-1, T = 1) and inactive rows leave the tier alone. Returns logits ``f32[B, T, V]``, the CSA indexer's top-k entry ids
         ``i32[Lc, B, T, K]`` (-1 = none; ``K = 0`` before the cache holds an entry) and the cache.
         """
         rows_B, start_B = meta.rows, meta.positions[:, 0]
@@ -441,7 +380,12 @@ class DeepseekV4(nnx.Module):
             sub = x[:, rows_B]
             return jnp.where(fresh_B.reshape((1, -1) + (1,) * (sub.ndim - 2)), jnp.zeros_like(sub), sub)
 
-        put = lambda x, new: x.at[:, rows_B].set(new)
+        run_B = meta.valid[:, 0]  # rows that run; the others keep their rows (a prompt mid-prefill among them)
+
+        def put(x, new):
+            keep = run_B.reshape((1, -1) + (1,) * (new.ndim - 2))
+            return x.at[:, rows_B].set(jnp.where(keep, new, x[:, rows_B]))
+
         en = cache.entries
         tiered = not isinstance(en.csa, jax.Array)
         csa = en.csa if tiered else take(en.csa)
@@ -451,8 +395,8 @@ class DeepseekV4(nnx.Module):
         logits, ids_LBTK, sub = self._step_rows(tokens_BT, sub, tier_meta)
         entries = V4Entries(sub.entries.csa if tiered else put(en.csa, sub.entries.csa),
                             put(en.index_keys, sub.entries.index_keys), put(en.hca, sub.entries.hca))
-        cache = V4Cache(jax.tree.map(put, cache.state, sub.state), entries, cache.lengths.at[rows_B].set(sub.lengths),
-                        cache.kernels)
+        lengths = cache.lengths.at[rows_B].set(jnp.where(run_B, sub.lengths, cache.lengths[rows_B]))
+        cache = V4Cache(jax.tree.map(put, cache.state, sub.state), entries, lengths, cache.kernels)
         return logits, ids_LBTK, cache
 
     def step_contiguous(self, tokens_BT: jax.Array, cache: V4Cache) -> tuple[jax.Array, V4Cache]:

@@ -1,4 +1,5 @@
-"""Building blocks shared by the DeepSeek models: linear, norms, rotary embeddings, SwiGLU MLP, MoE.
+"""Building blocks shared by the DeepSeek models: linear, norms, rotary embeddings, SwiGLU MLP, MoE
+(DeepSeek's gate with each model's scoring), the lightning indexer's scores and top-k.
 
 Weights keep HuggingFace's layout (``Linear.weight`` is ``[out, in]``, packed experts are
 ``gate_up_proj [E, 2F, D]`` and ``down_proj [E, D, F]``), so checkpoint loading is a name mapping with
@@ -29,15 +30,28 @@ class Linear(nnx.Module):
         return jnp.einsum("...i,oi->...o", x, self.weight[...])
 
 
+class Buffer(nnx.Variable):
+    """A persistent, non-trained tensor (a transformers buffer: ``tid2eid``, ``e_score_correction_bias``)."""
+
+
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    """``x * rsqrt(mean(x^2) + eps)`` over the last axis, in float32 (returns float32)."""
+    x32 = x.astype(jnp.float32)
+    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
 class RMSNorm(nnx.Module):
+    """RMSNorm with a ``weight`` of ``dtype``: normalised in float32, cast to the weight's dtype, scaled,
+    returned in x's dtype. A weight in the model dtype scales after the cast (V3.2, as transformers'
+    DeepseekV3RMSNorm); a float32 weight scales in float32 and the result is cast once (DeepSeek-V4)."""
+
     def __init__(self, dim: int, eps: float, *, dtype):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * x32.astype(x.dtype)
+        weight = self.weight[...]
+        return (weight * rms_normalize(x, self.eps).astype(weight.dtype)).astype(x.dtype)
 
 
 class LayerNorm(nnx.Module):
@@ -134,21 +148,41 @@ class MLP(nnx.Module):
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
-class Router(nnx.Module):
-    """Sigmoid router with selection-only bias and group-limited top-k (DeepSeek ``noaux_tc``)."""
+def _score(logits_AE: jax.Array, scoring: str) -> jax.Array:
+    if scoring == "sqrtsoftplus":
+        return jnp.sqrt(jax.nn.softplus(logits_AE))
+    if scoring == "sigmoid":
+        return jax.nn.sigmoid(logits_AE)
+    return jax.nn.softmax(logits_AE, axis=-1)
 
-    def __init__(self, hidden: int, n_experts: int, *, top_k: int, n_group: int, topk_group: int,
-                 norm_topk_prob: bool, scaling: float, rngs: nnx.Rngs):
+
+class Router(nnx.Module):
+    """DeepSeek's gate: ``weight [E, D]`` scores each token's experts by ``scoring`` (``"sigmoid"``,
+    ``"sqrtsoftplus"`` or ``"softmax"``) of ``x W^T``, in float32.
+
+    Selection: with ``hash_vocab`` (V4's hash layers) the fixed experts ``tid2eid[token] [V, k]``;
+    otherwise the top-k of ``score + e_score_correction_bias`` (the bias selects, it does not weight),
+    limited for ``n_group > 1`` to the ``topk_group`` groups whose two best biased scores sum highest
+    (DeepSeek ``noaux_tc``). Weights: the chosen experts' scores, renormalised to sum 1 when
+    ``norm_topk_prob``, times ``scaling``.
+    """
+
+    def __init__(self, hidden: int, n_experts: int, *, top_k: int, scoring: str, norm_topk_prob: bool,
+                 scaling: float, n_group: int = 1, topk_group: int = 1, hash_vocab: int | None = None,
+                 rngs: nnx.Rngs):
         self.weight = nnx.Param(_normal(rngs, (n_experts, hidden), 0.02, jnp.float32))
-        self.e_score_correction_bias = nnx.Param(jnp.zeros((n_experts,), jnp.float32))
-        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
+        if hash_vocab is None:
+            self.e_score_correction_bias = Buffer(jnp.zeros((n_experts,), jnp.float32))
+        else:  # random distinct experts per token id until a checkpoint overrides them
+            ids = jnp.argsort(jax.random.uniform(rngs.params(), (hash_vocab, n_experts)), axis=-1)[:, :top_k]
+            self.tid2eid = Buffer(ids.astype(jnp.int32))
+        self.hashed = hash_vocab is not None
+        self.top_k, self.scoring, self.n_group, self.topk_group = top_k, scoring, n_group, topk_group
         self.norm_topk_prob, self.scaling = norm_topk_prob, scaling
 
-    def __call__(self, x_AD: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Returns routing weights ``f32[A, k]`` and expert ids ``i32[A, k]`` for tokens ``[A, D]``."""
-        logits = jnp.einsum("ad,ed->ae", x_AD.astype(jnp.float32), self.weight[...].astype(jnp.float32))
-        scores = jax.nn.sigmoid(logits)
-        choice = scores + self.e_score_correction_bias[...]
+    def _select(self, scores_AE: jax.Array) -> jax.Array:
+        """Top-k of the biased scores within the best expert groups: expert ids ``i32[A, k]``."""
+        choice = scores_AE + self.e_score_correction_bias[...]
         n_experts = choice.shape[-1]
         if self.n_group > 1:
             grouped = choice.reshape(-1, self.n_group, n_experts // self.n_group)
@@ -157,11 +191,18 @@ class Router(nnx.Module):
             group_mask = jnp.zeros_like(group_scores, dtype=bool).at[jnp.arange(keep.shape[0])[:, None], keep].set(True)
             expert_mask = jnp.repeat(group_mask, n_experts // self.n_group, axis=-1)
             choice = jnp.where(expert_mask, choice, -jnp.inf)
-        _, experts = jax.lax.top_k(choice, self.top_k)
-        weights = jnp.take_along_axis(scores, experts, axis=-1)
+        return jax.lax.top_k(choice, self.top_k)[1]
+
+    def __call__(self, x_AD: jax.Array, tokens_A: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """Routing weights ``f32[A, k]`` and expert ids ``i32[A, k]`` for tokens ``[A, D]`` (their ids
+        ``tokens_A`` are needed by a hash router only)."""
+        logits_AE = jnp.einsum("ad,ed->ae", x_AD.astype(jnp.float32), self.weight[...].astype(jnp.float32))
+        scores_AE = _score(logits_AE, self.scoring)
+        experts_AK = self.tid2eid[...][tokens_A] if self.hashed else self._select(scores_AE)
+        weights_AK = jnp.take_along_axis(scores_AE, experts_AK, axis=-1)
         if self.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-        return weights * self.scaling, experts
+            weights_AK = weights_AK / (weights_AK.sum(-1, keepdims=True) + 1e-20)
+        return weights_AK * self.scaling, experts_AK.astype(jnp.int32)
 
 
 class Experts(nnx.Module):
@@ -190,16 +231,40 @@ class Experts(nnx.Module):
 
 
 class MoE(nnx.Module):
-    """DeepSeek MoE: routed experts plus always-on shared experts."""
+    """DeepSeek MoE: routed experts plus always-on shared experts (``n_shared`` of them, fused into one
+    MLP), SwiGLU clamped at ``limit`` when given (V4's swiglu_limit)."""
 
     def __init__(self, hidden: int, intermediate: int, n_experts: int, n_shared: int, *, router: Router,
-                 dtype, rngs: nnx.Rngs):
+                 limit: float | None = None, dtype, rngs: nnx.Rngs):
         self.gate = router
-        self.experts = Experts(hidden, intermediate, n_experts, dtype=dtype, rngs=rngs)
-        self.shared_experts = MLP(hidden, intermediate * n_shared, dtype=dtype, rngs=rngs)
+        self.experts = Experts(hidden, intermediate, n_experts, limit=limit, dtype=dtype, rngs=rngs)
+        self.shared_experts = MLP(hidden, intermediate * n_shared, limit=limit, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, tokens: jax.Array | None = None) -> jax.Array:
+        """``x [..., D]`` with its token ids ``tokens [...]`` (for a hash router) -> ``[..., D]``."""
         x_AD = x.reshape(-1, x.shape[-1])
-        weights_AK, experts_AK = self.gate(x_AD)
+        weights_AK, experts_AK = self.gate(x_AD, None if tokens is None else tokens.reshape(-1))
         routed_AD = self.experts(x_AD, weights_AK, experts_AK)
         return (routed_AD.astype(x.dtype) + self.shared_experts(x_AD)).reshape(x.shape)
+
+
+# ---- lightning indexer ------------------------------------------------------------------------
+
+
+def index_scores(q_BTIJ: jax.Array, keys_BSJ: jax.Array, weights_BTI: jax.Array, visible_BTS: jax.Array) -> jax.Array:
+    """The lightning indexer's scores ``f32[B, T, S]`` of queries ``[B, T, I, J]`` against keys ``[B, S, J]``
+    (V3.2: positions, V4: compressed entries), -inf where ``visible_BTS`` is False:
+
+        I_t,s = sum_i w_t,i * I^-1/2 * ReLU(q_t,i . k_s * J^-1/2)        w = weights_BTI
+    """
+    n_heads, head_dim = q_BTIJ.shape[-2:]
+    logits_BTIS = jnp.einsum("btij,bsj->btis", q_BTIJ.astype(jnp.float32), keys_BSJ.astype(jnp.float32))
+    relu_BTIS = jax.nn.relu(logits_BTIS * head_dim**-0.5)
+    scores_BTS = jnp.einsum("bti,btis->bts", weights_BTI.astype(jnp.float32) * n_heads**-0.5, relu_BTIS)
+    return jnp.where(visible_BTS, scores_BTS, -jnp.inf)
+
+
+def index_topk(scores_BTS: jax.Array, top_k: int) -> jax.Array:
+    """Top-k ids ``i32[B, T, K]`` of index scores, ``K = min(top_k, S)``; -1 where fewer are visible."""
+    values, ids = jax.lax.top_k(scores_BTS, min(top_k, scores_BTS.shape[-1]))
+    return jnp.where(values > -jnp.inf, ids, -1).astype(jnp.int32)

@@ -23,10 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-
-def _unweighted_rms(x: jax.Array, eps: float) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+from ess_jax.models.layers import rms_normalize
 
 
 def sinkhorn(comb_BTXX: jax.Array, iters: int, eps: float) -> jax.Array:
@@ -54,7 +51,7 @@ class HyperConnection(nnx.Module):
     def __call__(self, streams_BTXD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Returns ``post f32[B, T, X]``, ``comb f32[B, T, X, X]`` and the block input ``[B, T, D]``."""
         b, t, x, _ = streams_BTXD.shape
-        flat = _unweighted_rms(streams_BTXD.reshape(b, t, -1), self.norm_eps)
+        flat = rms_normalize(streams_BTXD.reshape(b, t, -1), self.norm_eps)
         mix = jnp.einsum("btk,ok->bto", flat, self.fn[...])
         base, scale = self.base[...], self.scale[...]
         pre_BTX = jax.nn.sigmoid(mix[..., :x] * scale[0] + base[:x]) + self.hc_eps
@@ -83,7 +80,7 @@ class HyperHead(nnx.Module):
 
     def __call__(self, streams_BTXD: jax.Array) -> jax.Array:
         b, t, _, _ = streams_BTXD.shape
-        flat = _unweighted_rms(streams_BTXD.reshape(b, t, -1), self.norm_eps)
+        flat = rms_normalize(streams_BTXD.reshape(b, t, -1), self.norm_eps)
         mix_BTX = jnp.einsum("btk,xk->btx", flat, self.hc_fn[...])
         pre_BTX = jax.nn.sigmoid(mix_BTX * self.hc_scale[...] + self.hc_base[...]) + self.hc_eps
         collapsed_BTD = jnp.einsum("btx,btxd->btd", pre_BTX, streams_BTXD.astype(jnp.float32))

@@ -23,7 +23,8 @@ from ess_jax import ops
 from ess_jax.checkpoint import CheckpointError, SafetensorsFile, hf_name, release_to_hf_name
 from ess_jax.config import ConfigError, ModelConfig, RopeConfig
 from ess_jax.models.compressor import Compressor, TailRope
-from ess_jax.models.deepseek_v4 import Buffer, DeepseekV4
+from ess_jax.models.deepseek_v4 import DeepseekV4
+from ess_jax.models.layers import Buffer
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf-v4-a"
 CAPACITY = 336  # >= 300-token prompt + 24 new tokens; one cache shape for every step test

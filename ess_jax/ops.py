@@ -1,9 +1,11 @@
 """The one place models reach compute kernels through.
 
-Each op has a pure-XLA implementation here; the Pallas kernels (pallas_kernels/) plug in behind the
-same signatures, chosen per call by the keyword-only ``kernels`` argument (the CLI's ``--kernels``):
+Each op has a pure-XLA implementation and a Pallas kernel (pallas_kernels/) behind the same
+signature, chosen per call by the keyword-only ``kernels`` argument (the CLI's ``--kernels``):
 
-- ``"xla"`` (the default): the jnp code in this module, on any backend;
+- ``"xla"`` (the default): the kernels' jnp references (``absorbed_mla_reference``,
+  ``attention_with_sink_reference``) over rows gathered by XLA, at JAX's default matmul precision, on
+  any backend;
 - ``"pallas"``: the Pallas kernel, one Mosaic GPU kernel (pallas_kernels/_gather_attention.py):
   compiled on GPU, run in the Mosaic GPU interpreter on CPU (slow, for tests); there is no TPU
   lowering, so it raises there;
@@ -83,16 +85,9 @@ def sparse_mla(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, rows_BTKW: jax.
                                scale=scale, kernels=kernels)
     if rows_BTKW.dtype == jnp.uint8:
         rows_BTKW = fp8_rows.dequantize_mla_rows(rows_BTKW, latent_dim=c, rope_dim=q_rope_BTNR.shape[-1])
-    rows_BTKW = rows_BTKW.astype(jnp.float32)
-    latent_BTKC, rope_BTKR = rows_BTKW[..., :c], rows_BTKW[..., c:]
-    logits_BTNK = (jnp.einsum("btnc,btkc->btnk", q_latent_BTNC.astype(jnp.float32), latent_BTKC)
-                   + jnp.einsum("btnr,btkr->btnk", q_rope_BTNR.astype(jnp.float32), rope_BTKR)) * scale
-    logits_BTNK = jnp.where(valid_BTK[:, :, None, :], logits_BTNK, -jnp.inf)
-    lse_BTN = jax.nn.logsumexp(logits_BTNK, axis=-1)
-    safe_lse_BTN = jnp.where(jnp.isfinite(lse_BTN), lse_BTN, 0.0)
-    probs_BTNK = jnp.exp(logits_BTNK - safe_lse_BTN[..., None])
-    out_BTNC = jnp.einsum("btnk,btkc->btnc", probs_BTNK, latent_BTKC)
-    return out_BTNC, lse_BTN
+    rows_BTKW = jnp.where(valid_BTK[..., None], rows_BTKW.astype(jnp.float32), 0.0)
+    return sparse_mla_kernel.absorbed_mla_reference(q_latent_BTNC, q_rope_BTNR, rows_BTKW, valid_BTK, scale,
+                                                    precision=None)
 
 
 def sparse_mla_pool(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, pool_PW: jax.Array, ids_BTK: jax.Array, *,
@@ -189,14 +184,8 @@ def sparse_sink_attention(q_BTNH: jax.Array, rows_BTKH: jax.Array, valid_BTK: ja
         b, t, k, h = rows_BTKH.shape
         return sparse_sink_attention_pool(q_BTNH, rows_BTKH.reshape(b * t * k, h), _identity_ids(valid_BTK), None,
                                           None, sinks_N, scale=scale, kernels=kernels)
-    rows_BTKH = rows_BTKH.astype(jnp.float32)
-    logits_BTNK = jnp.einsum("btnh,btkh->btnk", q_BTNH.astype(jnp.float32), rows_BTKH) * scale
-    logits_BTNK = jnp.where(valid_BTK[:, :, None, :], logits_BTNK, -jnp.inf)
-    sink_BTN = jnp.broadcast_to(sinks_N.astype(jnp.float32), logits_BTNK.shape[:-1])
-    lse_BTN = jnp.logaddexp(jax.nn.logsumexp(logits_BTNK, axis=-1), sink_BTN)
-    safe_lse_BTN = jnp.where(jnp.isfinite(lse_BTN), lse_BTN, 0.0)
-    probs_BTNK = jnp.exp(logits_BTNK - safe_lse_BTN[..., None])
-    return jnp.einsum("btnk,btkh->btnh", probs_BTNK, rows_BTKH), lse_BTN
+    rows_BTKH = jnp.where(valid_BTK[..., None], rows_BTKH.astype(jnp.float32), 0.0)
+    return v4_kernel.attention_with_sink_reference(q_BTNH, rows_BTKH, valid_BTK, sinks_N, scale, precision=None)
 
 
 def sparse_sink_attention_pool(q_BTNH: jax.Array, window_PH: jax.Array, window_ids_BTK: jax.Array,

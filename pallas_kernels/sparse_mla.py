@@ -73,20 +73,30 @@ def sparse_mla(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, pool_PW: jax.Ar
                             num_splits=num_splits, interpret=interpret, name="sparse_mla")
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
-def sparse_mla_reference(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, pool_PW: jax.Array, ids_BTK: jax.Array,
-                         *, scale: float) -> tuple[jax.Array, jax.Array]:
-    """``sparse_mla`` in plain jnp: gather, mask, softmax in float32."""
-    c, _ = _check(q_latent_BTNC, q_rope_BTNR, pool_PW, ids_BTK)
-    valid_BTK = ids_BTK >= 0
-    rows_BTKW = pool_PW[jnp.where(valid_BTK, ids_BTK, 0)].astype(jnp.float32)
-    rows_BTKW = jnp.where(valid_BTK[..., None], rows_BTKW, 0.0)
+def absorbed_mla_reference(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, rows_BTKW: jax.Array, valid_BTK: jax.Array,
+                           scale: float, *, precision: jax.lax.Precision | None = jax.lax.Precision.HIGHEST
+                           ) -> tuple[jax.Array, jax.Array]:
+    """The math of ``sparse_mla`` on gathered float32 rows ``[B, T, K, C + R]`` (zero where invalid):
+    mask, softmax in float32. ``precision``: of the einsums (``None``: JAX's default matmul precision,
+    the XLA path of ``ess_jax.ops.sparse_mla``)."""
+    c = q_latent_BTNC.shape[-1]
     latent_BTKC, rope_BTKR = rows_BTKW[..., :c], rows_BTKW[..., c:]
-    hi = jax.lax.Precision.HIGHEST
-    logits_BTNK = (jnp.einsum("btnc,btkc->btnk", q_latent_BTNC.astype(jnp.float32), latent_BTKC, precision=hi)
-                   + jnp.einsum("btnr,btkr->btnk", q_rope_BTNR.astype(jnp.float32), rope_BTKR, precision=hi)) * scale
+    logits_BTNK = (jnp.einsum("btnc,btkc->btnk", q_latent_BTNC.astype(jnp.float32), latent_BTKC, precision=precision)
+                   + jnp.einsum("btnr,btkr->btnk", q_rope_BTNR.astype(jnp.float32), rope_BTKR, precision=precision)
+                   ) * scale
     logits_BTNK = jnp.where(valid_BTK[:, :, None, :], logits_BTNK, -jnp.inf)
     lse_BTN = jax.nn.logsumexp(logits_BTNK, axis=-1)
     safe_lse_BTN = jnp.where(jnp.isfinite(lse_BTN), lse_BTN, 0.0)
     probs_BTNK = jnp.exp(logits_BTNK - safe_lse_BTN[..., None])
-    return jnp.einsum("btnk,btkc->btnc", probs_BTNK, latent_BTKC, precision=hi), lse_BTN
+    return jnp.einsum("btnk,btkc->btnc", probs_BTNK, latent_BTKC, precision=precision), lse_BTN
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def sparse_mla_reference(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, pool_PW: jax.Array, ids_BTK: jax.Array,
+                         *, scale: float) -> tuple[jax.Array, jax.Array]:
+    """``sparse_mla`` in plain jnp: gather (zero where invalid), then ``absorbed_mla_reference``."""
+    _check(q_latent_BTNC, q_rope_BTNR, pool_PW, ids_BTK)
+    valid_BTK = ids_BTK >= 0
+    rows_BTKW = pool_PW[jnp.where(valid_BTK, ids_BTK, 0)].astype(jnp.float32)
+    rows_BTKW = jnp.where(valid_BTK[..., None], rows_BTKW, 0.0)
+    return absorbed_mla_reference(q_latent_BTNC, q_rope_BTNR, rows_BTKW, valid_BTK, scale)

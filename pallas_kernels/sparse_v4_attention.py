@@ -90,16 +90,18 @@ def sparse_v4_attention(q_BTNH: jax.Array, window_PH: jax.Array, window_ids_BTK:
                             num_splits=num_splits, interpret=interpret, name="sparse_v4_attention")
 
 
-def attention_with_sink_reference(q_BTNH, rows_BTKH, valid_BTK, sinks_N, scale):
-    """The math of ``sparse_v4_attention`` on gathered float32 rows (zero where invalid)."""
-    hi = jax.lax.Precision.HIGHEST
-    logits_BTNK = jnp.einsum("btnh,btkh->btnk", q_BTNH.astype(jnp.float32), rows_BTKH, precision=hi) * scale
+def attention_with_sink_reference(q_BTNH, rows_BTKH, valid_BTK, sinks_N, scale, *,
+                                  precision: jax.lax.Precision | None = jax.lax.Precision.HIGHEST):
+    """The math of ``sparse_v4_attention`` on gathered float32 rows (zero where invalid). ``precision``:
+    of the einsums (``None``: JAX's default matmul precision, the XLA path of
+    ``ess_jax.ops.sparse_sink_attention``)."""
+    logits_BTNK = jnp.einsum("btnh,btkh->btnk", q_BTNH.astype(jnp.float32), rows_BTKH, precision=precision) * scale
     logits_BTNK = jnp.where(valid_BTK[:, :, None, :], logits_BTNK, -jnp.inf)
     sink_BTN = jnp.broadcast_to(sinks_N.astype(jnp.float32), logits_BTNK.shape[:-1])
     lse_BTN = jnp.logaddexp(jax.nn.logsumexp(logits_BTNK, axis=-1), sink_BTN)
     safe_lse_BTN = jnp.where(jnp.isfinite(lse_BTN), lse_BTN, 0.0)
     probs_BTNK = jnp.exp(logits_BTNK - safe_lse_BTN[..., None])
-    return jnp.einsum("btnk,btkh->btnh", probs_BTNK, rows_BTKH, precision=hi), lse_BTN
+    return jnp.einsum("btnk,btkh->btnh", probs_BTNK, rows_BTKH, precision=precision), lse_BTN
 
 
 def gather_rows_reference(pool_PX, ids_BTK, decode=lambda rows: rows):

@@ -9,7 +9,10 @@
     F  expert / MLP hidden width   A  token-expert assignments (tokens x experts per token)
     X  mHC residual streams (V4)   G  output-projection groups (V4)  O  o-LoRA rank per group (V4)
     U  compressor pooling slots    Y  compressor projection width (coff * D or coff * J, V4)
+    Z  page size (positions per page of the paged cache)
 
-The model is a pure function ``(params, tokens, cache) -> (logits, cache)``; caches are registered
-dataclass pytrees whose fields are documented with these letters.
+A model's cached form is its ``step(tokens, meta, cache) -> (logits, ids, cache)``: the new tokens
+``i32[B, T]``, their ``ess_jax.cache.StepMeta`` and the cache in; logits ``f32[B, T, V]``, the indexer's
+top-k ids per sparse layer and the updated cache out. Caches are registered dataclass pytrees whose
+fields are documented with these letters.
 """

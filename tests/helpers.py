@@ -1,5 +1,6 @@
 """Shared test utilities."""
 
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -51,6 +52,12 @@ SMALL_V32 = dict(hidden_size=64, num_hidden_layers=2, mlp_layer_types=["dense", 
 # One small engine shape for the V3.2 engine tests (prompt + new tokens <= 64), so they reuse each other's
 # compiled prefill pieces and decode steps.
 ENGINE = EngineConfig(max_batch=3, page_size=8, num_pages=25, prefill_chunk=32, max_seq_len=64)
+
+# One shape pair (resident, ESS) for the online-engine and server tests on the hf-v32-a / hf-v4-a fixtures
+# (prompts up to 600 tokens), so the servers reuse the engines' compiled steps.
+ONLINE_LONGEST, ONLINE_NEW = 600, 6
+ONLINE = {"resident": EngineConfig(max_batch=2, page_size=16, prefill_chunk=64, max_seq_len=ONLINE_LONGEST + ONLINE_NEW)}
+ONLINE["ess"] = dataclasses.replace(ONLINE["resident"], offload="ess", pool_size=40)
 
 
 def small_v32_json() -> dict:

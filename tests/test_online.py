@@ -16,15 +16,15 @@ from hypothesis import strategies as st
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 import ess_jax
-from ess_jax.engine import Engine, EngineConfig
+from ess_jax.engine import Engine
 from ess_jax.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDetokenizer
+from helpers import ONLINE, ONLINE_LONGEST, ONLINE_NEW
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FAMILIES = {"v32": FIXTURES / "hf-v32-a", "v4": FIXTURES / "hf-v4-a"}  # index_topk 16 / 8, vocab 320
-LONGEST = 600  # prompt tokens
-NEW = 6  # most new tokens per request
-BASE = EngineConfig(max_batch=2, page_size=16, prefill_chunk=64, max_seq_len=LONGEST + NEW)
-MODES = {"resident": BASE, "ess": dataclasses.replace(BASE, offload="ess", pool_size=40)}
+LONGEST, NEW = ONLINE_LONGEST, ONLINE_NEW  # prompt tokens, most new tokens per request
+MODES = ONLINE
+BASE = MODES["resident"]
 COMBOS = [(f, m) for f in FAMILIES for m in MODES]
 MAX_STEPS = 2000  # every loop below is bounded
 

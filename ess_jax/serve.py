@@ -1,0 +1,87 @@
+"""``python -m ess_jax.serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) on the online engine.
+
+Examples:
+    python -m ess_jax.serve                                   # tiny-v32, ESS at ratio 0.2, 127.0.0.1:8000
+    python -m ess_jax.serve --model path/to/ckpt --port 8080 --api-key secret --offload none
+    curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+        -d '{"model": "tiny-v32", "prompt": "Hello", "max_tokens": 16, "temperature": 0}'
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": true), GET /v1/models,
+GET /health, GET /metrics (Prometheus). SIGINT / SIGTERM: stop accepting, let running requests finish
+for up to --shutdown-timeout seconds, abort the rest, exit 0. Bad flags, models or checkpoints print
+one line starting with "error:" and exit with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from ess_jax.cli import Parser, add_engine_flags, add_model_flag, engine_config
+
+DEFAULT_MAX_SEQ_LEN = 4096
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = Parser("python -m ess_jax.serve", __doc__)
+    add_model_flag(p)
+    add_engine_flags(p)
+    http = p.add_argument_group("HTTP")
+    http.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    http.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    http.add_argument("--api-key", default=None,
+                      help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
+    http.add_argument("--served-model-name", default=None,
+                      help="the model id clients send and /v1/models lists (default: --model as given)")
+    http.add_argument("--max-waiting", type=int, default=64,
+                      help="requests allowed to wait for a batch row; more get 503 with Retry-After (default 64)")
+    http.add_argument("--shutdown-timeout", type=float, default=30.0,
+                      help="seconds running requests may take to finish after SIGINT / SIGTERM (default 30)")
+    http.add_argument("--metrics-interval", type=int, default=16,
+                      help="engine steps between reads of the device counters behind /metrics (default 16)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        for name in ("port", "max_waiting", "metrics_interval"):
+            if getattr(args, name) < (0 if name == "port" else 1):
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= "
+                                 f"{0 if name == 'port' else 1}")
+        if args.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout {args.shutdown_timeout} must be >= 0")
+        import uvicorn
+
+        from ess_jax.api import load_model
+        from ess_jax.engine import Engine
+        from ess_jax.server import create_app
+
+        model = load_model(args.model, args.dtype, seed=args.weights_seed)
+        config = engine_config(args, max_seq_len=args.max_seq_len or min(DEFAULT_MAX_SEQ_LEN,
+                                                                          model.cfg.max_position_embeddings))
+        engine = Engine(model, config)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or args.model
+    app = create_app(engine, model_name=name, api_key=args.api_key, max_waiting=args.max_waiting,
+                     metrics_every=args.metrics_interval)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           timeout_graceful_shutdown=args.shutdown_timeout))
+    print(f"ess_jax: serving {name!r} ({model.cfg.family}, offload {config.offload}) on "
+          f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    # uvicorn handles SIGINT / SIGTERM while it serves (graceful shutdown), then raises the signal again under
+    # the handlers it found; these make that a no-op, so a requested shutdown exits 0
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    if not server.started:  # uvicorn logged why (the port is taken, say)
+        print(f"error: the server did not start on {args.host}:{args.port}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,14 +9,16 @@ the same number of steps).
 
 What is measured, per configuration:
 - decode tokens/s: batch x measured steps / their summed latency, per repetition; the median is
-  reported. Decode is compiled before the first run (Engine.run), and the first ``--warmup-steps``
-  decode steps of every run are dropped.
+  reported. Measured steps are the decode steps in which every request decodes (a later prompt's
+  prefill pieces interleave with the first requests' decode, so the first steps may serve fewer
+  rows), less the first ``--warmup-steps`` of them; decode is compiled before the first step.
 - step latency p50 / p99: every measured step of every repetition. A step is one call of
   ``Engine._decode_step`` (host bookkeeping, the compiled step, reading the sampled tokens back, and
   for ``split`` the host backup), timed with ``time.perf_counter`` by ``TimedEngine``, a subclass
   that wraps that method and changes nothing else.
 - hit rate, overall and per layer, and h2d bytes per step: the tier's device counters
-  (Engine.offload_metrics) over every decode step of every repetition; h2d = misses x row bytes.
+  (Engine.offload_metrics) over every decode step of every repetition; h2d = misses x row bytes;
+  per step = per decoded token x batch.
 - device / host bytes: Engine.cache_bytes (the decode-time cache arrays; the prefill scratch, a
   prefill node's memory, is reported apart).
 - capacity gain: requests that fit in a device budget M (``--device-budget-mb``):
@@ -68,6 +70,16 @@ def _floats(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
 
 
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be >= 1")
+    return values
+
+
 def _names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
@@ -105,6 +117,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="also time transformers' generate on the same weights and prompts (needs torch + transformers)")
     p.add_argument("--peer-python", default=None,
                    help="a Python interpreter with torch + transformers, for --peer hf when this one lacks them")
+    p.add_argument("--stall-steps", type=int, default=24,
+                   help="decode steps of the prefill-stall pass (a --context-token prompt admitted while --batch "
+                        "requests decode, resident); 0 skips it (default 24)")
+    serve = p.add_argument_group("HTTP load test (ess_jax.loadgen): instead of the engines above, load running servers")
+    serve.add_argument("--serve", action="append", default=None, metavar="URL",
+                       help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (repeat for side-by-side)")
+    serve.add_argument("--concurrency", type=_ints, default=[1, 8, 32],
+                       help="requests in flight, comma-separated levels (default 1,8,32)")
+    serve.add_argument("--prompt-lengths", type=_ints, default=[16, 256, 1024],
+                       help="prompt lengths in tokens (random byte ids), cycled over the requests (default 16,256,1024)")
+    serve.add_argument("--requests", type=int, default=32, help="requests per level (default 32)")
+    serve.add_argument("--max-tokens", type=int, default=32, help="new tokens per request (default 32)")
+    serve.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    serve.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take (default 600)")
     return p.parse_args(argv)
 
 
@@ -148,16 +174,16 @@ def _timed_engine_class():
     from ess_jax.engine import Engine
 
     class TimedEngine(Engine):
-        """An Engine whose decode steps are timed one by one; ``steps`` holds the seconds of each."""
+        """An Engine whose decode steps are timed one by one; ``steps`` holds (seconds, rows decoded) of each."""
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.steps: list[float] = []
+            self.steps: list[tuple[float, int]] = []
 
         def _decode_step(self, new) -> int:
             start = time.perf_counter()
             served = super()._decode_step(new)
-            self.steps.append(time.perf_counter() - start)
+            self.steps.append((time.perf_counter() - start, served))
             return served
 
     return TimedEngine
@@ -207,7 +233,8 @@ def run_settings(model, settings: list[Setting], prompts: list[list[int]], args,
                 outputs[i] = [r.output_ids for r in requests]
             if cache_bytes[i] is None:  # resident_device_bytes sums every request submitted so far: read it once
                 cache_bytes[i] = engine.cache_bytes()
-            measured = engine.steps[first + args.warmup_steps:]
+            # full-batch steps only: a later prompt's prefill interleaves with the first requests' decode
+            measured = [t for t, rows in engine.steps[first:] if rows == len(prompts)][args.warmup_steps:]
             tok_s[i].append(len(prompts) * len(measured) / sum(measured))
             steps_ms[i] += [1e3 * t for t in measured]
             log(f"repeat {rep + 1}/{args.repeats}  {settings[i].label:<22} {tok_s[i][-1]:8.1f} tok/s")
@@ -216,6 +243,7 @@ def run_settings(model, settings: list[Setting], prompts: list[list[int]], args,
     for s, engine, rates, ms, cb, prefill, output in zip(settings, engines, tok_s, steps_ms, cache_bytes, prefill_tok_s,
                                                          outputs):
         steps = len(engine.steps)
+        full_steps = engine.stats["decode_tokens"] / len(prompts)  # decode steps of the whole batch, equivalently
         metrics = engine.offload_metrics()
         result = {
             "offload": s.offload, "pool_ratio": s.pool_ratio, "fetch": s.fetch, "pool_slots": engine.pool_slots,
@@ -224,8 +252,8 @@ def run_settings(model, settings: list[Setting], prompts: list[list[int]], args,
             "step_ms_p50": float(np.percentile(ms, 50)), "step_ms_p99": float(np.percentile(ms, 99)),
             "step_ms_mean": float(np.mean(ms)), "measured_steps": len(ms), "decode_steps": steps,
             "hit_rate": metrics["hit_rate"] if metrics else None,
-            "h2d_bytes_per_step": metrics["h2d_bytes"] / steps if metrics else 0.0,
-            "d2h_bytes_per_step": metrics["decode_d2h_bytes"] / steps if metrics else 0.0,
+            "h2d_bytes_per_step": metrics["h2d_bytes"] / full_steps if metrics else 0.0,
+            "d2h_bytes_per_step": metrics["decode_d2h_bytes"] / full_steps if metrics else 0.0,
             "per_layer": ([dict(c, hit_rate=c["hits"] / c["lookups"] if c["lookups"] else 0.0)
                            for c in metrics["per_layer"]] if metrics else None),
             "device_bytes": cb["device_bytes"], "host_bytes": cb["host_bytes"],
@@ -256,6 +284,39 @@ def topk_overlap(current_LK: np.ndarray, previous_LK: np.ndarray) -> np.ndarray:
         cur = cur[cur >= 0]
         overlap_L[layer] = np.isin(cur, prev[prev >= 0]).sum() / max(cur.size, 1)
     return overlap_L
+
+
+def prefill_stall(model, prompts: list[list[int]], args, log) -> dict:
+    """How much a long prompt admitted mid-run slows the running requests (resident engine): ``--batch``
+    requests of 64 prompt tokens decode; after a few steps one more request of ``--context`` tokens arrives.
+    Every ``Engine.step`` is timed; a step with a prefill piece runs at most ``--prefill-chunk`` prompt
+    tokens. Reports the median decode-only step, the median and largest step with a prefill piece, the
+    median time of one prefill piece alone (``stats``), and how many pieces the long prompt took."""
+    from ess_jax.engine import Engine, EngineConfig
+
+    log(f"stall: {args.batch} decoding + one {args.context}-token prompt, chunk {args.prefill_chunk}")
+    config = EngineConfig(max_batch=args.batch + 1, max_seq_len=args.context + args.stall_steps + 64,
+                          prefill_chunk=args.prefill_chunk, kernels=args.kernels, cache_dtype=args.cache_dtype)
+    engine = Engine(model, config)
+    for prompt in prompts:
+        engine.add_request(prompt[:64], args.stall_steps + 16, ignore_eos=True)
+    decode_ms, prefill_ms, piece_ms = [], [], []
+    for step in range(args.stall_steps + 16):
+        if step == 8:
+            engine.add_request(prompts[0], 1, ignore_eos=True)
+        tokens, seconds = engine.stats["prefill_tokens"], engine.stats["prefill_s"]
+        start = time.perf_counter()
+        engine.step()
+        ms = 1e3 * (time.perf_counter() - start)
+        if engine.stats["prefill_tokens"] > tokens and step >= 8:
+            prefill_ms.append(ms)
+            piece_ms.append(1e3 * (engine.stats["prefill_s"] - seconds))
+        elif step >= 2:
+            decode_ms.append(ms)
+    engine.run()
+    return {"decode_step_ms": statistics.median(decode_ms), "prefill_step_ms": statistics.median(prefill_ms),
+            "prefill_step_ms_max": max(prefill_ms), "prefill_piece_ms": statistics.median(piece_ms),
+            "pieces": len(prefill_ms), "prefill_chunk": args.prefill_chunk, "context": args.context}
 
 
 def topk_locality(model, prompt: list[int], steps: int, *, page_size: int = 64, chunk: int = 1024) -> np.ndarray:
@@ -421,6 +482,13 @@ def render(result: dict) -> str:
     if result["locality"]:
         means = " ".join(f"{np.mean(x):.2f}" for x in result["locality"])
         out.append(f"top-k overlap of adjacent steps, mean per layer ({len(result['locality'][0])} steps): {means}")
+    stall = result.get("stall")
+    if stall:
+        out.append(f"prefill stall (resident): a {stall['context']}-token prompt admitted mid-run took {stall['pieces']} "
+                   f"steps with a prefill piece of <= {stall['prefill_chunk']} tokens; the running requests' step "
+                   f"{stall['decode_step_ms']:.2f} ms without one, {stall['prefill_step_ms']:.2f} ms median / "
+                   f"{stall['prefill_step_ms_max']:.2f} ms max with one (one piece alone: "
+                   f"{stall['prefill_piece_ms']:.2f} ms median)")
     peer = result.get("peer")
     if peer is not None:
         if peer["available"]:
@@ -510,6 +578,7 @@ def bench(args: argparse.Namespace, log) -> dict:
     prompts = [rng.integers(0, cfg.vocab_size, args.context).tolist() for _ in range(args.batch)]
     settings = [Setting("none")] + [Setting("ess", r, f) for r in args.ratios for f in args.fetch]
     runs = run_settings(model, settings, prompts, args, log)
+    stall = prefill_stall(model, prompts, args, log) if args.stall_steps else None
     locality = []
     if args.locality_steps:
         log(f"locality: resident pass, {args.context} prompt tokens + {args.locality_steps} decode steps")
@@ -521,7 +590,7 @@ def bench(args: argparse.Namespace, log) -> dict:
                   "device_budget_mb": args.device_budget_mb, "machine": _machine()},
         "capacity_formula": "requests in budget = floor(budget / (device_bytes / batch)); without offload "
                             "floor(budget / (resident_device_bytes / batch)); gain = their ratio",
-        "runs": runs, "locality": locality,
+        "runs": runs, "locality": locality, "stall": stall,
     }
     if args.peer:
         peer = run_peer(model, args.model, prompts, args, log)
@@ -551,9 +620,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log = (lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))
     try:
+        if args.serve:
+            from ess_jax import loadgen
+
+            if args.requests < 1 or args.max_tokens < 1:
+                raise ValueError("--requests and --max-tokens must be >= 1")
+            result = loadgen.load_test([u.rstrip("/") for u in args.serve], concurrency=args.concurrency,
+                                       prompt_lengths=args.prompt_lengths, requests=args.requests,
+                                       max_tokens=args.max_tokens, vocab=256, seed=args.seed, api_key=args.api_key,
+                                       timeout=args.timeout, log=log)
+            result["files"] = loadgen.write_outputs(result, Path(args.out))
+            print(json.dumps(result) if args.json else loadgen.render(result))
+            return 0
         _check(args)
         result = bench(args, log)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(result) if args.json else render(result))

@@ -35,6 +35,7 @@ from ess_jax.engine import Engine, RequestOutput
 from ess_jax.sampling import SamplingParams
 
 MAX_LOGPROBS = 20
+ENGINE_THREAD_STACK = 64 << 20  # bytes
 
 
 class APIError(Exception):
@@ -142,9 +143,22 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self.error: BaseException | None = None
+        self._ready = threading.Event()  # set once warmed up (or failed)
         self._thread = threading.Thread(target=self._run, name="ess_jax-engine", daemon=True)
 
     def start(self):
+        """Start the engine thread and return once it has compiled (or raise what stopped it). The thread
+        gets a large stack: XLA compiles on it."""
+        previous = threading.stack_size(ENGINE_THREAD_STACK)
+        try:
+            self._thread.start()
+        finally:
+            threading.stack_size(previous)
+        self._ready.wait()
+        if self.error is not None:
+            raise EngineDied(f"the engine did not start: {self.error!r}") from self.error
+
+    def _warm_up(self):
         """Compile before the first request: the decode step, and every prefill piece through one request of
         2 x prefill_chunk - 1 tokens (pieces of prefill_chunk, then every power of two below it)."""
         engine = self.engine
@@ -153,7 +167,6 @@ class EngineLoop:
         engine.add_request([0] * min(2 * chunk - 1, room), 1, ignore_eos=True)
         engine.run()
         self.metrics.read_device(engine)
-        self._thread.start()
 
     def stop(self):
         """Abort what is left and end the thread."""
@@ -199,6 +212,13 @@ class EngineLoop:
     def _run(self):
         steps = 0
         try:
+            try:
+                self._warm_up()
+            except BaseException as e:
+                self.error = e
+                raise
+            finally:
+                self._ready.set()
             while not self._stopping.is_set():
                 if not self.engine.has_unfinished():
                     if steps:
@@ -371,7 +391,7 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None, m
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        loop.start()
+        await asyncio.to_thread(loop.start)
         try:
             yield
         finally:

@@ -33,9 +33,11 @@ def test_tiny_bench_json_follows_the_schema(checkpoint, tmp_path, capsys):
     out = tmp_path / "out"
     code = bench.main(["--model", str(checkpoint), "--context", "256", "--new-tokens", "8", "--ratios", "0.5",
                        "--fetch", "inline", "--repeats", "1", "--warmup-steps", "2", "--locality-steps", "6",
-                       "--out", str(out), "--json"])
+                       "--stall-steps", "6", "--out", str(out), "--json"])
     assert code == 0
     result = json.loads(capsys.readouterr().out)
+    stall = result["stall"]  # the 256-token prompt admitted mid-run: one piece (prefill chunk 1024)
+    assert stall["pieces"] == 1 and stall["prefill_chunk"] == 1024
     runs = result["runs"]
     assert [(r["offload"], r["pool_ratio"], r["fetch"]) for r in runs] == [("none", None, None), ("ess", 0.5, "inline")]
     for r in runs:
@@ -98,3 +100,16 @@ def test_peer_without_torch_says_so(tmp_path):
     args = bench.parse_args(["--peer", "hf", "--out", str(tmp_path)])
     peer = bench.run_peer(None, "tiny-v32", [[1, 2, 3]], args, log=print)
     assert peer["available"] is False and "--peer-python" in peer["reason"]
+
+
+def test_prefill_stall_pass_interleaves_one_chunk_per_step(checkpoint):
+    """The stall pass: a 256-token prompt admitted while two requests decode, prefill chunk 64: four steps
+    carry one 64-token piece each, and every step still decodes the running requests."""
+    import argparse
+
+    args = argparse.Namespace(batch=2, context=256, stall_steps=6, prefill_chunk=64, kernels="xla", cache_dtype=None)
+    rng = np.random.default_rng(0)
+    stall = bench.prefill_stall(load_model(checkpoint), [rng.integers(0, 256, 256).tolist() for _ in range(2)], args,
+                                log=lambda msg: None)
+    assert stall["pieces"] == 4 and stall["prefill_chunk"] == 64
+    assert 0 < stall["decode_step_ms"] and 0 < stall["prefill_piece_ms"] <= stall["prefill_step_ms_max"]

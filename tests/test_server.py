@@ -91,7 +91,7 @@ def root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def servers(root):
-    """Servers by (family, mode), started on first use; closed at the end of the module."""
+    """Servers by (family, mode: "wide" = WIDE), started on first use; closed at the end of the module."""
     started = {}
 
     def get(family: str, mode: str) -> ThreadServer:
@@ -129,11 +129,14 @@ def metric(server: ThreadServer, name: str) -> float:
 
 
 @pytest.mark.parametrize("family,mode", [("v32", "resident"), ("v32", "ess"), ("v4", "resident"), ("v4", "ess")])
-def test_greedy_completions_equal_generate(servers, root, family, mode):
-    server = servers(family, mode)
+def test_greedy_completions_equal_generate(root, family, mode):
+    server = ThreadServer(Engine(ess_jax.load_model(checkpoint(family, root)), CONFIGS[mode]))
     batch = prompts([5, 70, 300])
-    reply = client(server).completions.create(model="m", prompt=batch, max_tokens=6, temperature=0,
-                                              extra_body={"ignore_eos": True})
+    try:
+        reply = client(server).completions.create(model="m", prompt=batch, max_tokens=6, temperature=0,
+                                                  extra_body={"ignore_eos": True})
+    finally:
+        server.close()
     model = server.engine.model
     expected = offline(server, batch, 6)
     assert [c.index for c in reply.choices] == [0, 1, 2]
@@ -330,3 +333,18 @@ def test_sigterm_lets_running_requests_finish_and_exits_0(root):
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_bench_load_generator_against_a_running_server(servers, tmp_path, capsys):
+    from ess_jax import bench
+
+    server = servers("v32", "wide")
+    code = bench.main(["--serve", server.url, "--concurrency", "1,4", "--requests", "4", "--prompt-lengths", "8,64",
+                       "--max-tokens", "5", "--out", str(tmp_path), "--json"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [(r["concurrency"], r["model"]) for r in result["runs"]] == [(1, "m"), (4, "m")]
+    for r in result["runs"]:
+        assert r["output_tokens_per_s"] * r["wall_s"] == pytest.approx(4 * 5)  # every request's usage
+        assert 0 < r["ttft_ms_p50"] <= r["ttft_ms_p99"] and r["itl_ms_p50"] > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["serve.png", "serve_results.json"]

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ess_jax import checkpoint
+from ess_jax import checkpoint, families
 from ess_jax.config import PRESETS, ConfigError, ModelConfig
 from ess_jax.models.deepseek_v32 import DeepseekV32
 from ess_jax.models.deepseek_v4 import DeepseekV4
@@ -22,7 +22,6 @@ from ess_jax.sampling import SamplingParams
 from ess_jax.tokenizer import ChatTemplate, Tokenizer, load_chat_template, load_tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-MODEL_CLASSES = {"deepseek_v32": DeepseekV32, "deepseek_v4": DeepseekV4}  # by ModelConfig.family
 
 
 class Model:
@@ -82,12 +81,12 @@ def load_model(name_or_dir: str | Path, dtype: str = "float32", *, seed: int = 0
     path = Path(name_or_dir)
     if path.is_dir():
         cfg = ModelConfig.from_json(path / "config.json")
-        cls = MODEL_CLASSES[cfg.family]
+        cls = families.get(cfg.family).module_cls
         module = checkpoint.load_into(lambda: cls(cfg, dtype=jdtype, rngs=nnx.Rngs(seed)), cfg, path, jdtype)
         return Model(str(path), module, load_tokenizer(path, cfg), load_chat_template(path))
     if str(name_or_dir) in PRESETS:
         cfg = ModelConfig.from_preset(str(name_or_dir))
-        module = MODEL_CLASSES[cfg.family](cfg, dtype=jdtype, rngs=nnx.Rngs(seed))
+        module = families.get(cfg.family).module_cls(cfg, dtype=jdtype, rngs=nnx.Rngs(seed))
         return Model(str(name_or_dir), module, load_tokenizer(None, cfg))
     raise ConfigError(f"{name_or_dir!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
 

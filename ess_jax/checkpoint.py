@@ -29,6 +29,7 @@ import numpy as np
 import jax.numpy as jnp
 from flax import nnx
 
+from ess_jax import families
 from ess_jax.config import ModelConfig
 
 _DTYPES = {
@@ -202,12 +203,9 @@ def release_to_hf_name(key: str) -> str:
     return name if name.startswith("lm_head.") else "model." + name
 
 
-_RENAMES = {"deepseek_v4": release_to_hf_name}  # per family: stored name -> transformers name
-
-
 def load_into(model_fn, cfg: ModelConfig, directory: Path, dtype) -> nnx.Module:
     """Build ``model_fn()`` abstractly, then fill every parameter from the checkpoint in ``directory``."""
-    ckpt = Checkpoint(directory, _RENAMES.get(cfg.family))
+    ckpt = Checkpoint(directory, families.get(cfg.family).hf_rename)
     abstract = nnx.eval_shape(model_fn)
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)

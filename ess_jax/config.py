@@ -16,7 +16,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("deepseek_v32", "deepseek_v4")
 PRESETS = ("tiny-v32", "deepseek-v3.2", "tiny-v4", "deepseek-v4-flash", "deepseek-v4-pro")
 
 
@@ -141,34 +140,9 @@ class ModelConfig:
     swiglu_limit: float = 10.0
 
     def __post_init__(self):
-        if self.model_type not in FAMILIES:
-            raise ConfigError(f"model_type={self.model_type!r} is not served; supported: {', '.join(FAMILIES)}")
-        if self.model_type == "deepseek_v4":
-            _check_v4(self)
-            return
-        if not self.mlp_layer_types:
-            dense = min(3, self.num_hidden_layers)
-            object.__setattr__(self, "mlp_layer_types", ("dense",) * dense + ("sparse",) * (self.num_hidden_layers - dense))
-        checks = [
-            (len(self.mlp_layer_types) == self.num_hidden_layers,
-             f"mlp_layer_types has {len(self.mlp_layer_types)} entries for num_hidden_layers={self.num_hidden_layers}"),
-            (set(self.mlp_layer_types) <= {"dense", "sparse"}, f"mlp_layer_types={self.mlp_layer_types} must be 'dense' or 'sparse'"),
-            (self.n_group >= 1 and self.n_routed_experts % self.n_group == 0,
-             f"n_routed_experts={self.n_routed_experts} is not divisible by n_group={self.n_group}"),
-            (1 <= self.topk_group <= self.n_group, f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}]"),
-            (self.n_group == 1 or self.n_routed_experts // self.n_group >= 2,
-             "group-limited routing needs at least 2 experts per group (n_routed_experts / n_group >= 2)"),
-            (self.num_experts_per_tok <= self.topk_group * (self.n_routed_experts // self.n_group),
-             f"num_experts_per_tok={self.num_experts_per_tok} exceeds the experts in topk_group={self.topk_group} groups"),
-            (self.qk_rope_head_dim % 2 == 0, f"qk_rope_head_dim={self.qk_rope_head_dim} must be even"),
-            (self.qk_rope_head_dim <= self.index_head_dim,
-             f"index_head_dim={self.index_head_dim} must be >= qk_rope_head_dim={self.qk_rope_head_dim}"),
-            (self.index_topk >= 1, f"index_topk={self.index_topk} must be >= 1"),
-            (self.q_lora_rank > 0, "q_lora_rank must be set (DeepSeek-V3.2 always uses the q LoRA)"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ConfigError(message)
+        from ess_jax import families  # the registry imports this module
+
+        families.get(self.model_type).check(self)
 
     # ---- derived -------------------------------------------------------------------------------
     @property
@@ -196,33 +170,11 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        from ess_jax import families  # the registry imports this module
+
         if "model_type" not in raw:
             raise ConfigError("config.json has no 'model_type' (expected 'deepseek_v32' or 'deepseek_v4')")
-        if raw["model_type"] == "deepseek_v4":
-            return _v4_from_hf_dict(cls, raw)
-        names = {f.name for f in dataclasses.fields(cls)} - {"rope", "eos_token_id", "mlp_layer_types"} - V4_ONLY_FIELDS
-        kwargs = {k: raw[k] for k in names if raw.get(k) is not None}
-        if raw.get("num_experts") is not None:
-            kwargs["n_routed_experts"] = raw["num_experts"]
-        if raw.get("num_local_experts") is not None:
-            kwargs["n_routed_experts"] = raw["num_local_experts"]
-        eos = raw.get("eos_token_id", 1)
-        kwargs["eos_token_id"] = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
-        layers = int(raw.get("num_hidden_layers", cls.num_hidden_layers))
-        if raw.get("mlp_layer_types"):
-            kwargs["mlp_layer_types"] = tuple(raw["mlp_layer_types"])
-        else:
-            dense = min(int(raw.get("first_k_dense_replace", 3)), layers)
-            kwargs["mlp_layer_types"] = ("dense",) * dense + ("sparse",) * (layers - dense)
-        rope_params = raw.get("rope_parameters") or raw.get("rope_scaling")
-        kwargs["rope"] = RopeConfig.from_hf(
-            rope_params, float(raw.get("rope_theta", 10000.0)), int(raw.get("max_position_embeddings", 163840))
-        )
-        for key, value in kwargs.items():
-            field_type = {f.name: f.type for f in dataclasses.fields(cls)}.get(key)
-            if field_type in ("int", "float") and not isinstance(value, (int, float)):
-                raise ConfigError(f"config field {key}={value!r} must be a number")
-        return cls(**kwargs)
+        return families.get(raw["model_type"]).from_hf_dict(cls, raw)
 
     @classmethod
     def from_json(cls, path: str | Path) -> ModelConfig:
@@ -241,6 +193,62 @@ class ModelConfig:
             raise ConfigError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)} (or pass a checkpoint directory)")
         text = resources.files("ess_jax.configs").joinpath(f"{name}.json").read_text()
         return cls.from_hf_dict(json.loads(text))
+
+
+# ---- deepseek_v32 ------------------------------------------------------------------------------
+
+def v32_from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+    """A ``DeepseekV32Config`` config.json -> ModelConfig."""
+    names = {f.name for f in dataclasses.fields(cls)} - {"rope", "eos_token_id", "mlp_layer_types"} - V4_ONLY_FIELDS
+    kwargs = {k: raw[k] for k in names if raw.get(k) is not None}
+    if raw.get("num_experts") is not None:
+        kwargs["n_routed_experts"] = raw["num_experts"]
+    if raw.get("num_local_experts") is not None:
+        kwargs["n_routed_experts"] = raw["num_local_experts"]
+    eos = raw.get("eos_token_id", 1)
+    kwargs["eos_token_id"] = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+    layers = int(raw.get("num_hidden_layers", cls.num_hidden_layers))
+    if raw.get("mlp_layer_types"):
+        kwargs["mlp_layer_types"] = tuple(raw["mlp_layer_types"])
+    else:
+        dense = min(int(raw.get("first_k_dense_replace", 3)), layers)
+        kwargs["mlp_layer_types"] = ("dense",) * dense + ("sparse",) * (layers - dense)
+    rope_params = raw.get("rope_parameters") or raw.get("rope_scaling")
+    kwargs["rope"] = RopeConfig.from_hf(
+        rope_params, float(raw.get("rope_theta", 10000.0)), int(raw.get("max_position_embeddings", 163840))
+    )
+    for key, value in kwargs.items():
+        field_type = {f.name: f.type for f in dataclasses.fields(cls)}.get(key)
+        if field_type in ("int", "float") and not isinstance(value, (int, float)):
+            raise ConfigError(f"config field {key}={value!r} must be a number")
+    return cls(**kwargs)
+
+
+def check_v32(cfg: ModelConfig) -> None:
+    """Fills the default ``mlp_layer_types`` (3 dense layers, then MoE), then checks the config."""
+    if not cfg.mlp_layer_types:
+        dense = min(3, cfg.num_hidden_layers)
+        object.__setattr__(cfg, "mlp_layer_types", ("dense",) * dense + ("sparse",) * (cfg.num_hidden_layers - dense))
+    checks = [
+        (len(cfg.mlp_layer_types) == cfg.num_hidden_layers,
+         f"mlp_layer_types has {len(cfg.mlp_layer_types)} entries for num_hidden_layers={cfg.num_hidden_layers}"),
+        (set(cfg.mlp_layer_types) <= {"dense", "sparse"}, f"mlp_layer_types={cfg.mlp_layer_types} must be 'dense' or 'sparse'"),
+        (cfg.n_group >= 1 and cfg.n_routed_experts % cfg.n_group == 0,
+         f"n_routed_experts={cfg.n_routed_experts} is not divisible by n_group={cfg.n_group}"),
+        (1 <= cfg.topk_group <= cfg.n_group, f"topk_group={cfg.topk_group} must be in [1, n_group={cfg.n_group}]"),
+        (cfg.n_group == 1 or cfg.n_routed_experts // cfg.n_group >= 2,
+         "group-limited routing needs at least 2 experts per group (n_routed_experts / n_group >= 2)"),
+        (cfg.num_experts_per_tok <= cfg.topk_group * (cfg.n_routed_experts // cfg.n_group),
+         f"num_experts_per_tok={cfg.num_experts_per_tok} exceeds the experts in topk_group={cfg.topk_group} groups"),
+        (cfg.qk_rope_head_dim % 2 == 0, f"qk_rope_head_dim={cfg.qk_rope_head_dim} must be even"),
+        (cfg.qk_rope_head_dim <= cfg.index_head_dim,
+         f"index_head_dim={cfg.index_head_dim} must be >= qk_rope_head_dim={cfg.qk_rope_head_dim}"),
+        (cfg.index_topk >= 1, f"index_topk={cfg.index_topk} must be >= 1"),
+        (cfg.q_lora_rank > 0, "q_lora_rank must be set (DeepSeek-V3.2 always uses the q LoRA)"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
 
 
 # ---- deepseek_v4 -------------------------------------------------------------------------------
@@ -265,7 +273,7 @@ _V4_HF_DEFAULTS: dict[str, Any] = dict(
 )
 
 
-def _v4_from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+def v4_from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
     """A ``DeepseekV4Config`` config.json (modern or legacy keys) -> ModelConfig, as transformers 5.23 reads it."""
     fields = {f.name: f.type for f in dataclasses.fields(cls)}
     kwargs = dict(_V4_HF_DEFAULTS)
@@ -335,7 +343,7 @@ def _v4_from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
     return cls(model_type="deepseek_v4", **kwargs)
 
 
-def _check_v4(cfg: ModelConfig) -> None:
+def check_v4(cfg: ModelConfig) -> None:
     n = cfg.num_hidden_layers
     checks = [
         (len(cfg.layer_types) == n, f"layer_types has {len(cfg.layer_types)} entries for num_hidden_layers={n}"),

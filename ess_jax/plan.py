@@ -52,9 +52,10 @@ import math
 import sys
 from pathlib import Path
 
+from ess_jax import families
 from ess_jax.cli import Parser
 from ess_jax.config import PRESETS, ConfigError, ModelConfig
-from ess_jax.pallas_kernels import fp8_rows
+from ess_jax.families import Part
 
 GB = 1e9
 REAL_PRESETS = ("deepseek-v3.2", "deepseek-v4-flash", "deepseek-v4-pro")
@@ -65,79 +66,20 @@ MAP_BYTES = 4  # ess_jax residency map: int32 slot per entry (tier.TieredLatents
 SLOT_TABLE_BYTES = 8  # ess_jax slot tables: int32 slot_entry + int32 slot_order per pool slot
 
 
-@dataclasses.dataclass(frozen=True)
-class Part:
-    """One part of a request's KV cache."""
-
-    name: str
-    where: str  # "offloaded" | "resident" | "fixed"
-    layers: int  # layers holding it
-    row_bytes: int  # bytes of one row (fixed parts: bytes per layer)
-    tokens_per_row: int  # tokens one row covers (1 raw, m compressed); 0 for fixed parts
-    topk: int = 0  # offloaded parts: entries the indexer selects per step
-
-    def entries(self, context: int) -> int:
-        """Rows per layer for a context of ``context`` tokens (closed windows only; the open tail is
-        in the compressor state)."""
-        return context // self.tokens_per_row if self.tokens_per_row else 0
-
-    def bytes_per_token(self) -> float:
-        return self.layers * self.row_bytes / self.tokens_per_row if self.tokens_per_row else 0.0
-
-    def bytes(self, context: int) -> int:
-        """Bytes of this part for one request, every row present."""
-        if not self.tokens_per_row:
-            return self.layers * self.row_bytes
-        return self.layers * self.entries(context) * self.row_bytes
-
-
 def pool_slots(entries: int, ratio: float, topk: int) -> int:
     """Pool slots per (layer, request); the same rule as ``ess_jax.tier.pool_slots``."""
     minimum = min(min(topk, entries) + 1, entries)
     return min(max(math.ceil(ratio * entries), minimum), entries)
 
 
-def _row_bytes(width: int, rope: int, dtype: str, *, kind: str) -> int:
-    """Bytes of one cached row of ``width`` values (the last ``rope`` of them rope dims)."""
-    if dtype == "bfloat16":
-        return 2 * width
-    if kind == "v32_latent":  # e4m3 + fp32 scale per 128 + bf16 rope (FlashMLA fp8_ds_mla)
-        return fp8_rows.mla_row_bytes(width - rope, rope)
-    if kind == "v4_main":  # e4m3 + bf16 rope + ue8m0 scale per 64, padded to 8 bytes (FlashMLA MODEL1)
-        return fp8_rows.v4_row_bytes(width, rope)
-    raise ValueError(f"no {dtype} row format for {kind}")
-
-
-def _index_bytes(width: int, dtype: str) -> int:
-    return {"bfloat16": 2 * width, "fp8": width + 4, "fp4": width // 2 + math.ceil(width / 32)}[dtype]
-
-
 def cache_parts(cfg: ModelConfig, cache_dtype: str, index_dtype: str = "auto") -> list[Part]:
-    """The KV cache of one request of ``cfg``, part by part, in ``cache_dtype`` rows."""
+    """The KV cache of one request of ``cfg`` as DeepSeek's release stores it, part by part, in
+    ``cache_dtype`` rows (the compressor tails in float32)."""
     if cache_dtype not in CACHE_DTYPES:
         raise ValueError(f"--cache-dtype {cache_dtype!r} is not one of {', '.join(CACHE_DTYPES)}")
     index_dtype = cache_dtype if index_dtype == "auto" else index_dtype
-    index_row = _index_bytes(cfg.index_head_dim, index_dtype)
-    if cfg.family == "deepseek_v32":
-        n = cfg.num_hidden_layers
-        latent = _row_bytes(cfg.latent_dim, cfg.qk_rope_head_dim, cache_dtype, kind="v32_latent")
-        return [Part("latent [c | k_rope]", "offloaded", n, latent, 1, cfg.index_topk),
-                Part("indexer key", "resident", n, index_row, 1)]
-    types = cfg.layer_types
-    n_csa = types.count("compressed_sparse_attention")
-    n_hca = types.count("heavily_compressed_attention")
-    main = _row_bytes(cfg.head_dim, cfg.qk_rope_head_dim, cache_dtype, kind="v4_main")
-    m, m_h = cfg.compress_rate_csa, cfg.compress_rate_hca
-    # official fp32 compressor rings kv_state + score_state [coff * m, coff * D], coff = 2 (CSA) / 1 (HCA)
-    csa_tail = 2 * (2 * m) * (2 * cfg.head_dim) * 4 + 2 * (2 * m) * (2 * cfg.index_head_dim) * 4
-    hca_tail = 2 * m_h * cfg.head_dim * 4
-    parts = [Part("CSA main rows", "offloaded", n_csa, main, m, cfg.index_topk),
-             Part("CSA indexer keys", "resident", n_csa, index_row, m),
-             Part("HCA rows", "resident", n_hca, main, m_h),
-             Part("SWA window", "fixed", cfg.num_hidden_layers, cfg.sliding_window * main, 0),
-             Part("CSA compressor tails (fp32)", "fixed", n_csa, csa_tail, 0),
-             Part("HCA compressor tails (fp32)", "fixed", n_hca, hca_tail, 0)]
-    return [p for p in parts if p.layers]
+    formats = families.Formats(entries=cache_dtype, index=index_dtype, rows=cache_dtype, ring="float32")
+    return [p for p in families.get(cfg.family).cache_parts(cfg, formats) if p.layers]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,31 +111,13 @@ def request_bytes(parts: list[Part], context: int, ratio: float, accounting: str
 
 # ---- weights per GPU ---------------------------------------------------------------------------
 
-_V32_FP8 = {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "wq_b", "wk", "gate_proj", "up_proj",
-            "down_proj"}
-_V4_FP8 = {"q_a_proj", "q_b_proj", "kv_proj", "o_a_proj", "o_b_proj"}
-
-
-def _fp8_block_bytes(shape: tuple[int, ...], scale_bytes: int) -> int:
-    *lead, out, inp = shape
-    return math.prod(shape) + scale_bytes * math.prod(lead) * math.ceil(out / 128) * math.ceil(inp / 128)
-
-
 def param_bytes(cfg: ModelConfig, path: tuple[str, ...], shape: tuple[int, ...], itemsize: int) -> tuple[str, float]:
     """(``"routed"`` | ``"other"``, bytes) of one parameter as the official release stores it; parameters
     kept unquantized count at the model's own dtype (``itemsize``)."""
     names = [str(p) for p in path]
     routed = "experts" in names and "shared_experts" not in names
-    leaf = names[-2] if names[-1] == "weight" else names[-1]
-    if cfg.family == "deepseek_v32":
-        if routed or (names[-1] == "weight" and leaf in _V32_FP8):
-            return ("routed" if routed else "other"), _fp8_block_bytes(shape, 4)  # e4m3 + fp32 block scales
-    else:
-        if routed:  # e2m1 + one ue8m0 scale per 32 values
-            return "routed", math.prod(shape) / 2 + math.prod(shape) / 32
-        if names[-1] == "weight" and "compressor" not in names and (leaf in _V4_FP8 or "shared_experts" in names):
-            return "other", _fp8_block_bytes(shape, 1)  # e4m3 + ue8m0 block scales
-    return "other", math.prod(shape) * itemsize
+    stored = families.get(cfg.family).release_bytes(names, routed, shape)
+    return ("routed" if routed else "other"), (math.prod(shape) * itemsize if stored is None else stored)
 
 
 def weight_bytes(cfg: ModelConfig) -> dict[str, float]:
@@ -202,11 +126,7 @@ def weight_bytes(cfg: ModelConfig) -> dict[str, float]:
     import jax.numpy as jnp
     from flax import nnx
 
-    if cfg.family == "deepseek_v32":
-        from ess_jax.models.deepseek_v32 import DeepseekV32 as model_cls
-    else:
-        from ess_jax.models.deepseek_v4 import DeepseekV4 as model_cls
-
+    model_cls = families.get(cfg.family).module_cls
     abstract = nnx.eval_shape(lambda: model_cls(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     totals = {"routed": 0.0, "other": 0.0}
     for path, variable in nnx.to_flat_state(nnx.state(abstract)):

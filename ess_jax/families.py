@@ -1,0 +1,371 @@
+"""The model families: one registry entry per ``model_type``, carrying everything that differs between
+DeepSeek-V3.2 and DeepSeek-V4 above the models.
+
+A ``Family`` holds
+- the config parser and checks (``ModelConfig`` dispatches here), the NNX module class and the
+  checkpoint's tensor renames (those two imported on first use: the models import flax, which
+  ``python -m ess_jax.plan`` never loads);
+- a request's KV cache as ``Part``s with their byte sizes in given storage ``Formats``: the release
+  formats (the planner) or the formats the model's ``init_cache`` stores (``stored_formats``: the
+  engine's row bytes and resident byte count, the benchmark's through it);
+- the sparse layers, whose entries the indexer selects and the tier offloads; a request's entries
+  are its offloaded part's ``entries(tokens)``;
+- the engine's caches: the resident cache, the decode cache with the offloaded part in the tier
+  (``ess_jax.tier``), the host store's pages, the scratch -> decode-cache handoff after an
+  offloaded prefill, and ``tier_of`` / ``with_tier``.
+
+DeepSeek-V3.2 offloads every layer's latent rows; its host store has the engine's global pages.
+DeepSeek-V4 offloads the CSA layers' entries (HiSparse): its host store has one page of entries per
+batch row (page ``row + 1``; page 0 is the null page), and everything else is resident per batch row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+from typing import Any, Callable
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from ess_jax import config, tier
+from ess_jax.config import ConfigError, ModelConfig
+from ess_jax.pallas_kernels import fp8_rows
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "int32": 4}
+_SHORT = {"float32": "fp32", "bfloat16": "bf16"}
+_CSA, _HCA = config.V4_LAYER_TYPES[1:]
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One part of a request's KV cache."""
+
+    name: str
+    where: str  # "offloaded" | "resident" | "fixed"
+    layers: int  # layers holding it
+    row_bytes: int  # bytes of one row (fixed parts: bytes per layer)
+    tokens_per_row: int  # tokens one row covers (1 raw, m compressed); 0 for fixed parts
+    topk: int = 0  # offloaded parts: entries the indexer selects per step
+
+    def entries(self, context: int) -> int:
+        """Rows per layer for a context of ``context`` tokens (closed windows only; the open tail is
+        in the compressor state)."""
+        return context // self.tokens_per_row if self.tokens_per_row else 0
+
+    def bytes_per_token(self) -> float:
+        return self.layers * self.row_bytes / self.tokens_per_row if self.tokens_per_row else 0.0
+
+    def bytes(self, context: int) -> int:
+        """Bytes of this part for one request, every row present."""
+        if not self.tokens_per_row:
+            return self.layers * self.row_bytes
+        return self.layers * self.entries(context) * self.row_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Formats:
+    """How each kind of cached row is stored: "float32", "bfloat16" or "fp8" (the FP8 row formats of
+    ``ess_jax.pallas_kernels.fp8_rows``: V3.2 latent rows and indexer keys, V4 entries); indexer keys
+    also "fp4" (J/2 e2m1 + J/32 ue8m0)."""
+
+    entries: str  # the offloaded part: V3.2 latent rows [c | k_rope], V4 CSA entries
+    index: str  # indexer keys
+    rows: str  # V4's other rows: HCA entries and the SWA window
+    ring: str  # V4 compressor ring inputs (their gate logits are float32 in every format)
+    lengths: str | None = None  # a per-request token count kept in the cache ("int32"), None: not stored
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSize:
+    """The geometry of an engine cache."""
+
+    rows: int  # batch rows
+    pages: int  # pages of the global pool, the null page included
+    page_size: int  # tokens per page
+    max_seq_len: int  # positions per request
+
+
+def _mla_row_bytes(latent_dim: int, rope_dim: int, fmt: str) -> int:
+    """One V3.2 latent row ``[c | k_rope]`` (with ``rope_dim`` 0: one indexer key): ``C + R`` values, or
+    the FP8 row (C e4m3 + an fp32 scale per 128 + R bf16: FlashMLA's 656 bytes at C = 512, R = 64)."""
+    return fp8_rows.mla_row_bytes(latent_dim, rope_dim) if fmt == "fp8" else _ITEMSIZE[fmt] * (latent_dim + rope_dim)
+
+
+def _v4_row_bytes(head_dim: int, rope_dim: int, fmt: str) -> int:
+    """One V4 row: ``H`` values, or the FP8 row ((H - R) e4m3 + R bf16 + a ue8m0 scale per 64, padded to
+    8 bytes: 584 at H = 512, R = 64)."""
+    return fp8_rows.v4_row_bytes(head_dim, rope_dim) if fmt == "fp8" else _ITEMSIZE[fmt] * head_dim
+
+
+def _index_key_bytes(width: int, fmt: str) -> int:
+    if fmt == "fp4":
+        return width // 2 + math.ceil(width / 32)
+    return _mla_row_bytes(width, 0, fmt)
+
+
+# the release's FP8 (e4m3, 128 x 128 block scales) weights besides the routed experts
+_V32_FP8 = {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "wq_b", "wk", "gate_proj", "up_proj",
+            "down_proj"}
+_V4_FP8 = {"q_a_proj", "q_b_proj", "kv_proj", "o_a_proj", "o_b_proj"}
+
+
+def _fp8_block_bytes(shape: tuple[int, ...], scale_bytes: int) -> int:
+    *lead, out, inp = shape
+    return math.prod(shape) + scale_bytes * math.prod(lead) * math.ceil(out / 128) * math.ceil(inp / 128)
+
+
+def _load(path: str) -> Any:
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One model family: its fields, and the methods each family implements (those raising
+    NotImplementedError here), which ``offloaded_cache`` and ``handoff`` compose."""
+
+    model_type: str
+    module: str  # "package.module:Class" of the NNX module
+    rename: str | None  # "package.module:function": a checkpoint's tensor name -> transformers'; None: unchanged
+    from_hf_dict: Callable[[type, dict], ModelConfig]  # a config.json dict -> the config
+    check: Callable[[ModelConfig], None]  # fills the family's derived fields; raises ConfigError
+
+    @property
+    def module_cls(self) -> type:
+        return _load(self.module)
+
+    @property
+    def hf_rename(self) -> Callable[[str], str] | None:
+        return _load(self.rename) if self.rename else None
+
+    # ---- the cache, part by part -----------------------------------------------------------------
+    def cache_parts(self, cfg: ModelConfig, formats: Formats) -> list[Part]:
+        """The KV cache of one request, part by part (parts of no layer included)."""
+        raise NotImplementedError
+
+    def stored_formats(self, entries: str, model: str) -> Formats:
+        """The formats ``init_cache`` stores, for offloaded entries in ``entries`` and a model in ``model``."""
+        raise NotImplementedError
+
+    def sparse_layers(self, cfg: ModelConfig) -> list[int]:
+        """Layer indices whose entries the indexer selects (the tier's layers, in order)."""
+        raise NotImplementedError
+
+    def resident_bytes(self, parts: list[Part], size: CacheSize, reserved_tokens: int) -> int:
+        """Bytes the engine's cache of ``size`` holds without offload for requests that reserved
+        ``reserved_tokens`` in all."""
+        raise NotImplementedError
+
+    def release_bytes(self, names: list[str], routed: bool, shape: tuple[int, ...]) -> float | None:
+        """Bytes of a parameter (state path ``names``) in the official release's quantized format; None for
+        a parameter the release keeps unquantized."""
+        raise NotImplementedError
+
+    # ---- the engine's caches ---------------------------------------------------------------------
+    def resident_cache(self, module, size: CacheSize, dtype, kernels: str):
+        """An empty cache with every part on the device, the offloaded part's rows in ``dtype``."""
+        raise NotImplementedError
+
+    def offloaded_rows(self, cache) -> jax.Array:
+        """A resident cache's offloaded part as host-store pages ``[L_s, G, Z, W]``."""
+        raise NotImplementedError
+
+    def tier_of(self, cache) -> tier.TieredLatents:
+        """The tier of an offloaded cache."""
+        raise NotImplementedError
+
+    def with_tier(self, cache, tiered):
+        """``cache`` with ``tiered`` in the offloaded part's place."""
+        raise NotImplementedError
+
+    def host_shape(self, size: CacheSize, part: Part) -> tuple[int, int]:
+        """The host store's pages ``G`` (the null page included) and entries per page ``Z``."""
+        raise NotImplementedError
+
+    def fit_host_budget(self, size: CacheSize, part: Part, host_cache_mb: float) -> CacheSize:
+        """``size`` under a host store budget of ``host_cache_mb`` MiB; raises ValueError naming the numbers
+        when the longest request cannot fit."""
+        raise NotImplementedError
+
+    def host_pages(self, row: int, pages_X: np.ndarray, table_X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Where the offloaded rows of the request in batch row ``row`` lie: their pages in the prefill
+        scratch and in the host store, given its page table ``pages_X`` and its scratch table ``table_X``."""
+        raise NotImplementedError
+
+    def admit_resident(self, cache, scratch, table_X, pages_X, row, length):
+        """The prompt's resident parts from the prefill scratch into the decode cache."""
+        raise NotImplementedError
+
+    def offloaded_cache(self, module, size: CacheSize, part: Part, dtype, *, slots: int, fetch: str, kernels: str):
+        """An empty decode cache whose offloaded part is the tier (``slots`` pool slots per sparse layer and
+        batch row, host store per ``host_shape``), every other part resident."""
+        shapes = jax.eval_shape(lambda: self.resident_cache(module, size, dtype, kernels))
+        rows = self.offloaded_rows(shapes)
+        pages, page_size = self.host_shape(size, part)
+        tiered = tier.init_tiered(layers=rows.shape[0], batch=size.rows, slots=slots, num_pages=pages,
+                                  page_size=page_size, width=rows.shape[-1], dtype=dtype, fetch=fetch, kernels=kernels)
+        resident = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), self.with_tier(shapes, None))
+        return self.with_tier(resident, tiered)
+
+    def handoff(self, cache, scratch, table_X, pages_X, row, length, entries, ids_LQK):
+        """After an offloaded prefill on ``scratch`` (``host_pages`` tables ``table_X`` / ``pages_X``): the
+        prompt's resident parts into batch row ``row`` of the decode cache, its ``entries`` offloaded rows
+        into the host store (inline; the engine writes the split backend's), and the row's pools warmed."""
+        tiered, rows = self.tier_of(cache), self.offloaded_rows(scratch)
+        if tiered.store is None:  # pending rows first: a finished request's last row must not land on reused pages
+            tiered = tier.store_prompt(tiered.flush(), rows, table_X, pages_X)
+        tiered = tier.warm(tiered, rows, table_X, pages_X, row, entries, ids_LQK)
+        return self.with_tier(self.admit_resident(cache, scratch, table_X, pages_X, row, length), tiered)
+
+
+class _DeepseekV32(Family):
+    """Per layer and token one latent row (offloaded) and one indexer key, in the engine's global pages;
+    the host store has the same pages."""
+
+    def cache_parts(self, cfg, formats):
+        n = cfg.num_hidden_layers
+        latent = _mla_row_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim, formats.entries)
+        return [Part("latent [c | k_rope]", "offloaded", n, latent, 1, cfg.index_topk),
+                Part("indexer key", "resident", n, _index_key_bytes(cfg.index_head_dim, formats.index), 1)]
+
+    def stored_formats(self, entries, model):
+        return Formats(entries, index="fp8" if entries == "fp8" else model, rows=model, ring=model)
+
+    def sparse_layers(self, cfg):
+        return list(range(cfg.num_hidden_layers))
+
+    def resident_bytes(self, parts, size, reserved_tokens):
+        return sum(p.bytes(reserved_tokens) for p in parts)  # the pages the requests reserved
+
+    def release_bytes(self, names, routed, shape):
+        leaf = names[-2] if names[-1] == "weight" else names[-1]
+        if routed or (names[-1] == "weight" and leaf in _V32_FP8):
+            return _fp8_block_bytes(shape, 4)  # e4m3 + fp32 block scales
+        return None
+
+    def resident_cache(self, module, size, dtype, kernels):
+        cache = module.init_cache(size.pages, size.page_size, dtype)
+        return dataclasses.replace(cache, latent=dataclasses.replace(cache.latent, kernels=kernels))
+
+    def offloaded_rows(self, cache):
+        return cache.latent.pages
+
+    def tier_of(self, cache):
+        return cache.latent
+
+    def with_tier(self, cache, tiered):
+        return dataclasses.replace(cache, latent=tiered)
+
+    def host_shape(self, size, part):
+        return size.pages, size.page_size
+
+    def fit_host_budget(self, size, part, host_cache_mb):
+        """The budget sets the page count (of the host store, the indexer keys and the allocator)."""
+        page_bytes = part.layers * size.page_size * part.row_bytes
+        pages, pages_per_row = int(host_cache_mb * 2**20 // page_bytes), math.ceil(size.max_seq_len / size.page_size)
+        if pages < 1 + pages_per_row:
+            raise ValueError(
+                f"--host-cache-mb {host_cache_mb} holds {max(pages - 1, 0)} pages of {page_bytes / 2**20:.3f} MiB; the "
+                f"longest request needs {pages_per_row}: raise it to at least "
+                f"{math.ceil((1 + pages_per_row) * page_bytes / 2**20)}")
+        return dataclasses.replace(size, pages=pages)
+
+    def host_pages(self, row, pages_X, table_X):
+        return table_X, pages_X  # the request's own pages
+
+    def admit_resident(self, cache, scratch, table_X, pages_X, row, length):
+        index_keys = cache.index_keys.at[:, pages_X].set(scratch.index_keys[:, table_X])
+        return dataclasses.replace(cache, index_keys=index_keys)
+
+
+class _DeepseekV4(Family):
+    """Per batch row: the CSA entries (offloaded), the CSA indexer keys and HCA entries, the SWA window
+    and the compressor rings; the host store has one page of CSA entries per batch row."""
+
+    def cache_parts(self, cfg, formats):
+        n_csa, n_hca = cfg.layer_types.count(_CSA), cfg.layer_types.count(_HCA)
+        h, r, j = cfg.head_dim, cfg.qk_rope_head_dim, cfg.index_head_dim
+        m, m_h = cfg.compress_rate_csa, cfg.compress_rate_hca
+        row = _v4_row_bytes(h, r, formats.rows)
+        ring = _ITEMSIZE[formats.ring] + 4  # per value: the ring input and its float32 gate logit
+        # the rings hold [coff * m, coff * D] values, coff = 2 for CSA (overlapping windows), 1 for HCA
+        csa_tail, hca_tail = (2 * m) * (2 * h + 2 * j) * ring, m_h * h * ring
+        parts = [Part("CSA main rows", "offloaded", n_csa, _v4_row_bytes(h, r, formats.entries), m, cfg.index_topk),
+                 Part("CSA indexer keys", "resident", n_csa, _index_key_bytes(j, formats.index), m),
+                 Part("HCA rows", "resident", n_hca, row, m_h),
+                 Part("SWA window", "fixed", cfg.num_hidden_layers, cfg.sliding_window * row, 0),
+                 Part(f"CSA compressor tails ({_SHORT[formats.ring]})", "fixed", n_csa, csa_tail, 0),
+                 Part(f"HCA compressor tails ({_SHORT[formats.ring]})", "fixed", n_hca, hca_tail, 0)]
+        if formats.lengths:
+            parts.append(Part("token count", "fixed", 1, _ITEMSIZE[formats.lengths], 0))
+        return parts
+
+    def stored_formats(self, entries, model):
+        return Formats(entries, index=model, rows=model, ring=model, lengths="int32")
+
+    def sparse_layers(self, cfg):
+        return [i for i, t in enumerate(cfg.layer_types) if t == _CSA]
+
+    def resident_bytes(self, parts, size, reserved_tokens):
+        return size.rows * sum(p.bytes(size.max_seq_len) for p in parts)  # every batch row at full length
+
+    def release_bytes(self, names, routed, shape):
+        if routed:  # e2m1 + one ue8m0 scale per 32 values
+            return math.prod(shape) / 2 + math.prod(shape) / 32
+        leaf = names[-2] if names[-1] == "weight" else names[-1]
+        if names[-1] == "weight" and "compressor" not in names and (leaf in _V4_FP8 or "shared_experts" in names):
+            return _fp8_block_bytes(shape, 1)  # e4m3 + ue8m0 block scales
+        return None
+
+    def resident_cache(self, module, size, dtype, kernels):
+        return dataclasses.replace(module.init_cache(size.rows, size.max_seq_len, dtype), kernels=kernels)
+
+    def offloaded_rows(self, cache):
+        return cache.entries.csa  # [Lc, B, Mc, W]: batch row b is page b
+
+    def tier_of(self, cache):
+        return cache.entries.csa
+
+    def with_tier(self, cache, tiered):
+        return dataclasses.replace(cache, entries=dataclasses.replace(cache.entries, csa=tiered))
+
+    def host_shape(self, size, part):
+        return size.rows + 1, part.entries(size.max_seq_len)
+
+    def fit_host_budget(self, size, part, host_cache_mb):
+        """The host store is fixed by the batch rows; the budget only has to hold it."""
+        pages, page_size = self.host_shape(size, part)
+        host_bytes = part.layers * pages * page_size * part.row_bytes
+        if host_bytes > host_cache_mb * 2**20:
+            raise ValueError(f"--host-cache-mb {host_cache_mb} is below the CSA entry store of --max-batch {size.rows} "
+                             f"requests of {size.max_seq_len} tokens ({host_bytes / 2**20:.2f} MiB): raise it or lower "
+                             "--max-batch / --max-seq-len")
+        return size
+
+    def host_pages(self, row, pages_X, table_X):
+        return np.zeros(1, np.int32), np.asarray([row + 1], np.int32)  # the scratch's one row -> host page row + 1
+
+    def admit_resident(self, cache, scratch, table_X, pages_X, row, length):
+        put = lambda x, new: x.at[:, row].set(new[:, 0])
+        en, sc = cache.entries, scratch.entries
+        entries = dataclasses.replace(en, index_keys=put(en.index_keys, sc.index_keys), hca=put(en.hca, sc.hca))
+        return dataclasses.replace(cache, state=jax.tree.map(put, cache.state, scratch.state), entries=entries,
+                                   lengths=cache.lengths.at[row].set(length))
+
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    _DeepseekV32("deepseek_v32", "ess_jax.models.deepseek_v32:DeepseekV32", None, config.v32_from_hf_dict,
+                 config.check_v32),
+    _DeepseekV4("deepseek_v4", "ess_jax.models.deepseek_v4:DeepseekV4", "ess_jax.checkpoint:release_to_hf_name",
+                config.v4_from_hf_dict, config.check_v4),
+)}
+
+
+def get(model_type: str) -> Family:
+    """The family of ``model_type``; ConfigError if it is not served."""
+    if model_type not in FAMILIES:
+        raise ConfigError(f"model_type={model_type!r} is not served; supported: {', '.join(FAMILIES)}")
+    return FAMILIES[model_type]

@@ -326,18 +326,16 @@ def topk_locality(model, prompt: list[int], steps: int, *, page_size: int = 64, 
     import jax
     import jax.numpy as jnp
     from flax import nnx
+    from ess_jax import families
     from ess_jax.cache import StepMeta
 
     graphdef = model.graphdef
     step = jax.jit(lambda params, tokens, meta, cache: nnx.merge(graphdef, params).step(tokens, meta, cache),
                    donate_argnums=3)
-    if model.cfg.family == "deepseek_v4":  # one cache row for the request
-        cache = model.module.init_cache(1, len(prompt) + steps)
-        table_BX = jnp.zeros((1, 1), jnp.int32)
-    else:
-        pages = math.ceil((len(prompt) + steps) / page_size)
-        cache = model.module.init_cache(pages + 1, page_size)
-        table_BX = jnp.arange(1, pages + 1, dtype=jnp.int32)[None]  # contiguous pages 1..X (0 is the null page)
+    module, pages = model.module, math.ceil((len(prompt) + steps) / page_size)
+    size = families.CacheSize(rows=1, pages=pages + 1, page_size=page_size, max_seq_len=len(prompt) + steps)
+    cache = families.get(model.cfg.family).resident_cache(module, size, module.dtype, "xla")
+    table_BX = jnp.arange(1, pages + 1, dtype=jnp.int32)[None]  # contiguous pages 1..X (0 is the null page)
     row_B = jnp.zeros((1,), jnp.int32)
     for start in range(0, len(prompt), chunk):  # exact pieces: V4's compressors take no padding
         real = min(chunk, len(prompt) - start)

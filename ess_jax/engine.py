@@ -32,10 +32,9 @@ import jax.numpy as jnp
 from flax import nnx
 from tqdm import tqdm
 
-from ess_jax import ops, tier
+from ess_jax import families, ops, tier
 from ess_jax.allocator import Admission, PageAllocator
-from ess_jax.cache import PagedCacheV32, StepMeta
-from ess_jax.models.deepseek_v4 import V4Cache, V4Entries
+from ess_jax.cache import StepMeta
 from ess_jax.sampling import SamplingParams, sample
 from ess_jax.tokenizer import IncrementalDetokenizer
 
@@ -132,58 +131,20 @@ def _decode(graphdef, params, tokens_BT, meta: StepMeta, cache, sampling):
     return sample(logits_BTV[:, -1], *sampling), logits_BTV[:, -1], cache
 
 
-def _admit_offloaded(cache, scratch, scratch_table_X, pages_X, slot, prompt_len, ids_LQK):
-    """After an offloaded prefill: the prompt's indexer keys into their global pages, its latent rows
-    into the host store (inline), and the request's pool rows warmed."""
-    index_keys = cache.index_keys.at[:, pages_X].set(scratch.index_keys[:, scratch_table_X])
-    latent = cache.latent
-    if latent.store is None:  # pending rows first: a finished request's last row must not land on reused pages
-        latent = tier.store_prompt(latent.flush(), scratch.latent.pages, scratch_table_X, pages_X)
-    latent = tier.warm(latent, scratch.latent.pages, scratch_table_X, pages_X, slot, prompt_len, ids_LQK)
-    return dataclasses.replace(cache, index_keys=index_keys, latent=latent)
+def _flush(family: families.Family, cache):
+    return family.with_tier(cache, family.tier_of(cache).flush())
 
 
-def _admit_offloaded_v4(cache: V4Cache, scratch: V4Cache, slot, prompt_len, entries, ids_LQK):
-    """After a V4 offloaded prefill (HiSparse): the request's state, indexer keys and HCA entries into
-    its batch row, its CSA entries into its host page (row + 1; inline), and its pools warmed."""
-    put = lambda x, new: x.at[:, slot].set(new[:, 0])
-    en, sc = cache.entries, scratch.entries
-    table_X, pages_X = jnp.zeros((1,), jnp.int32), jnp.reshape(slot + 1, (1,)).astype(jnp.int32)
-    csa = en.csa
-    if csa.store is None:  # pending rows first, as for V3.2
-        csa = tier.store_prompt(csa.flush(), sc.csa, table_X, pages_X)
-    csa = tier.warm(csa, sc.csa, table_X, pages_X, slot, entries, ids_LQK)
-    return V4Cache(jax.tree.map(put, cache.state, scratch.state),
-                   V4Entries(csa, put(en.index_keys, sc.index_keys), put(en.hca, sc.hca)),
-                   cache.lengths.at[slot].set(prompt_len), cache.kernels)
-
-
-def _tier_of(cache):
-    """The offloaded store of a cache: V3.2's latent rows or V4's CSA entries."""
-    return cache.entries.csa if isinstance(cache, V4Cache) else cache.latent
-
-
-def _with_tier(cache, tiered):
-    if isinstance(cache, V4Cache):
-        return dataclasses.replace(cache, entries=dataclasses.replace(cache.entries, csa=tiered))
-    return dataclasses.replace(cache, latent=tiered)
-
-
-def _flush(cache):
-    return _with_tier(cache, _tier_of(cache).flush())
-
-
-def _release(cache, row, pages_X):
-    return _with_tier(cache, tier.release(_tier_of(cache), row, pages_X))
+def _release(family: families.Family, cache, row, pages_X):
+    return family.with_tier(cache, tier.release(family.tier_of(cache), row, pages_X))
 
 
 # Module-level jits: engines over the same model and shapes share compiled executables.
 _PREFILL = jax.jit(_prefill, static_argnums=0, donate_argnums=4)
 _DECODE = jax.jit(_decode, static_argnums=0, donate_argnums=4)
-_ADMIT_OFFLOADED = jax.jit(_admit_offloaded, donate_argnums=0)
-_ADMIT_OFFLOADED_V4 = jax.jit(_admit_offloaded_v4, donate_argnums=0)
-_FLUSH = jax.jit(_flush, donate_argnums=0)
-_RELEASE = jax.jit(_release, donate_argnums=0)
+_HANDOFF = jax.jit(families.Family.handoff, static_argnums=0, donate_argnums=1)
+_FLUSH = jax.jit(_flush, static_argnums=0, donate_argnums=1)
+_RELEASE = jax.jit(_release, static_argnums=0, donate_argnums=1)
 
 
 def _buckets(chunk: int) -> tuple[int, ...]:
@@ -200,73 +161,39 @@ class Engine:
         self.model, self.config, self.progress = model, config, progress
         self.max_seq_len = min(config.max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.pages_per_row = math.ceil(self.max_seq_len / config.page_size)
-        num_pages = config.num_pages or config.max_batch * self.pages_per_row + 1
+        self.family = families.get(cfg.family)
+        size = families.CacheSize(config.max_batch, config.num_pages or config.max_batch * self.pages_per_row + 1,
+                                  config.page_size, self.max_seq_len)
         module = model.module
-        self.pool_slots = None
         self.latent_dtype = CACHE_DTYPES[config.cache_dtype] if config.cache_dtype else module.dtype
-        if cfg.family == "deepseek_v32":
-            self.row_bytes = (ops.mla_row_width(cfg.kv_lora_rank, cfg.qk_rope_head_dim, self.latent_dtype)
-                              * jnp.dtype(self.latent_dtype).itemsize)
-        else:  # one CSA entry
-            self.row_bytes = (ops.v4_row_width(cfg.head_dim, cfg.qk_rope_head_dim, self.latent_dtype)
-                              * jnp.dtype(self.latent_dtype).itemsize)
-        if config.offload == "ess" and cfg.family == "deepseek_v32":
-            self.pool_slots = tier.pool_slots(pool_size=config.pool_size, pool_ratio=config.pool_ratio,
-                                              max_seq_len=self.max_seq_len, index_topk=cfg.index_topk)
-            if config.host_cache_mb is not None:
-                page_bytes = cfg.num_hidden_layers * config.page_size * self.row_bytes
-                num_pages = int(config.host_cache_mb * 2**20 // page_bytes)
-                if num_pages < 1 + self.pages_per_row:
-                    raise ValueError(
-                        f"--host-cache-mb {config.host_cache_mb} holds {max(num_pages - 1, 0)} pages of "
-                        f"{page_bytes / 2**20:.3f} MiB; the longest request needs {self.pages_per_row}: raise it to at "
-                        f"least {math.ceil((1 + self.pages_per_row) * page_bytes / 2**20)}")
-        elif config.offload == "ess":  # V4: HiSparse over the CSA entries, one host page of entries per batch row
-            self.csa_layers, _ = module.layer_groups()
-            self.entries_per_row = self.max_seq_len // cfg.compress_rate_csa
-            if not self.csa_layers or self.entries_per_row < 1:
-                raise ValueError(f"--offload ess offloads CSA entries; this {cfg.family} model has "
-                                 f"{'no CSA layers' if not self.csa_layers else 'requests too short for one entry'} "
+        model_format = jnp.dtype(module.dtype).name
+        self.parts = self.family.cache_parts(cfg, self.family.stored_formats(config.cache_dtype or model_format,
+                                                                             model_format))
+        part = self.offloaded_part = next(p for p in self.parts if p.where == "offloaded")  # the tier's with ess
+        self.row_bytes = part.row_bytes
+        self.pool_slots = self.scratch = None
+        if config.offload == "ess":
+            entries = part.entries(self.max_seq_len)
+            if not part.layers or entries < 1:
+                why = "no layers holding them" if not part.layers else "requests too short for one entry"
+                raise ValueError(f"--offload ess offloads the {part.name}; this {cfg.family} model has {why} "
                                  f"(max_seq_len {self.max_seq_len}): use --offload none")
             self.pool_slots = tier.pool_slots(pool_size=config.pool_size, pool_ratio=config.pool_ratio,
-                                              max_seq_len=self.entries_per_row, index_topk=cfg.index_topk)
-            host_bytes = len(self.csa_layers) * (config.max_batch + 1) * self.entries_per_row * self.row_bytes
-            if config.host_cache_mb is not None and host_bytes > config.host_cache_mb * 2**20:
-                raise ValueError(f"--host-cache-mb {config.host_cache_mb} is below the CSA entry store of "
-                                 f"--max-batch {config.max_batch} requests of {self.max_seq_len} tokens "
-                                 f"({host_bytes / 2**20:.2f} MiB): raise it or lower --max-batch / --max-seq-len")
-        self.allocator = PageAllocator(num_pages, config.page_size)
+                                              max_seq_len=entries, index_topk=part.topk)
+            if config.host_cache_mb is not None:
+                size = self.family.fit_host_budget(size, part, config.host_cache_mb)
+            self.cache = self.family.offloaded_cache(module, size, part, self.latent_dtype,
+                                                     slots=self.pool_slots, fetch=config.fetch, kernels=config.kernels)
+            # prefill computes on a device scratch for one prompt (a prefill node's view), then hands off
+            self.scratch = self.family.resident_cache(
+                module, dataclasses.replace(size, rows=1, pages=self.pages_per_row + 1), self.latent_dtype,
+                config.kernels)
+        else:
+            self.cache = self.family.resident_cache(module, size, self.latent_dtype, config.kernels)
+        self.size = size
+        self.allocator = PageAllocator(size.pages, config.page_size)
         self.admission = Admission(self.allocator, max_batch=config.max_batch,
                                    max_position_embeddings=self.max_seq_len)
-        self.scratch = None
-        if cfg.family == "deepseek_v4" and self.pool_slots is None:  # per-request rows, sized for max_seq_len
-            self.cache = dataclasses.replace(module.init_cache(config.max_batch, self.max_seq_len, self.latent_dtype),
-                                             kernels=config.kernels)
-        elif cfg.family == "deepseek_v4":  # HiSparse: CSA entries to the tier, the rest resident per row
-            shapes = jax.eval_shape(lambda: module.init_cache(config.max_batch, self.max_seq_len, self.latent_dtype))
-            zeros = lambda x: jnp.zeros(x.shape, x.dtype)
-            csa = tier.init_tiered(layers=len(self.csa_layers), batch=config.max_batch, slots=self.pool_slots,
-                                   num_pages=config.max_batch + 1, page_size=self.entries_per_row,
-                                   width=shapes.entries.csa.shape[-1], dtype=self.latent_dtype, fetch=config.fetch,
-                                   kernels=config.kernels)
-            self.cache = V4Cache(jax.tree.map(zeros, shapes.state),
-                                 V4Entries(csa, zeros(shapes.entries.index_keys), zeros(shapes.entries.hca)),
-                                 zeros(shapes.lengths), config.kernels)
-            # one prompt's resident cache
-            self.scratch = dataclasses.replace(module.init_cache(1, self.max_seq_len, self.latent_dtype),
-                                               kernels=config.kernels)
-        elif self.pool_slots is None:  # V3.2, resident: latent pages shared by all requests
-            self.cache = self._resident_cache(module, num_pages)
-        else:  # V3.2, ESS: indexer keys stay in device pages, latent rows go to the tier
-            shapes = jax.eval_shape(lambda: module.init_cache(num_pages, config.page_size, self.latent_dtype))
-            self.cache = PagedCacheV32(
-                index_keys=jnp.zeros(shapes.index_keys.shape, shapes.index_keys.dtype),
-                latent=tier.init_tiered(layers=cfg.num_hidden_layers, batch=config.max_batch, slots=self.pool_slots,
-                                        num_pages=num_pages, page_size=config.page_size,
-                                        width=shapes.latent.pages.shape[-1], dtype=self.latent_dtype,
-                                        fetch=config.fetch, kernels=config.kernels))
-            # prefill computes on a device scratch for one prompt (a prefill node's view), then hands off
-            self.scratch = self._resident_cache(module, self.pages_per_row + 1)
         self.buckets = _buckets(config.prefill_chunk)
         self.requests: dict[int, Request] = {}  # unfinished requests by id (added from any thread)
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "decode_s": 0.0, "prefill_s": 0.0,
@@ -283,10 +210,6 @@ class Engine:
         self._inbox_lock = threading.Lock()  # guards requests, _inbox, _aborts, _next_id across threads
         self._step_lock = threading.Lock()  # held while the engine's state changes (step, abort)
         self._decode = None  # compiled on the first step
-
-    def _resident_cache(self, module, num_pages: int) -> PagedCacheV32:
-        cache = module.init_cache(num_pages, self.config.page_size, self.latent_dtype)
-        return dataclasses.replace(cache, latent=dataclasses.replace(cache.latent, kernels=self.config.kernels))
 
     # ---- the online API ------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
@@ -371,8 +294,8 @@ class Engine:
                    file=sys.stderr, disable=not self.progress, leave=False)
         while self.has_unfinished():
             bar.update(sum(len(out.new_token_ids) for out in self.step()))
-        if self.scratch is not None and _tier_of(self.cache).store is None:
-            self.cache = _FLUSH(self.cache)  # the last step's rows reach the host store too
+        if self.scratch is not None and self.family.tier_of(self.cache).store is None:
+            self.cache = _FLUSH(self.family, self.cache)  # the last step's rows reach the host store too
         bar.close()
         return [requests[i] for i in sorted(requests)]
 
@@ -382,7 +305,7 @@ class Engine:
         out = {"pages_in_use": self.allocator.capacity - self.allocator.num_free, "pages_total": self.allocator.capacity,
                "rows_in_use": self.config.max_batch - self.admission.num_free_slots, "rows_total": self.config.max_batch}
         if self.scratch is not None:
-            out["pool_slots_in_use"] = int((np.asarray(_tier_of(self.cache).slot_entry) >= 0).sum())
+            out["pool_slots_in_use"] = int((np.asarray(self.family.tier_of(self.cache).slot_entry) >= 0).sum())
         return out
 
     # ---- host loop -----------------------------------------------------------------------------
@@ -442,9 +365,8 @@ class Engine:
         prompt = np.asarray(request.prompt_ids, np.int32)
         pages_X, table_X = self._tables(pages)
         offloaded = self.scratch is not None
-        v4 = self.model.cfg.family == "deepseek_v4"
         cache = self.scratch if offloaded else self.cache
-        row = 0 if offloaded and v4 else slot  # offloaded V4 prompts fill the scratch's one row
+        row = 0 if offloaded else slot  # an offloaded prompt fills the scratch's first row (V4's one row)
         start_time, start = time.perf_counter(), request.prefilled
         meta = StepMeta(jnp.asarray((start + np.arange(real, dtype=np.int32))[None]), jnp.ones((1, real), bool),
                         jnp.asarray((table_X if offloaded else pages_X)[None]), jnp.asarray([row], jnp.int32))
@@ -463,22 +385,16 @@ class Engine:
             self.stats["prefill_s"] += time.perf_counter() - start_time
             return
         self._prefilling.popleft()
-        if offloaded and v4:
-            entries = len(prompt) // self.model.cfg.compress_rate_csa
-            self.cache = _ADMIT_OFFLOADED_V4(self.cache, self.scratch, slot, len(prompt), entries,
-                                             _last_queries(request.windows))
-            csa = self.cache.entries.csa
-            if csa.store is not None:  # split: the prompt's entries go to the NumPy store from here
-                csa.store.array[:, slot + 1] = np.asarray(self.scratch.entries.csa)[:, 0]
-            self.stats["prompt_rows_to_host"] += entries * len(self.csa_layers)
-        elif offloaded:
-            self.cache = _ADMIT_OFFLOADED(self.cache, self.scratch, jnp.asarray(table_X), jnp.asarray(pages_X),
-                                          slot, len(prompt), _last_queries(request.windows))
-            latent = self.cache.latent
-            if latent.store is not None:  # split: the prompt's rows go to the NumPy store from here
-                scratch_rows = np.asarray(self.scratch.latent.pages)[:, table_X[: pages.size]]
-                latent.store.array[:, pages] = scratch_rows
-            self.stats["prompt_rows_to_host"] += len(prompt) * self.model.cfg.num_hidden_layers
+        if offloaded:
+            scratch_X, host_X = self.family.host_pages(slot, pages_X, table_X)
+            entries = self.offloaded_part.entries(len(prompt))
+            self.cache = _HANDOFF(self.family, self.cache, self.scratch, jnp.asarray(scratch_X), jnp.asarray(host_X),
+                                  slot, len(prompt), entries, _last_queries(request.windows))
+            store = self.family.tier_of(self.cache).store
+            if store is not None:  # split: the prompt's rows go to the NumPy store from here
+                used = host_X > 0
+                store.array[:, host_X[used]] = np.asarray(self.family.offloaded_rows(self.scratch))[:, scratch_X[used]]
+            self.stats["prompt_rows_to_host"] += entries * self.offloaded_part.layers
         request.windows = []
         self.stats["prefill_s"] += time.perf_counter() - start_time
         self._lengths[slot] = len(prompt)
@@ -495,7 +411,7 @@ class Engine:
         tokens, logits_BV, self.cache = self._decode(self.model.params, jnp.asarray(self._last[:, None]), meta, self.cache,
                                           self._sampling_arrays(rows))
         tokens = np.asarray(tokens)
-        offloaded = _tier_of(self.cache) if self.scratch is not None else None
+        offloaded = self.family.tier_of(self.cache) if self.scratch is not None else None
         if offloaded is not None and offloaded.store is not None:  # split: back up this step's new entries,
             pages, offsets = np.asarray(offloaded.staged_page), np.asarray(offloaded.staged_offset)  # page 0: none
             staged = pages > 0
@@ -535,9 +451,9 @@ class Engine:
             self.admission.cancel(request_id)
         elif request_id in self.admission.running:
             _, slot, pages = self.admission.running[request_id]
-            if self.scratch is not None:  # V3.2's host pages are its pages; V4's CSA entries fill host page row + 1
-                pages_X = self._tables(pages)[0] if self.model.cfg.family == "deepseek_v32" else [slot + 1]
-                self.cache = _RELEASE(self.cache, slot, jnp.asarray(pages_X, jnp.int32))
+            if self.scratch is not None:
+                _, host_X = self.family.host_pages(slot, *self._tables(pages))
+                self.cache = _RELEASE(self.family, self.cache, slot, jnp.asarray(host_X))
             self.admission.finish(request_id)
             self._decoding.pop(request_id, None)
             self._prefilling = deque(e for e in self._prefilling if e.request_id != request_id)
@@ -547,26 +463,18 @@ class Engine:
 
     def cache_bytes(self) -> dict[str, int]:
         """Bytes of the real cache arrays: device (the decode-time cache), host (the offload store), and
-        what the requests added so far would occupy on the device without offload (V3.2: their reserved
-        pages of latent rows and indexer keys; V4: the resident per-row cache of ``max_batch`` rows)."""
+        what the requests added so far would occupy on the device without offload (from the cache parts;
+        V3.2: their reserved pages of latent rows and indexer keys; V4: ``max_batch`` full-length rows)."""
         arrays = jax.tree.leaves(self.cache)
         host = 0
         if self.scratch is not None:
-            offloaded = _tier_of(self.cache)
+            offloaded = self.family.tier_of(self.cache)
             host = offloaded.store.array.nbytes if offloaded.store is not None else offloaded.host.nbytes
             arrays = [x for x in arrays if x is not offloaded.host]
-        device = sum(x.nbytes for x in arrays)
-        resident = device
-        cfg = self.model.cfg
-        if cfg.family == "deepseek_v4":
-            shapes = jax.eval_shape(lambda: self.model.module.init_cache(self.config.max_batch, self.max_seq_len,
-                                                                         self.latent_dtype))
-            resident = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
-        else:
-            keys = self.cache.index_keys
-            per_token = cfg.num_hidden_layers * (self.row_bytes + keys.shape[-1] * keys.itemsize)
-            resident = self.stats["reserved_pages"] * self.config.page_size * per_token
-        out = {"device_bytes": int(device), "host_bytes": int(host), "resident_device_bytes": int(resident)}
+        reserved_tokens = self.stats["reserved_pages"] * self.config.page_size
+        resident = self.family.resident_bytes(self.parts, self.size, reserved_tokens)
+        out = {"device_bytes": int(sum(x.nbytes for x in arrays)), "host_bytes": int(host),
+               "resident_device_bytes": int(resident)}
         if self.scratch is not None:
             out["prefill_scratch_bytes"] = int(sum(x.nbytes for x in jax.tree.leaves(self.scratch)))
         return out
@@ -575,8 +483,8 @@ class Engine:
         """Tier counters (read from the device once) as the ``--json`` ``metrics.offload`` object."""
         if self.scratch is None:
             return None
-        counts = np.asarray(_tier_of(self.cache).counters)  # [L, 4] lookups, hits, misses, staged (per layer)
-        layers = self.csa_layers if self.model.cfg.family == "deepseek_v4" else range(len(counts))
+        counts = np.asarray(self.family.tier_of(self.cache).counters)  # [L_s, 4] lookups, hits, misses, staged
+        layers = self.family.sparse_layers(self.model.cfg)
         lookups, hits, misses, staged = (int(x) for x in counts.sum(0))
         row_bytes = self.row_bytes
         return {"lookups": lookups, "hits": hits, "misses": misses,

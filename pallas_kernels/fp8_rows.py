@@ -42,15 +42,19 @@ pieces of a multiple of 128 bytes (its TMA copies address bytes, not rows), so r
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ess_jax.pallas_kernels._gather_attention import (KNOBS, Chunk, Interpret, RowLayout, check_float, check_ids,
-                                                      check_knobs, check_mla_queries, check_rank, gather_attention)
+from ess_jax.pallas_kernels.row_layout import (KNOBS, Chunk, RowLayout, check_float, check_ids, check_knobs,
+                                               check_mla_queries, check_rank)
 from ess_jax.pallas_kernels.sparse_mla import sparse_mla_reference
 from ess_jax.pallas_kernels.sparse_v4_attention import check_v4_inputs, sparse_v4_attention_reference
+
+if TYPE_CHECKING:
+    from ess_jax.pallas_kernels._gather_attention import Interpret
 
 E4M3_MAX = 448.0
 MLA_BLOCK = 128  # values per float32 scale (V3.2)
@@ -227,6 +231,7 @@ def sparse_mla_fp8(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, pool_PX: ja
     ``sparse_mla``."""
     c, r = _check_mla(q_latent_BTNC, q_rope_BTNR, pool_PX, ids_BTK)
     check_knobs(block_k=block_k, num_splits=num_splits)
+    from ess_jax.pallas_kernels._gather_attention import gather_attention  # Mosaic GPU loads here
     return gather_attention(q_latent_BTNC, q_rope_BTNR if r else None, [(pool_PX, ids_BTK)], None,
                             layout=mla_fp8_layout(c, r), scale=scale, block_k=block_k,
                             num_splits=num_splits, interpret=interpret, name="sparse_mla_fp8")
@@ -252,6 +257,7 @@ def sparse_v4_attention_fp8(q_BTNH: jax.Array, window_PX: jax.Array, window_ids_
     sources = check_v4_inputs(q_BTNH, window_PX, window_ids_BTK, entries_MX, entry_ids_BTK, sinks_N,
                               row_width=v4_row_bytes(h, rope_dim), pool_names=("window_PX", "entries_MX"))
     check_knobs(block_k=block_k, num_splits=num_splits)
+    from ess_jax.pallas_kernels._gather_attention import gather_attention  # Mosaic GPU loads here
     return gather_attention(q_BTNH, None, sources, sinks_N, layout=v4_fp8_layout(h, rope_dim), scale=scale,
                             block_k=block_k, num_splits=num_splits, interpret=interpret, name="sparse_v4_attention_fp8")
 

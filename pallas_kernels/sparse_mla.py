@@ -33,12 +33,16 @@ module to PTX and running it on a GPU is unverified (tests/kernels/test_gpu.py, 
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
-from ess_jax.pallas_kernels._gather_attention import (KNOBS, Interpret, check_float, check_ids, check_knobs,
-                                                      check_mla_queries, check_rank, gather_attention, plain_layout)
+from ess_jax.pallas_kernels.row_layout import (KNOBS, check_float, check_ids, check_knobs, check_mla_queries,
+                                               check_rank, plain_layout)
+
+if TYPE_CHECKING:
+    from ess_jax.pallas_kernels._gather_attention import Interpret
 
 
 def _check(q_latent_BTNC, q_rope_BTNR, pool_PW, ids_BTK):
@@ -68,6 +72,7 @@ def sparse_mla(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, pool_PW: jax.Ar
     """
     c, r = _check(q_latent_BTNC, q_rope_BTNR, pool_PW, ids_BTK)
     check_knobs(block_k=block_k, num_splits=num_splits)
+    from ess_jax.pallas_kernels._gather_attention import gather_attention  # Mosaic GPU loads here
     return gather_attention(q_latent_BTNC, q_rope_BTNR if r else None, [(pool_PW, ids_BTK)], None,
                             layout=plain_layout(c, r, pool_PW.dtype), scale=scale, block_k=block_k,
                             num_splits=num_splits, interpret=interpret, name="sparse_mla")

@@ -30,12 +30,15 @@ and entry pools of one call must share a dtype (the kernel reads both through on
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
-from ess_jax.pallas_kernels._gather_attention import (KNOBS, Interpret, check_float, check_ids, check_knobs,
-                                                      check_rank, gather_attention, plain_layout)
+from ess_jax.pallas_kernels.row_layout import KNOBS, check_float, check_ids, check_knobs, check_rank, plain_layout
+
+if TYPE_CHECKING:
+    from ess_jax.pallas_kernels._gather_attention import Interpret
 
 
 def check_v4_inputs(q_BTNH, window_PX, window_ids_BTK, entries_MX, entry_ids_BTK, sinks_N, *,
@@ -86,6 +89,7 @@ def sparse_v4_attention(q_BTNH: jax.Array, window_PH: jax.Array, window_ids_BTK:
                               row_width=None, pool_names=("window_PH", "entries_MH"))
     check_knobs(block_k=block_k, num_splits=num_splits)
     layout = plain_layout(q_BTNH.shape[-1], 0, window_PH.dtype)  # the entries share its dtype (checked)
+    from ess_jax.pallas_kernels._gather_attention import gather_attention  # Mosaic GPU loads here
     return gather_attention(q_BTNH, None, sources, sinks_N, layout=layout, scale=scale, block_k=block_k,
                             num_splits=num_splits, interpret=interpret, name="sparse_v4_attention")
 

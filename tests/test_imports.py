@@ -57,10 +57,13 @@ def test_plan_weight_estimate_builds_the_model_without_the_runtime():
     assert not mods & {"ess_jax.api", "ess_jax.engine", "ess_jax.models.deepseek_v4"}
 
 
-def test_fp8_rows_loads_no_flax_engine_or_api():
+def test_fp8_rows_loads_no_flax_engine_api_or_mosaic_gpu():
     mods = loaded("import ess_jax.pallas_kernels.fp8_rows")
     assert "ess_jax.pallas_kernels.fp8_rows" in mods
     assert not mods & RUNTIME
+    toolchain = {m for m in mods if m.startswith(("jax.experimental.mosaic", "jax._src.pallas.mosaic_gpu",
+                                                  "jax.experimental.pallas.mosaic_gpu"))}
+    assert not toolchain and "ess_jax.pallas_kernels._gather_attention" not in mods
 
 
 def test_public_names_resolve_through_the_lazy_root():

@@ -306,7 +306,20 @@ class Engine:
                "rows_in_use": self.config.max_batch - self.admission.num_free_slots, "rows_total": self.config.max_batch}
         if self.scratch is not None:
             out["pool_slots_in_use"] = int((np.asarray(self.family.tier_of(self.cache).slot_entry) >= 0).sum())
+            out["host_pages_in_use"] = sum(int((self.family.host_pages(e.slot, *self._tables(e.pages))[1] > 0).sum())
+                                           for e in self.admission.running.values())
+            out["host_pages_total"] = self.family.host_shape(self.size, self.offloaded_part)[0] - 1  # page 0: null
         return out
+
+    def warm_up(self) -> None:
+        """Compile ahead on the calling thread: the decode step, every prefill piece size and the handoff to
+        the decode cache, through one request of ``2 x prefill_chunk - 1`` tokens (one piece of each size),
+        served to the end. Call it on an idle engine, before serving."""
+        if self.has_unfinished():
+            raise RuntimeError("warm_up needs an idle engine: requests are unfinished")
+        room = min(self.max_seq_len, self.allocator.capacity * self.config.page_size) - 1
+        self.add_request([0] * min(2 * self.config.prefill_chunk - 1, room), 1, ignore_eos=True)
+        self.run()
 
     # ---- host loop -----------------------------------------------------------------------------
     def _take_inbox(self):

@@ -35,7 +35,6 @@ from ess_jax.engine import Engine, RequestOutput
 from ess_jax.sampling import SamplingParams
 
 MAX_LOGPROBS = 20
-ENGINE_THREAD_STACK = 64 << 20  # bytes
 
 
 class APIError(Exception):
@@ -143,30 +142,10 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self.error: BaseException | None = None
-        self._ready = threading.Event()  # set once warmed up (or failed)
         self._thread = threading.Thread(target=self._run, name="ess_jax-engine", daemon=True)
 
     def start(self):
-        """Start the engine thread and return once it has compiled (or raise what stopped it). The thread
-        gets a large stack: XLA compiles on it."""
-        previous = threading.stack_size(ENGINE_THREAD_STACK)
-        try:
-            self._thread.start()
-        finally:
-            threading.stack_size(previous)
-        self._ready.wait()
-        if self.error is not None:
-            raise EngineDied(f"the engine did not start: {self.error!r}") from self.error
-
-    def _warm_up(self):
-        """Compile before the first request: the decode step, and every prefill piece through one request of
-        2 x prefill_chunk - 1 tokens (pieces of prefill_chunk, then every power of two below it)."""
-        engine = self.engine
-        chunk = engine.config.prefill_chunk
-        room = min(engine.max_seq_len, engine.allocator.capacity * engine.config.page_size) - 1
-        engine.add_request([0] * min(2 * chunk - 1, room), 1, ignore_eos=True)
-        engine.run()
-        self.metrics.read_device(engine)
+        self._thread.start()
 
     def stop(self):
         """Abort what is left and end the thread."""
@@ -212,13 +191,6 @@ class EngineLoop:
     def _run(self):
         steps = 0
         try:
-            try:
-                self._warm_up()
-            except BaseException as e:
-                self.error = e
-                raise
-            finally:
-                self._ready.set()
             while not self._stopping.is_set():
                 if not self.engine.has_unfinished():
                     if steps:
@@ -299,12 +271,10 @@ class Metrics:
         if not self._tier:
             self._tier["host_bytes_capacity"] = engine.cache_bytes()["host_bytes"]
         capacity = self._tier["host_bytes_capacity"]
-        # V3.2's host store is paged like the cache; V4's holds one page of CSA entries per batch row
-        held = usage["pages_in_use"] / usage["pages_total"] if engine.model.cfg.family == "deepseek_v32" else \
-            usage["rows_in_use"] / usage["rows_total"]
+        page_bytes = capacity // (usage["host_pages_total"] + 1)  # the store holds the null page too
         self._tier.update(offload=offload, pool_slots_in_use=usage["pool_slots_in_use"],
                           pool_slots_total=engine.pool_slots * engine.config.max_batch * len(offload["per_layer"]),
-                          host_bytes_in_use=int(held * capacity))
+                          host_bytes_in_use=usage["host_pages_in_use"] * page_bytes)
 
 
 class _TierCollector:
@@ -384,14 +354,18 @@ async def _stream(loop: EngineLoop, request: Request, prompt_ids: list[int], max
 
 def create_app(engine: Engine, *, model_name: str, api_key: str | None = None, max_waiting: int = 64,
                metrics_every: int = 16) -> FastAPI:
-    """The FastAPI app serving ``engine``; its engine thread starts and stops with the app's lifespan."""
+    """The FastAPI app serving ``engine``; its engine thread starts and stops with the app's lifespan. The
+    engine is warmed up here, on the calling thread (``Engine.warm_up``): the engine thread only runs
+    compiled steps."""
+    engine.warm_up()
     metrics = Metrics()
     loop = EngineLoop(engine, metrics, metrics_every=metrics_every)
+    metrics.read_device(engine)
     tokenizer, chat_template = engine.model.tokenizer, engine.model.chat_template
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        await asyncio.to_thread(loop.start)
+        loop.start()
         try:
             yield
         finally:

@@ -2,7 +2,6 @@
 streamed as text deltas; chunked prefill interleaved with decode."""
 
 import collections
-import dataclasses
 import functools
 import threading
 import time
@@ -75,7 +74,8 @@ def drive(eng: Engine, arrivals: dict[int, list], on_step=None) -> tuple[dict, d
 
 
 def idle_usage(eng: Engine) -> dict:
-    return dict(eng.usage(), pages_in_use=0, rows_in_use=0, **({"pool_slots_in_use": 0} if eng.scratch else {}))
+    offloaded = {"pool_slots_in_use": 0, "host_pages_in_use": 0} if eng.scratch is not None else {}
+    return dict(eng.usage(), pages_in_use=0, rows_in_use=0, **offloaded)
 
 
 REQUEST = st.tuples(st.integers(0, 8), st.integers(1, LONGEST), st.integers(1, NEW))  # arrival step, length, new
@@ -123,6 +123,8 @@ def test_abort_frees_everything_at_once_and_disturbs_nobody(family, mode, abort_
             assert held["pages_in_use"] - after["pages_in_use"] == -(-(specs[victim][0] + specs[victim][2]) // 16)
             if "pool_slots_in_use" in after:
                 assert after["pool_slots_in_use"] < held["pool_slots_in_use"] or held["pool_slots_in_use"] == 0
+                host = -(-(specs[victim][0] + specs[victim][2]) // 16) if family == "v32" else 1  # V4: its row's page
+                assert held["host_pages_in_use"] - after["host_pages_in_use"] == host
         ids["d"] = eng.add_request(prompt(*specs["d"][:2]), specs["d"][2])  # takes the freed row if one is
 
     got, reasons = drive(eng, arrivals, on_step)

@@ -181,7 +181,6 @@ def test_32_concurrent_streams_get_their_offline_tokens(servers, root):
 
     got = asyncio.run(asyncio.wait_for(all_of_them(), DEADLINE))
     tokenizer = server.engine.model.tokenizer
-    model = server.engine.model
     expected = offline(server, batch, max(news))
     for (text, count), ids, new in zip(got, expected, news):
         assert count == new and text == tokenizer.decode(ids[:new])

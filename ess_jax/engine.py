@@ -387,6 +387,7 @@ class Engine:
                                                      jnp.asarray(prompt[None, start:start + real]), meta, cache,
                                                      jnp.asarray([real - 1], jnp.int32),
                                                      self._sampling_arrays([request]))
+        token.block_until_ready()  # stats["prefill_s"] times the piece, not its dispatch
         if offloaded:
             self.scratch = cache
             request.windows = request.windows[-1:] + [(real, ids_LBQK[:, 0])]  # the warm-up reads the last two
@@ -412,7 +413,7 @@ class Engine:
         self.stats["prefill_s"] += time.perf_counter() - start_time
         self._lengths[slot] = len(prompt)
         self._decoding[request_id] = slot
-        self._append(request_id, slot, int(token[0]), logits_BV[0], new)
+        self._append(request_id, slot, int(token[0]), logits_BV, 0, new)
 
     def _decode_step(self, new: dict[int, tuple[Request, list]]) -> int:
         rows: list[Request | None] = [None] * self.config.max_batch
@@ -433,7 +434,7 @@ class Engine:
         self._lengths += active
         self.stats["decode_tokens"] += len(self._decoding)
         for request_id, slot in list(self._decoding.items()):
-            self._append(request_id, slot, int(tokens[slot]), logits_BV[slot], new)
+            self._append(request_id, slot, int(tokens[slot]), logits_BV, slot, new)
         return int(active.sum())
 
     def _decode_meta(self, active_B: np.ndarray) -> StepMeta:
@@ -441,12 +442,15 @@ class Engine:
                         jnp.asarray(self.admission.page_table(self.pages_per_row)),
                         jnp.arange(self.config.max_batch, dtype=jnp.int32))
 
-    def _append(self, request_id: int, slot: int, token: int, logits_V: jax.Array, new: dict[int, tuple[Request, list]]):
+    def _append(self, request_id: int, slot: int, token: int, logits_BV: jax.Array, b: int,
+                new: dict[int, tuple[Request, list]]):
+        """Record ``token`` for the request; its logits (row ``b`` of ``logits_BV``) are read back only if
+        kept or asked for (logprobs)."""
         request = self.requests[request_id]
         request.output_ids.append(token)
         kept = None
         if self.config.keep_logits or request.logprobs is not None:
-            kept = np.asarray(logits_V, np.float32)
+            kept = np.asarray(logits_BV[b], np.float32)
             if self.config.keep_logits:
                 request.logits.append(kept)
         new.setdefault(request_id, (request, []))[1].append((token, kept))

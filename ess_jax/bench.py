@@ -298,6 +298,7 @@ def prefill_stall(model, prompts: list[list[int]], args, log) -> dict:
     config = EngineConfig(max_batch=args.batch + 1, max_seq_len=args.context + args.stall_steps + 64,
                           prefill_chunk=args.prefill_chunk, kernels=args.kernels, cache_dtype=args.cache_dtype)
     engine = Engine(model, config)
+    engine.warm_up()  # every piece size compiled: the steps below time no compile
     for prompt in prompts:
         engine.add_request(prompt[:64], args.stall_steps + 16, ignore_eos=True)
     decode_ms, prefill_ms, piece_ms = [], [], []

@@ -146,6 +146,12 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--new-tokens {args.new_tokens} leaves no measured decode step after --warmup-steps "
                          f"{args.warmup_steps} (the first token comes from prefill); use at least "
                          f"{args.warmup_steps + 2}")
+    staggered = (args.batch - 1) * math.ceil(args.context / args.prefill_chunk)  # decoded while the rest prefill
+    if args.new_tokens < args.warmup_steps + 2 + staggered:
+        raise ValueError(f"--new-tokens {args.new_tokens} leaves no decode step of the whole batch after --warmup-steps "
+                         f"{args.warmup_steps}: the first request decodes {staggered} tokens while the other prompts "
+                         f"prefill ({math.ceil(args.context / args.prefill_chunk)} steps each at --prefill-chunk "
+                         f"{args.prefill_chunk}); use at least {args.warmup_steps + 2 + staggered} or a larger chunk")
     if not args.ratios:
         raise ValueError("--ratios is empty")
     for r in args.ratios:

@@ -75,7 +75,8 @@ def test_tiny_bench_json_follows_the_schema(checkpoint, tmp_path, capsys):
     (["--fetch", "inline,uva"], "--fetch"),
     (["--new-tokens", "3", "--warmup-steps", "2"], "--new-tokens 3"),
     (["--context", "0"], "--context 0"),
-    (["--context", "16380", "--new-tokens", "8"], "max_position_embeddings"),
+    (["--context", "16380", "--new-tokens", "8", "--prefill-chunk", "16384"], "max_position_embeddings"),
+    (["--context", "8192", "--new-tokens", "8"], "no decode step of the whole batch"),
     (["--model", "no-such-model"], "no-such-model"),
     (["--peer", "vllm"], "--peer"),
 ])

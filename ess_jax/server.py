@@ -256,8 +256,7 @@ class Metrics:
         r.register(_TierCollector(self))
 
     def set_queue(self, engine: Engine, *, waiting: int):
-        usage = engine.admission
-        self.running.set(engine.config.max_batch - usage.num_free_slots)
+        self.running.set(engine.config.max_batch - engine.admission.num_free_slots)
         self.waiting.set(waiting)
         self.pages_in_use.set(engine.allocator.capacity - engine.allocator.num_free)
         self.pages_total.set(engine.allocator.capacity)

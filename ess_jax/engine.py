@@ -53,6 +53,7 @@ class Request:
     logits: list[np.ndarray] = dataclasses.field(default_factory=list)  # f32[V] per output token, if kept
     finish_reason: str | None = None  # "stop" (a stop id), "length" (max_new_tokens) or "abort"
     prefilled: int = 0  # prompt tokens in the cache (chunked prefill progress)
+    forced_ids: tuple[int, ...] | None = None  # teacher forcing: the output tokens, taken instead of the sampled ones
     windows: list = dataclasses.field(default_factory=list)  # warm-up ids of each prefill piece (offloaded)
 
 
@@ -213,19 +214,26 @@ class Engine:
 
     # ---- the online API ------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
-                    stop_token_ids: Sequence[int] = (), *, ignore_eos: bool = False, logprobs: int | None = None
-                    ) -> int:
+                    stop_token_ids: Sequence[int] = (), *, ignore_eos: bool = False, logprobs: int | None = None,
+                    forced_ids: Sequence[int] | None = None) -> int:
         """Queue a request; its id. Safe to call from any thread, also while another thread steps.
         Stops at one of the config's eos ids (unless ``ignore_eos``), one of ``stop_token_ids``, or after
         ``max_new_tokens``. ``logprobs=N`` reports each output token's log-probability and the top N.
+        ``forced_ids`` (teacher forcing, to score a text): the request outputs exactly these tokens, one per
+        step (the prefill's, then each decode step's), each fed to the next step in place of the sampled one,
+        and reports each one's log-probability under the step's logits (``logprobs`` defaults to 0 then);
+        ``max_new_tokens`` must equal their number, and no eos or stop id ends it early.
         Raises ValueError naming the problem if the request can never be served."""
         prompt = [int(t) for t in prompt_ids]
-        pages = self.check_request(prompt, max_new_tokens, stop_token_ids, logprobs=logprobs)
+        forced = None if forced_ids is None else tuple(int(t) for t in forced_ids)
+        pages = self.check_request(prompt, max_new_tokens, stop_token_ids, logprobs=logprobs, forced_ids=forced)
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         stop = frozenset(() if ignore_eos else self.model.cfg.eos_token_id) | frozenset(map(int, stop_token_ids))
+        if forced is not None:
+            stop, logprobs = frozenset(), 0 if logprobs is None else logprobs
         request = Request(prompt, max_new_tokens, sampling, stop, IncrementalDetokenizer(self.model.tokenizer),
-                          logprobs)
+                          logprobs, forced_ids=forced)
         with self._inbox_lock:
             request_id = self._next_id
             self._next_id += 1
@@ -235,17 +243,25 @@ class Engine:
         return request_id
 
     def check_request(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int] = (), *,
-                      logprobs: int | None = None) -> int:
+                      logprobs: int | None = None, forced_ids: Sequence[int] | None = None) -> int:
         """The pages a request would reserve; raises ValueError naming the problem (and the numbers) if it can
         never be served: token ids outside the vocabulary, an empty prompt, more tokens than the engine serves,
-        more pages than the pool has. ``add_request`` runs it; callers may run it first to refuse early."""
+        more pages than the pool has, forced ids that are not ``max_new_tokens`` of them or come with stop ids.
+        ``add_request`` runs it; callers may run it first to refuse early."""
         vocab = self.model.cfg.vocab_size
-        for name, ids in (("prompt token id", prompt_ids), ("stop token id", stop_token_ids)):
+        for name, ids in (("prompt token id", prompt_ids), ("stop token id", stop_token_ids),
+                          ("forced token id", forced_ids or ())):
             bad = [int(t) for t in ids if not 0 <= int(t) < vocab]
             if bad:
                 raise ValueError(f"{name} {bad[0]} is outside the vocabulary [0, {vocab})")
         if logprobs is not None and not 0 <= logprobs <= vocab:
             raise ValueError(f"logprobs={logprobs} must be in [0, {vocab}] (the vocabulary size)")
+        if forced_ids is not None:
+            if len(forced_ids) != max_new_tokens:
+                raise ValueError(f"{len(forced_ids)} forced ids for max_new_tokens={max_new_tokens}; "
+                                 "a forced request outputs exactly its forced ids")
+            if len(stop_token_ids):
+                raise ValueError("stop_token_ids with forced_ids: a forced request outputs all its forced ids")
         return self.admission.check(None, len(prompt_ids), max_new_tokens)
 
     def abort(self, request_id: int) -> None:
@@ -444,9 +460,11 @@ class Engine:
 
     def _append(self, request_id: int, slot: int, token: int, logits_BV: jax.Array, b: int,
                 new: dict[int, tuple[Request, list]]):
-        """Record ``token`` for the request; its logits (row ``b`` of ``logits_BV``) are read back only if
-        kept or asked for (logprobs)."""
+        """Record ``token`` (a forced request's next forced id instead) for the request; its logits (row
+        ``b`` of ``logits_BV``) are read back only if kept or asked for (logprobs)."""
         request = self.requests[request_id]
+        if request.forced_ids is not None:
+            token = request.forced_ids[len(request.output_ids)]
         request.output_ids.append(token)
         kept = None
         if self.config.keep_logits or request.logprobs is not None:
@@ -531,7 +549,7 @@ def _token_logprob(token: int, logits_V: np.ndarray, top: int) -> TokenLogprob:
     logits = logits_V.astype(np.float64)
     shifted = logits - logits.max()
     logprobs_V = shifted - np.log(np.exp(shifted).sum())
-    best = np.argsort(-logprobs_V, kind="stable")[:top]
+    best = np.argsort(-logprobs_V, kind="stable")[:top] if top else ()
     return TokenLogprob(token, float(logprobs_V[token]), tuple((int(i), float(logprobs_V[i])) for i in best))
 
 

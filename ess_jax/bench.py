@@ -1,8 +1,8 @@
-"""``python -m ess_jax.bench``: resident vs ESS offload, side by side, on a synthetic long context.
+"""``python -m ess_jax.bench``: resident vs ESS offload, side by side, on long prompts.
 
 One process builds one engine per configuration: resident (``--offload none``) and ESS at each pool
 ratio (``--ratios``) with each fetch backend (``--fetch``). Every repetition submits the same
-``--batch`` random prompts of ``--context`` tokens to every engine in turn (the order alternates
+``--batch`` prompts of ``--context`` tokens to every engine in turn (the order alternates
 between repetitions, so slow drift of a shared machine hits all configurations alike) and decodes
 ``--new-tokens`` tokens per request (eos ignored, as serving benchmarks do, so every run decodes
 the same number of steps).
@@ -26,18 +26,48 @@ What is measured, per configuration:
       without         floor(M / (resident_device_bytes / batch))   (the resident row's own count)
   resident_device_bytes being what the same requests hold on the device without offload.
 
-Temporal locality (ESS Fig. 2): a separate, resident pass drives the model's paged step for one
-request (the first prompt), prefills it and decodes ``--locality-steps`` greedy steps, and reports
-per layer the overlap ``|K_t & K_t-1| / |K_t|`` of the indexer's top-k sets of adjacent steps (step
-0 compares the first decode step with the last prompt position). The new position is always among
-``K_t`` and never in ``K_t-1``, so with ``k`` picks the overlap is at most ``(k - 1) / k``.
+Prompts (``prompt_source``): without ``--text``, one stream of random token ids from ``--seed``,
+request i its tokens ``[i C, (i + 1) C)`` (C = ``--context``); with ``--text FILE``, FILE's text
+tokenized once by the model's tokenizer, request i its tokens ``[i (C // 2), i (C // 2) + C)``
+(windows overlapping by half). A locality prompt of N tokens is the stream's first N either way. A
+text too short for all of them is an error naming the sizes.
+
+Temporal locality (ESS Fig. 2), per context N of ``--locality-contexts`` (default ``--context``): a
+separate, resident pass (``topk_trace``) prefills one request of the first N prompt tokens as an ESS
+engine does (the engine's prefill function and pieces, on a one-row cache shaped like its prefill
+scratch, for N + S + 1 tokens) and decodes S = ``--locality-steps`` greedy steps, recording the
+indexer's top-k ids K_t of every step: per layer on V3.2 (ids are positions), per CSA layer on V4
+(ids are CSA entries, each the compression of m = ``compress_rate_csa`` tokens). Per layer and
+context, mean over the steps (step 0 compares the first decode step with the last prompt position):
+- raw overlap ``|K_t & K_t-1| / |K_t|``. The new position, when picked, is never in ``K_t-1``, so with
+  ``k`` picks the raw overlap is then at most ``(k - 1) / k``;
+- shifted overlap ``|K_t & (K_t-1 + 1)| / |K_t|``, the previous set moved on by one id: what a head
+  that reads the token after the one it read the step before (copying, induction) keeps. On V3.2 that
+  is one token on, and the new position counts when the previous one was picked. On V4 it is one CSA
+  entry, m tokens, on: a head advancing one token per step stays in its entry for m - 1 steps of m
+  (raw overlap) and moves to the next entry on the m-th (shifted overlap);
+- LRU hit rate vs pool size: the tier's policy replayed exactly over the trace (``simulate_lru``,
+  mirroring ``tier._warm_layer`` and ``tier._resolve``) at top_k + 1, 2 x top_k and 4 x top_k slots and
+  at each ``--pool-sweep`` ratio of the request's entries (``tier.pool_slots`` for N + S + 1 tokens, as
+  an engine serving this one request sizes its pools), per layer and overall, counted as the tier's
+  device counters count (``Engine.offload_metrics``): after prefill the pool holds the whole prompt if
+  it fits, else the entries last picked by the top-k of the last 32 prompt positions (as the engine
+  gathers them from its last two prefill pieces; the most recent in slot 0); per step every valid id is
+  a lookup, the new entry a hit when picked, an id in the pool a hit, the rest misses; the new entry
+  (written whether picked or not), then the misses in pick order, take the least recently used slots no
+  hit of the step holds; the slots used in a step become the most recent, ordered by slot number.
+  tests/test_bench.py checks the replay equals the tier's counters for the same prompt, pool size and
+  steps (V3.2 and V4). An offloaded engine picks the same ids as this resident pass unless the float
+  rounding of its split attention flips a near-tie of index scores.
 
 ``--peer hf`` times transformers' ``generate`` on the same weights (saved as a HuggingFace
 checkpoint under ``--out``) and prompts, greedy, on this machine, in this Python if torch and
 transformers import, else with ``--peer-python`` (another interpreter that has them).
 
-Outputs: a table on stdout (or ``--json``: one JSON object), and in ``--out`` results.json and PNG
-plots: hit rate per layer, throughput vs pool ratio, locality heatmap.
+Outputs: a table on stdout, its locality section last (raw and shifted overlap per layer and
+context, then the simulated hit rate per context and pool size) (or ``--json``: the same as one JSON
+object), and in ``--out`` results.json and PNG plots: hit rate per layer, throughput vs pool ratio,
+locality heatmap (raw overlap per layer x step, one panel per context), simulated hit rate vs pool size.
 
 Errors print one line starting with "error:" and exit with 2.
 """
@@ -46,6 +76,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import inspect
 import json
 import math
@@ -101,6 +132,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="decode steps dropped at the start of every run (default 4)")
     p.add_argument("--locality-steps", type=int, default=64,
                    help="greedy decode steps of the locality pass; 0 skips it (default 64)")
+    p.add_argument("--locality-contexts", type=_ints, default=None,
+                   help="prompt lengths of the locality pass, comma-separated, e.g. 4096,8192 (default: --context)")
+    p.add_argument("--pool-sweep", type=_floats, default=[0.05, 0.1, 0.2, 0.3, 0.5],
+                   help="pool ratios of the locality pass's LRU simulation, besides top_k + 1, 2 x top_k and "
+                        "4 x top_k slots (default 0.05,0.1,0.2,0.3,0.5)")
+    p.add_argument("--text", default=None, metavar="FILE",
+                   help="cut the prompts from FILE's text (tokenized by the model's tokenizer): request i from "
+                        "token i x (--context // 2), the locality prompts from token 0 (default: random token ids)")
     p.add_argument("--prefill-chunk", type=int, default=1024, help="engine prefill chunk in tokens (default 1024)")
     p.add_argument("--device-budget-mb", type=float, default=1024.0,
                    help="device memory budget (MiB) for the capacity comparison (default 1024)")
@@ -152,11 +191,12 @@ def _check(args: argparse.Namespace) -> None:
                          f"{args.warmup_steps}: the first request decodes {staggered} tokens while the other prompts "
                          f"prefill ({math.ceil(args.context / args.prefill_chunk)} steps each at --prefill-chunk "
                          f"{args.prefill_chunk}); use at least {args.warmup_steps + 2 + staggered} or a larger chunk")
-    if not args.ratios:
-        raise ValueError("--ratios is empty")
-    for r in args.ratios:
-        if not 0 < r <= 1:
-            raise ValueError(f"--ratios {r} must be in (0, 1]")
+    for flag, ratios in (("--ratios", args.ratios), ("--pool-sweep", args.pool_sweep)):
+        if not ratios:
+            raise ValueError(f"{flag} is empty")
+        for r in ratios:
+            if not 0 < r <= 1:
+                raise ValueError(f"{flag} {r} must be in (0, 1]")
     bad = [f for f in args.fetch if f not in FETCH_BACKENDS]
     if bad or not args.fetch:
         raise ValueError(f"--fetch {','.join(args.fetch)!r} must be a subset of {','.join(FETCH_BACKENDS)}")
@@ -281,17 +321,6 @@ def run_settings(model, settings: list[Setting], prompts: list[list[int]], args,
     return results
 
 
-# ---- temporal locality -------------------------------------------------------------------------
-
-def topk_overlap(current_LK: np.ndarray, previous_LK: np.ndarray) -> np.ndarray:
-    """``|K_t & K_t-1| / |K_t|`` per layer ``f32[L]`` over the valid (>= 0) ids; 0 for an empty ``K_t``."""
-    overlap_L = np.zeros(current_LK.shape[0], np.float32)
-    for layer, (cur, prev) in enumerate(zip(current_LK, previous_LK)):
-        cur = cur[cur >= 0]
-        overlap_L[layer] = np.isin(cur, prev[prev >= 0]).sum() / max(cur.size, 1)
-    return overlap_L
-
-
 def prefill_stall(model, prompts: list[list[int]], args, log) -> dict:
     """How much a long prompt admitted mid-run slows the running requests (resident engine): ``--batch``
     requests of 64 prompt tokens decode; after a few steps one more request of ``--context`` tokens arrives.
@@ -326,40 +355,192 @@ def prefill_stall(model, prompts: list[list[int]], args, log) -> dict:
             "pieces": len(prefill_ms), "prefill_chunk": args.prefill_chunk, "context": args.context}
 
 
-def topk_locality(model, prompt: list[int], steps: int, *, page_size: int = 64, chunk: int = 1024) -> np.ndarray:
-    """Overlap ``|K_t & K_t-1| / |K_t|`` of adjacent top-k sets ``f32[L, steps]`` for one request, from a
-    resident pass of the model's step: prompt in chunks, then ``steps`` greedy decode steps. L: the
-    layers with an indexer (V3.2: every layer, ids are positions; V4: the CSA layers, ids are entries)."""
+# ---- temporal locality -------------------------------------------------------------------------
+
+def topk_overlap(current_LK: np.ndarray, previous_LK: np.ndarray, shift: int = 0) -> np.ndarray:
+    """``|K_t & (K_t-1 + shift)| / |K_t|`` per layer ``f32[L]`` over the valid (>= 0) ids; 0 for an empty
+    ``K_t``. ``shift`` 0 is the raw overlap, 1 the shifted one (every previous id moved one id on)."""
+    overlap_L = np.zeros(current_LK.shape[0], np.float32)
+    for layer, (cur, prev) in enumerate(zip(current_LK, previous_LK)):
+        cur = cur[cur >= 0]
+        overlap_L[layer] = np.isin(cur, prev[prev >= 0] + shift).sum() / max(cur.size, 1)
+    return overlap_L
+
+
+@dataclasses.dataclass
+class Trace:
+    """The indexer's top-k ids of one request, as the tier sees them (L: the layers with an indexer,
+    ``layers``; V3.2: every layer, ids are positions; V4: the CSA layers, ids are CSA entries; -1 = none)."""
+
+    layers: list[int]
+    top_k: int
+    warm_LQK: np.ndarray  # i32[L, Q, K] the last prompt positions' ids, as the engine's warm-up reads them
+    ids_LSK: np.ndarray  # i32[L, S, K] each decode step's ids
+    new_S: np.ndarray  # i32[S] the entry each decode step writes (V4: the CSA window it closes; -1: none)
+    prompt_entries: int  # entries the prompt holds (V3.2: its tokens; V4: its closed CSA windows)
+    entries: int  # entries of the whole request, prompt + S + 1 tokens (the pool ratio's base)
+
+    @property
+    def last_LK(self) -> np.ndarray:
+        """The last prompt position's ids (the last warm-up query)."""
+        return self.warm_LQK[:, -1]
+
+
+@functools.cache
+def _trace_step():
     import jax
-    import jax.numpy as jnp
     from flax import nnx
-    from ess_jax import families
+
+    return jax.jit(lambda graphdef, params, tokens, meta, cache: nnx.merge(graphdef, params).step(tokens, meta, cache),
+                   static_argnums=0, donate_argnums=4)
+
+
+def topk_trace(model, prompt: list[int], steps: int, *, chunk: int, page_size: int = 64, cache_dtype: str | None = None,
+               kernels: str = "xla") -> Trace:
+    """The top-k ids of one request of ``prompt`` and ``steps + 1`` greedy new tokens (``steps`` decode
+    steps), from a resident pass on the cache an offloaded engine prefills on (its one-row scratch, sized
+    for this request): the prompt runs through the engine's own prefill function in the engine's pieces
+    (``--prefill-chunk``, the rest in powers of two), so the warm-up ids are those an ESS engine's
+    warm-up reads; then ``steps`` decode steps of the model's step."""
+    import jax.numpy as jnp
+    from ess_jax import engine as engine_lib, families
     from ess_jax.cache import StepMeta
 
-    graphdef = model.graphdef
-    step = jax.jit(lambda params, tokens, meta, cache: nnx.merge(graphdef, params).step(tokens, meta, cache),
-                   donate_argnums=3)
-    module, pages = model.module, math.ceil((len(prompt) + steps) / page_size)
-    size = families.CacheSize(rows=1, pages=pages + 1, page_size=page_size, max_seq_len=len(prompt) + steps)
-    cache = families.get(model.cfg.family).resident_cache(module, size, module.dtype, "xla")
-    table_BX = jnp.arange(1, pages + 1, dtype=jnp.int32)[None]  # contiguous pages 1..X (0 is the null page)
+    cfg, module = model.cfg, model.module
+    family = families.get(cfg.family)
+    model_format = jnp.dtype(module.dtype).name
+    part = next(p for p in family.cache_parts(cfg, family.stored_formats(cache_dtype or model_format, model_format))
+                if p.where == "offloaded")
+    max_seq_len = len(prompt) + steps + 1
+    pages = math.ceil(max_seq_len / page_size)
+    dtype = engine_lib.CACHE_DTYPES[cache_dtype] if cache_dtype else module.dtype
+    cache = family.resident_cache(module, families.CacheSize(rows=1, pages=pages + 1, page_size=page_size,
+                                                             max_seq_len=max_seq_len), dtype, kernels)
+    table_BX = jnp.arange(1, pages + 1, dtype=jnp.int32)[None]  # the scratch's pages 1..X (0 is the null page)
     row_B = jnp.zeros((1,), jnp.int32)
-    for start in range(0, len(prompt), chunk):  # exact pieces: V4's compressors take no padding
-        real = min(chunk, len(prompt) - start)
+    greedy = (jnp.zeros(1, jnp.float32), jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.float32), jnp.zeros(1, jnp.uint32),
+              jnp.zeros(1, jnp.int32))
+    buckets, windows, start = engine_lib._buckets(chunk), [], 0
+    while start < len(prompt):  # Engine._prefill_pieces: the largest piece that fits the rest
+        real = max(b for b in buckets if b <= len(prompt) - start)
         meta = StepMeta(jnp.asarray(start + np.arange(real, dtype=np.int32))[None], jnp.ones((1, real), bool),
                         table_BX, row_B)
-        logits_BTV, ids_LBTK, cache = step(model.params, jnp.asarray([prompt[start:start + real]], jnp.int32), meta,
-                                           cache)
-    previous_LK = np.asarray(ids_LBTK[:, 0, real - 1])
-    token = int(jnp.argmax(logits_BTV[0, real - 1]))
-    overlap_LS = np.zeros((previous_LK.shape[0], steps), np.float32)
+        token, _, ids_LBQK, cache = engine_lib._PREFILL(model.graphdef, model.params,
+                                                        jnp.asarray([prompt[start:start + real]], jnp.int32), meta,
+                                                        cache, jnp.asarray([real - 1], jnp.int32), greedy)
+        windows = windows[-1:] + [(real, ids_LBQK[:, 0])]
+        start += real
+    warm_LQK = np.asarray(engine_lib._last_queries(windows))
+    token, m = int(token[0]), part.tokens_per_row
+    ids, new = [], []
     for t in range(steps):
-        meta = StepMeta(jnp.asarray([[len(prompt) + t]], jnp.int32), jnp.ones((1, 1), bool), table_BX, row_B)
-        logits_BTV, ids_LBTK, cache = step(model.params, jnp.asarray([[token]], jnp.int32), meta, cache)
-        current_LK = np.asarray(ids_LBTK[:, 0, 0])
-        overlap_LS[:, t] = topk_overlap(current_LK, previous_LK)
-        previous_LK, token = current_LK, int(jnp.argmax(logits_BTV[0, 0]))
-    return overlap_LS
+        position = len(prompt) + t
+        meta = StepMeta(jnp.asarray([[position]], jnp.int32), jnp.ones((1, 1), bool), table_BX, row_B)
+        logits_BTV, ids_LBTK, cache = _trace_step()(model.graphdef, model.params, jnp.asarray([[token]], jnp.int32),
+                                                    meta, cache)
+        ids.append(np.asarray(ids_LBTK[:, 0, 0]))
+        new.append((position + 1) // m - 1 if (position + 1) % m == 0 else -1)  # the entry this token completes
+        token = int(jnp.argmax(logits_BTV[0, 0]))
+    ids_LSK = np.stack(ids, axis=1) if ids else np.zeros(warm_LQK.shape[:1] + (0,) + warm_LQK.shape[2:], np.int32)
+    return Trace(family.sparse_layers(cfg), part.topk, warm_LQK, ids_LSK, np.asarray(new, np.int32),
+                 part.entries(len(prompt)), part.entries(max_seq_len))
+
+
+def trace_overlaps(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
+    """Raw and shifted overlap ``f32[L, S]`` of each decode step's top-k set with the previous step's (step
+    0: with the last prompt position's)."""
+    steps = trace.ids_LSK.shape[1]
+    raw_LS, shifted_LS = (np.zeros((trace.ids_LSK.shape[0], steps), np.float32) for _ in range(2))
+    previous_LK = trace.last_LK
+    for t in range(steps):
+        current_LK = trace.ids_LSK[:, t]
+        raw_LS[:, t], shifted_LS[:, t] = topk_overlap(current_LK, previous_LK), topk_overlap(current_LK, previous_LK, 1)
+        previous_LK = current_LK
+    return raw_LS, shifted_LS
+
+
+def warm_pool(warm_QK: np.ndarray, prompt_entries: int, slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """One layer's pool after the warm-up (``tier._warm_layer``): the whole prompt if it fits, else the
+    ``slots`` ids last selected by the warm-up queries (stamp: the last index in their flattened ids).
+    Slot i holds the i-th most recent; the recency order lists the empty slots first (by slot), then the
+    held ones from the oldest stamp. Returns slot -> entry ``[P]`` (-1 empty) and the order ``[P]``."""
+    if prompt_entries <= slots:
+        stamps = {e: e for e in range(prompt_entries)}
+    else:
+        stamps = {int(e): i for i, e in enumerate(warm_QK.reshape(-1)) if e >= 0}  # the last occurrence wins
+    held = sorted(stamps, key=stamps.get, reverse=True)[:slots]
+    entry_P = np.full(slots, -1, np.int64)
+    entry_P[:len(held)] = held
+    return entry_P, np.concatenate([np.arange(len(held), slots), np.arange(len(held))[::-1]])
+
+
+def simulate_lru(trace: Trace, slots: int) -> np.ndarray:
+    """Lookups, hits and misses ``i64[L, 3]`` of the tier's LRU (``tier._resolve``) over ``trace`` with
+    ``slots`` pool slots per layer, as its device counters count them, from the pool ``warm_pool`` fills.
+    Per decode step: every valid id is a lookup; the step's new entry counts as a hit when selected, an id
+    whose entry is in the pool as a hit, the others as misses. The new entry (inserted whether selected
+    or not), then the misses in the order of the step's ids, take the least recently used slots that no
+    hit of the step holds, evicting their entries; every slot used in the step (hits and takers) then
+    becomes the most recent, in slot order, the others keeping their order. (The tier looks for the
+    takers among the first top-k + 1 slots of its order only; they always lie there.)"""
+    counts = np.zeros((trace.ids_LSK.shape[0], 3), np.int64)
+    for layer, (warm_QK, ids_SK) in enumerate(zip(trace.warm_LQK, trace.ids_LSK)):
+        entry_P, order_P = warm_pool(warm_QK, trace.prompt_entries, slots)
+        slot_of = np.full(trace.entries, -1, np.int64)  # the residency map: entry -> slot
+        held = entry_P >= 0
+        slot_of[entry_P[held]] = np.flatnonzero(held)
+        for ids_K, new_id in zip(ids_SK, trace.new_S):
+            ids = ids_K[ids_K >= 0]
+            is_new = ids == new_id if new_id >= 0 else np.zeros(ids.size, bool)
+            hit = ~is_new & (slot_of[ids] >= 0)
+            miss_ids = ids[~is_new & ~hit]
+            hit_slots = slot_of[ids[hit]]
+            arrivals = np.concatenate([[new_id] if new_id >= 0 else [], miss_ids]).astype(np.int64)
+            takers = order_P[~np.isin(order_P, hit_slots)][:arrivals.size]
+            leaving = entry_P[takers]
+            slot_of[leaving[leaving >= 0]] = -1
+            entry_P[takers], slot_of[arrivals] = arrivals, takers
+            used = np.sort(np.concatenate([hit_slots, takers]))
+            order_P = np.concatenate([order_P[~np.isin(order_P, used)], used])
+            counts[layer] += (ids.size, hit.sum() + is_new.sum(), miss_ids.size)
+    return counts
+
+
+def pool_sweep(trace: Trace, ratios: list[float]) -> list[dict]:
+    """The LRU simulation at pool sizes top_k + 1, 2 x top_k, 4 x top_k and each pool ratio of the
+    request's entries (``tier.pool_slots``, as an engine serving this request sizes its pools)."""
+    from ess_jax.tier import pool_slots
+
+    k = trace.top_k
+    sizes = [("k+1", k + 1, None), ("2k", 2 * k, None), ("4k", 4 * k, None)] + [(f"r={r:g}", None, r) for r in ratios]
+    rows = []
+    for label, size, ratio in sizes:
+        slots = pool_slots(pool_size=size, pool_ratio=ratio, max_seq_len=trace.entries, index_topk=k)
+        counts = simulate_lru(trace, slots)
+        lookups, hits, misses = (int(x) for x in counts.sum(0))
+        rows.append({"pool": label, "pool_size": size, "pool_ratio": ratio, "slots": slots, "lookups": lookups,
+                     "hits": hits, "misses": misses, "hit_rate": hits / lookups if lookups else 0.0,
+                     "per_layer": [{"layer": layer, "lookups": int(c[0]), "hits": int(c[1]), "misses": int(c[2]),
+                                    "hit_rate": int(c[1]) / int(c[0]) if c[0] else 0.0}
+                                   for layer, c in zip(trace.layers, counts)]})
+    return rows
+
+
+def locality_pass(model, prompts: dict[int, list[int]], args, log) -> dict:
+    """The locality pass at each context: overlaps and the pool-size sweep per layer."""
+    contexts = []
+    for context, prompt in prompts.items():
+        log(f"locality: resident pass, {context} prompt tokens + {args.locality_steps} decode steps")
+        trace = topk_trace(model, prompt, args.locality_steps, chunk=args.prefill_chunk, cache_dtype=args.cache_dtype,
+                           kernels=args.kernels)
+        raw_LS, shifted_LS = trace_overlaps(trace)
+        contexts.append({"context": context, "prompt_entries": trace.prompt_entries, "entries": trace.entries,
+                         "raw_overlap": raw_LS.tolist(), "shifted_overlap": shifted_LS.tolist(),
+                         "raw_overlap_mean": raw_LS.mean(1).tolist(),
+                         "shifted_overlap_mean": shifted_LS.mean(1).tolist(),
+                         "lru": pool_sweep(trace, args.pool_sweep)})
+    return {"steps": args.locality_steps, "layers": trace.layers, "top_k": trace.top_k,
+            "ids": "CSA entries" if model.cfg.family == "deepseek_v4" else "positions", "contexts": contexts}
 
 
 # ---- the transformers peer ---------------------------------------------------------------------
@@ -484,9 +665,6 @@ def render(result: dict) -> str:
         if r["per_layer"]:
             per_layer = " ".join(f"{c['hit_rate']:.2f}" for c in r["per_layer"])
             out.append(f"hit rate per layer, ess {r['pool_ratio']:g} {r['fetch']}: {per_layer}")
-    if result["locality"]:
-        means = " ".join(f"{np.mean(x):.2f}" for x in result["locality"])
-        out.append(f"top-k overlap of adjacent steps, mean per layer ({len(result['locality'][0])} steps): {means}")
     stall = result.get("stall")
     if stall:
         out.append(f"prefill stall (resident): a {stall['context']}-token prompt admitted mid-run took {stall['pieces']} "
@@ -504,11 +682,31 @@ def render(result: dict) -> str:
                        f"{peer['tokens_agree']} of {peer['tokens_compared']}")
         else:
             out.append(f"peer: unavailable ({peer['reason']})")
+    if result["locality"]:
+        out += render_locality(result["locality"])
     return "\n".join(out)
 
 
+def render_locality(loc: dict) -> list[str]:
+    """The locality section: overlaps per layer and context, then the simulated hit rate per pool size."""
+    contexts = loc["contexts"]
+    headers = ["layer"] + [f"{kind} {c['context']}" for c in contexts for kind in ("raw", "shifted")]
+    means = ("raw_overlap_mean", "shifted_overlap_mean")
+    rows = [[str(layer)] + [f"{c[key][i]:.3f}" for c in contexts for key in means]
+            for i, layer in enumerate(loc["layers"])]
+    sweep = [[str(c["context"]), r["pool"], str(r["slots"]), f"{r['hit_rate']:.3f}",
+              " ".join(f"{x['hit_rate']:.2f}" for x in r["per_layer"])] for c in contexts for r in c["lru"]]
+    return [f"locality (resident pass, {loc['steps']} greedy decode steps after each prompt; ids: {loc['ids']}, top-k "
+            f"{loc['top_k']}): mean over steps of raw |K_t & K_t-1| / |K_t| and shifted |K_t & (K_t-1 + 1)| / |K_t|",
+            _table(headers, rows),
+            "LRU hit rate vs pool size: the tier's policy simulated over the same top-k ids (warm-up from the last "
+            "prompt positions' top-k; r = pool ratio of the request's entries)",
+            _table(["context", "pool", "slots", "hit rate", f"per layer ({' '.join(map(str, loc['layers']))})"], sweep)]
+
+
 def write_plots(result: dict, out: Path) -> list[str]:
-    """PNG plots into ``out``: hit rate per layer, throughput vs pool ratio, locality heatmap."""
+    """PNG plots into ``out``: hit rate per layer, throughput vs pool ratio, locality heatmap (one panel per
+    context), simulated hit rate vs pool size."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -547,17 +745,41 @@ def write_plots(result: dict, out: Path) -> list[str]:
         fig.savefig(out / "throughput_vs_ratio.png", dpi=120)
         plt.close(fig)
         written.append("throughput_vs_ratio.png")
-    if result["locality"]:
-        locality = np.asarray(result["locality"])
-        fig, ax = plt.subplots(figsize=(7, 0.5 * locality.shape[0] + 1.5))
-        image = ax.imshow(locality, aspect="auto", vmin=0, vmax=1, cmap="viridis", interpolation="nearest")
-        ax.set(xlabel="decode step", ylabel="layer", title="top-k overlap with the previous step")
-        ax.set_yticks(range(locality.shape[0]))
-        fig.colorbar(image, ax=ax)
+    loc = result["locality"]
+    if loc:
+        contexts, layers = loc["contexts"], loc["layers"]
+        fig, axes = plt.subplots(len(contexts), 1, squeeze=False, sharex=True,
+                                 figsize=(7, len(contexts) * (0.4 * len(layers) + 1.2) + 0.6))
+        for ax, c in zip(axes[:, 0], contexts):
+            image = ax.imshow(np.asarray(c["raw_overlap"]), aspect="auto", vmin=0, vmax=1, cmap="viridis",
+                              interpolation="nearest")
+            ax.set(ylabel="layer", title=f"raw top-k overlap with the previous step, {c['context']}-token prompt")
+            ax.set_yticks(range(len(layers)), [str(layer) for layer in layers])
+            fig.colorbar(image, ax=ax)
+        axes[-1, 0].set_xlabel("decode step")
         fig.tight_layout()
         fig.savefig(out / "locality_heatmap.png", dpi=120)
         plt.close(fig)
         written.append("locality_heatmap.png")
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for i, c in enumerate(contexts):
+            color = f"C{i}"
+            slots = [r["slots"] for r in c["lru"]]
+            order = np.argsort(slots, kind="stable")
+            ax.plot(np.asarray(slots)[order], np.asarray([r["hit_rate"] for r in c["lru"]])[order], marker="o",
+                    color=color, label=f"{c['context']} tokens, all layers")
+            for j, layer in enumerate(layers):
+                ax.plot(np.asarray(slots)[order], np.asarray([r["per_layer"][j]["hit_rate"] for r in c["lru"]])[order],
+                        color=color, alpha=0.35, linewidth=0.8, label=f"{c['context']}: per layer" if j == 0 else None)
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="pool slots per (layer, request)", ylabel="simulated LRU hit rate", ylim=(0, 1.02),
+               title=f"hit rate vs pool size ({loc['steps']} decode steps, top-k {loc['top_k']})")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "hit_rate_vs_pool.png", dpi=120)
+        plt.close(fig)
+        written.append("hit_rate_vs_pool.png")
     return written
 
 
@@ -569,30 +791,62 @@ def _machine() -> str:
             f"({len(devices)} device)")
 
 
+def prompt_source(args: argparse.Namespace, cfg, tokenizer) -> tuple[list[list[int]], dict[int, list[int]], dict]:
+    """The engine runs' prompts, the locality pass's prompt per context, and how they were made.
+
+    Without ``--text``: one stream of random token ids from ``--seed``; request i is its tokens
+    ``[i C, (i + 1) C)`` (C = ``--context``), the locality prompt of context N its first N tokens.
+    ``--text FILE``: FILE's text tokenized once by the model's tokenizer (a bos it adds starts request
+    0 only); request i is its tokens ``[i S, i S + C)`` with stride ``S = C // 2`` (windows overlapping
+    by half), the locality prompt of context N its first N tokens. A text shorter than the longest of
+    these is a ValueError naming the sizes."""
+    contexts = args.locality_contexts if args.locality_steps else []
+    if args.text is None:
+        stride, need = args.context, max([args.batch * args.context] + contexts)
+        tokens = np.random.default_rng(args.seed).integers(0, cfg.vocab_size, need).tolist()
+        source = {"kind": "random", "seed": args.seed}
+    else:
+        stride = args.context // 2
+        tokens = tokenizer.encode(Path(args.text).read_text(encoding="utf-8"))
+        need = max([(args.batch - 1) * stride + args.context] + contexts)
+        if len(tokens) < need:
+            longest = f", the longest --locality-contexts {max(contexts)}" if contexts else ""
+            raise ValueError(f"--text {args.text} holds {len(tokens)} tokens (the model's tokenizer), fewer than the "
+                             f"{need} needed: --batch {args.batch} prompts of --context {args.context} starting every "
+                             f"{stride} tokens end at token {(args.batch - 1) * stride + args.context}{longest}")
+        source = {"kind": "text", "file": str(args.text)}
+    source.update(tokens=len(tokens), stride=stride)
+    prompts = [tokens[i * stride:i * stride + args.context] for i in range(args.batch)]
+    return prompts, {n: tokens[:n] for n in contexts}, source
+
+
 def bench(args: argparse.Namespace, log) -> dict:
     from ess_jax.api import load_model
+    from ess_jax.tokenizer import load_tokenizer
 
     cfg = _config_of(args.model)
+    args.locality_contexts = args.locality_contexts or [args.context]
     if args.context + args.new_tokens > cfg.max_position_embeddings:
         raise ValueError(f"--context {args.context} + --new-tokens {args.new_tokens} exceeds max_position_embeddings "
                          f"{cfg.max_position_embeddings}")
+    longest = max(args.locality_contexts)
+    if args.locality_steps and longest + args.locality_steps + 1 > cfg.max_position_embeddings:
+        raise ValueError(f"--locality-contexts {longest} + --locality-steps {args.locality_steps} + 1 exceeds "
+                         f"max_position_embeddings {cfg.max_position_embeddings}")
+    prompts, locality_prompts, source = prompt_source(
+        args, cfg, load_tokenizer(args.model if Path(args.model).is_dir() else None, cfg))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = load_model(args.model, args.dtype, seed=args.weights_seed)
-    rng = np.random.default_rng(args.seed)
-    prompts = [rng.integers(0, cfg.vocab_size, args.context).tolist() for _ in range(args.batch)]
     settings = [Setting("none")] + [Setting("ess", r, f) for r in args.ratios for f in args.fetch]
     runs = run_settings(model, settings, prompts, args, log)
     stall = prefill_stall(model, prompts, args, log) if args.stall_steps else None
-    locality = []
-    if args.locality_steps:
-        log(f"locality: resident pass, {args.context} prompt tokens + {args.locality_steps} decode steps")
-        locality = topk_locality(model, prompts[0], args.locality_steps).tolist()
+    locality = locality_pass(model, locality_prompts, args, log) if args.locality_steps else None
     result = {
         "setup": {"model": args.model, "family": cfg.family, "context": args.context, "new_tokens": args.new_tokens,
                   "batch": args.batch, "repeats": args.repeats, "warmup_steps": args.warmup_steps,
                   "index_topk": cfg.index_topk, "layers": cfg.num_hidden_layers, "dtype": args.dtype,
-                  "device_budget_mb": args.device_budget_mb, "machine": _machine()},
+                  "device_budget_mb": args.device_budget_mb, "prompt_source": source, "machine": _machine()},
         "capacity_formula": "requests in budget = floor(budget / (device_bytes / batch)); without offload "
                             "floor(budget / (resident_device_bytes / batch)); gain = their ratio",
         "runs": runs, "locality": locality, "stall": stall,

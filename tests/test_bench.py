@@ -1,14 +1,21 @@
-"""A tiny benchmark run: the JSON schema, consistent counters, locality in [0, 1], plots; argument errors."""
+"""A tiny benchmark run: the JSON schema, consistent counters, locality in [0, 1], plots; argument errors;
+the locality pass's overlaps and its LRU replay, equal to the tier's own counters (V3.2 and V4)."""
 
+import argparse
 import json
+from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from ess_jax import bench
 from ess_jax.api import Model, load_model
+from ess_jax.config import ModelConfig
+from ess_jax.engine import Engine, EngineConfig
 from ess_jax.models.deepseek_v32 import DeepseekV32
+from ess_jax.models.deepseek_v4 import DeepseekV4
 from ess_jax.tokenizer import load_tokenizer
 from helpers import small_v32, small_v32_json
 
@@ -62,10 +69,24 @@ def test_tiny_bench_json_follows_the_schema(checkpoint, tmp_path, capsys):
     # offload is exact: the same greedy tokens
     assert ess["tokens_match_resident"]
     assert ess["device_bytes"] < resident["device_bytes"] and ess["capacity_gain"] > 1
-    locality = np.asarray(result["locality"])
-    assert locality.shape == (2, 6) and ((0 <= locality) & (locality <= 1)).all()
-    assert sorted(p.name for p in out.iterdir()) == ["hit_rate_per_layer.png", "locality_heatmap.png", "results.json",
-                                                      "throughput_vs_ratio.png"]
+    locality = result["locality"]
+    assert (locality["steps"], locality["layers"], locality["top_k"], locality["ids"]) == (6, [0, 1], 8, "positions")
+    [at_256] = locality["contexts"]  # --locality-contexts defaults to --context
+    assert (at_256["context"], at_256["prompt_entries"], at_256["entries"]) == (256, 256, 263)  # 256 + 6 steps + 1
+    for key in ("raw_overlap", "shifted_overlap"):
+        overlap = np.asarray(at_256[key])
+        assert overlap.shape == (2, 6) and ((0 <= overlap) & (overlap <= 1)).all()
+        np.testing.assert_allclose(at_256[f"{key}_mean"], overlap.mean(1), rtol=1e-6)
+    # k + 1, 2k, 4k, then the default --pool-sweep ratios of 263 entries (never below k + 1)
+    sweep = at_256["lru"]
+    assert [(r["pool"], r["slots"]) for r in sweep] == [("k+1", 9), ("2k", 16), ("4k", 32), ("r=0.05", 14),
+                                                        ("r=0.1", 27), ("r=0.2", 53), ("r=0.3", 79), ("r=0.5", 132)]
+    for r in sweep:
+        assert [c["lookups"] for c in r["per_layer"]] == [6 * 8, 6 * 8] and r["lookups"] == 2 * 6 * 8
+        assert all(c["hits"] + c["misses"] == c["lookups"] for c in r["per_layer"]) and 0 <= r["hit_rate"] <= 1
+    assert result["setup"]["prompt_source"] == {"kind": "random", "seed": 0, "tokens": 512, "stride": 256}
+    assert sorted(p.name for p in out.iterdir()) == ["hit_rate_per_layer.png", "hit_rate_vs_pool.png",
+                                                      "locality_heatmap.png", "results.json", "throughput_vs_ratio.png"]
     assert json.loads((out / "results.json").read_text())["runs"][1]["hit_rate"] == ess["hit_rate"]
 
 
@@ -79,6 +100,8 @@ def test_tiny_bench_json_follows_the_schema(checkpoint, tmp_path, capsys):
     (["--context", "8192", "--new-tokens", "8"], "no decode step of the whole batch"),
     (["--model", "no-such-model"], "no-such-model"),
     (["--peer", "vllm"], "--peer"),
+    (["--pool-sweep", "0.1,0"], "--pool-sweep 0"),
+    (["--locality-contexts", "16380", "--locality-steps", "8"], "--locality-contexts 16380"),
 ])
 def test_bad_arguments_exit_2_with_one_line(argv, needle, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -92,6 +115,104 @@ def test_topk_overlap_counts_valid_ids_of_the_current_set():
     current_LK = np.array([[5, 6, 7, -1], [1, 2, 3, 4], [-1, -1, -1, -1]])
     previous_LK = np.array([[6, 7, 8, 9], [1, 2, 3, 4], [1, 2, -1, -1]])
     np.testing.assert_allclose(bench.topk_overlap(current_LK, previous_LK), [2 / 3, 1.0, 0.0])
+
+
+def test_shifted_overlap_follows_a_set_that_moves_on_by_one():
+    """Layer 0 reads the ids after last step's (a copying head): raw 0, shifted 1. Layer 1 stays: raw 1,
+    shifted 0. Layer 2: a previous -1 (none) does not shift onto id 0."""
+    previous_LK = np.array([[10, 20, 30, 40], [1, 5, 9, 13], [-1, 5, -1, -1]])
+    current_LK = np.array([[11, 21, 31, 41], [1, 5, 9, 13], [0, 6, -1, -1]])
+    np.testing.assert_allclose(bench.topk_overlap(current_LK, previous_LK), [0.0, 1.0, 0.0])
+    np.testing.assert_allclose(bench.topk_overlap(current_LK, previous_LK, shift=1), [1.0, 0.0, 0.5])
+    trace = bench.Trace([0, 1, 2], 4, np.stack([previous_LK] * 32, axis=1), current_LK[:, None], np.array([-1]), 50, 52)
+    raw_LS, shifted_LS = bench.trace_overlaps(trace)  # step 0 against the last prompt position
+    np.testing.assert_allclose(raw_LS[:, 0], [0.0, 1.0, 0.0])
+    np.testing.assert_allclose(shifted_LS[:, 0], [1.0, 0.0, 0.5])
+
+
+def _source_args(**overrides) -> argparse.Namespace:
+    args = dict(batch=2, context=256, locality_steps=4, locality_contexts=[256], text=None, seed=0)
+    return argparse.Namespace(**dict(args, **overrides))
+
+
+def test_prompt_source_random_and_text_windows(tmp_path):
+    cfg = small_v32()
+    prompts, locality, source = bench.prompt_source(_source_args(locality_contexts=[128, 600]), cfg, None)
+    stream = np.random.default_rng(0).integers(0, cfg.vocab_size, 600).tolist()
+    assert prompts == [stream[:256], stream[256:512]] and locality == {128: stream[:128], 600: stream}
+    assert source == {"kind": "random", "seed": 0, "tokens": 600, "stride": 256}
+    assert prompts[0] == np.random.default_rng(0).integers(0, cfg.vocab_size, 256).tolist()  # the prompts of before
+    text = tmp_path / "code.py"
+    text.write_text("def f(x):\n    return x + 1\n" * 16)  # 432 bytes
+    tokenizer = load_tokenizer(None, cfg)
+    prompts, locality, source = bench.prompt_source(_source_args(text=str(text)), cfg, tokenizer)
+    tokens = tokenizer.encode(text.read_text())  # bos + the bytes
+    assert prompts == [tokens[:256], tokens[128:384]] and locality == {256: tokens[:256]}
+    assert source == {"kind": "text", "file": str(text), "tokens": 433, "stride": 128} and len(tokens) == 433
+
+
+def test_text_too_short_exits_2_naming_the_sizes(tmp_path, capsys):
+    text = tmp_path / "short.txt"
+    text.write_text("x" * 300)  # 301 tokens with the bos
+    code = bench.main(["--text", str(text), "--context", "256", "--new-tokens", "8", "--locality-contexts", "128",
+                       "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"error: --text {text} holds 301 tokens") and "384 needed" in err
+    assert "--batch 2 prompts of --context 256 starting every 128 tokens end at token 384" in err
+
+
+def _counters(engine) -> list[list[int]]:
+    return [[c["lookups"], c["hits"], c["misses"]] for c in engine.offload_metrics()["per_layer"]]
+
+
+def test_lru_replay_equals_the_tier_counters(checkpoint):
+    """The locality pass's traces of the schema run's two prompts, replayed at the pool size of an ESS
+    engine serving them for the same 6 decode steps, give the engine's device counters exactly: 132 slots
+    (ratio 0.5 of 264) for 256-token prompts, so the pool evicts on every step. The engine and the traces
+    have the schema run's shapes, so they reuse its compiled steps."""
+    model = load_model(checkpoint)
+    stream = np.random.default_rng(0).integers(0, model.cfg.vocab_size, 512).tolist()
+    prompts, steps = [stream[:256], stream[256:]], 6
+    engine = Engine(model, EngineConfig(max_batch=2, max_seq_len=264, prefill_chunk=1024, offload="ess",
+                                        pool_ratio=0.5))
+    for prompt in prompts:
+        engine.add_request(prompt, steps + 1, ignore_eos=True)
+    engine.run()
+    traces = [bench.topk_trace(model, prompt, steps, chunk=1024) for prompt in prompts]
+    replay = sum(bench.simulate_lru(trace, engine.pool_slots) for trace in traces)
+    assert replay.tolist() == _counters(engine)
+    assert 0 < replay[:, 1].sum() < replay[:, 0].sum()  # hits and misses both
+
+
+def test_lru_replay_equals_the_hisparse_counters():
+    """V4 (HiSparse): the replay over CSA entries (one new entry every 4th step) equals the tier's counters.
+    One CSA layer of the hf-v4-a fixture's shape (top-k 8), so the compiles stay small; 128 prompt tokens
+    (32 entries), top_k + 1 = 9 pool slots, 10 decode steps."""
+    raw = json.loads((Path(__file__).parent / "fixtures" / "hf-v4-a" / "config.json").read_text())
+    raw.update(num_hidden_layers=1, layer_types=["compressed_sparse_attention"], mlp_layer_types=["moe"],
+               hc_sinkhorn_iters=2)
+    cfg = ModelConfig.from_hf_dict(raw)
+    # random weights drawn in NumPy into the abstract module (nnx's own init compiles an op per shape)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: DeepseekV4(cfg, rngs=nnx.Rngs(0))))
+    rng, params = np.random.default_rng(0), []
+    for path, variable in nnx.to_flat_state(state):
+        shape = variable.get_value().shape
+        value = (rng.normal(0, shape[-1] ** -0.5, shape) if len(shape) >= 2
+                 else (path[-1] == "weight") + 0.1 * rng.normal(size=shape))  # norm weights near 1, the rest near 0
+        params.append((path, variable.replace(jnp.asarray(value, jnp.float32))))
+    model = Model("csa-v4", nnx.merge(graphdef, nnx.from_flat_state(params)), load_tokenizer(None, cfg))
+    prompt, steps = np.random.default_rng(1).integers(0, cfg.vocab_size, 128).tolist(), 10
+    engine = Engine(model, EngineConfig(max_batch=1, max_seq_len=128 + steps + 1, prefill_chunk=128, offload="ess",
+                                        pool_size=cfg.index_topk + 1))
+    engine.add_request(prompt, steps + 1, ignore_eos=True)
+    engine.run()
+    trace = bench.topk_trace(model, prompt, steps, chunk=128)
+    assert trace.layers == [0] and (trace.prompt_entries, trace.entries) == (32, 34)
+    assert trace.new_S.tolist() == [-1, -1, -1, 32, -1, -1, -1, 33, -1, -1]  # windows close at positions 131, 135
+    replay = bench.simulate_lru(trace, engine.pool_slots)
+    assert replay.tolist() == _counters(engine)
+    assert 0 < replay[:, 1].sum() < replay[:, 0].sum()
 
 
 def test_peer_without_torch_says_so(tmp_path):

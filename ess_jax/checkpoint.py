@@ -229,6 +229,36 @@ def load_into(model_fn, cfg: ModelConfig, directory: Path, dtype) -> nnx.Module:
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
 
 
+def save(params: nnx.State, raw_config: dict, directory: Path) -> Path:
+    """Write a model's parameter state as a transformers checkpoint in ``directory``: ``model.safetensors``
+    (float32, one module per expert as ``save_pretrained`` writes them; buffers such as ``tid2eid`` as
+    stored) and ``config.json`` (``raw_config`` with its family's ``architectures``)."""
+    from safetensors.numpy import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for path, variable in nnx.to_flat_state(params):
+        value = np.asarray(variable[...])
+        name, value = hf_name(path), value if value.dtype.kind in "iub" else value.astype(np.float32)
+        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2F, D]: gate rows first
+            prefix, half = name[:-len("gate_up_proj")], value.shape[1] // 2
+            for e in range(value.shape[0]):
+                tensors[f"{prefix}{e}.gate_proj.weight"] = np.ascontiguousarray(value[e, :half])
+                tensors[f"{prefix}{e}.up_proj.weight"] = np.ascontiguousarray(value[e, half:])
+        elif name.endswith("mlp.experts.down_proj"):  # [E, D, F]
+            for e in range(value.shape[0]):
+                tensors[f"{name[:-len('down_proj')]}{e}.down_proj.weight"] = np.ascontiguousarray(value[e])
+        else:
+            tensors[name] = np.ascontiguousarray(value)
+    tmp = directory / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(directory / "model.safetensors")
+    family = families.get(raw_config["model_type"])
+    config = dict(raw_config, architectures=[family.architecture], dtype="float32")
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return directory
+
+
 def _ignorable(key: str, cfg: ModelConfig, expected: set[str]) -> bool:
     if key in expected or key.endswith("weight_scale_inv"):
         return True

@@ -128,6 +128,7 @@ class Family:
     NotImplementedError here), which ``offloaded_cache`` and ``handoff`` compose."""
 
     model_type: str
+    architecture: str  # config.json's "architectures" entry (transformers' class)
     module: str  # "package.module:Class" of the NNX module
     rename: str | None  # "package.module:function": a checkpoint's tensor name -> transformers'; None: unchanged
     from_hf_dict: Callable[[type, dict], ModelConfig]  # a config.json dict -> the config
@@ -357,9 +358,9 @@ class _DeepseekV4(Family):
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    _DeepseekV32("deepseek_v32", "ess_jax.models.deepseek_v32:DeepseekV32", None, config.v32_from_hf_dict,
+    _DeepseekV32("deepseek_v32", "DeepseekV32ForCausalLM", "ess_jax.models.deepseek_v32:DeepseekV32", None, config.v32_from_hf_dict,
                  config.check_v32),
-    _DeepseekV4("deepseek_v4", "ess_jax.models.deepseek_v4:DeepseekV4", "ess_jax.checkpoint:release_to_hf_name",
+    _DeepseekV4("deepseek_v4", "DeepseekV4ForCausalLM", "ess_jax.models.deepseek_v4:DeepseekV4", "ess_jax.checkpoint:release_to_hf_name",
                 config.v4_from_hf_dict, config.check_v4),
 )}
 

@@ -22,8 +22,8 @@ from ess_jax import ops
 from ess_jax.cache import DeviceLatents, PagedCacheV32, StepMeta, gather_positions, write_slots
 from ess_jax.config import ModelConfig
 from ess_jax.models.layers import (
-    MLP, LayerNorm, Linear, MoE, RMSNorm, Router, apply_rope_half, apply_rope_interleaved, index_scores, index_topk,
-    rope_cos_sin, rope_inv_freq)
+    MLP, LayerNorm, Linear, MoE, RMSNorm, Router, apply_rope_half, apply_rope_interleaved, check_stage, index_scores,
+    index_topk, indexer_kl, rope_cos_sin, rope_inv_freq)
 
 
 class Indexer(nnx.Module):
@@ -89,19 +89,27 @@ class MLA(nnx.Module):
         w_NXC = self.kv_b_proj.weight[...].reshape(self.n_heads, self.nope_dim + self.v_dim, self.kv_rank)
         return w_NXC[:, : self.nope_dim], w_NXC[:, self.nope_dim:]
 
-    def __call__(self, x_BTD: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        """Full causal forward: expanded keys / values, top-k as a mask."""
+    def __call__(self, x_BTD: jax.Array, cos: jax.Array, sin: jax.Array, stage: str | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
+        """Full causal forward: expanded keys / values, the indexer's top-k as a mask (``stage`` None or
+        "sparse"; "dense" / "warmup": every causal position, ``layers.STAGES``). Returns the output and
+        the indexer's loss (``layers.indexer_kl``; 0 for None / "dense")."""
         b, t, _ = x_BTD.shape
         q_nope_BTNH, q_rope_BTNR, q_resid_BTQ, rows_BTW = self._project(x_BTD, cos, sin)
         causal_TS = jnp.tril(jnp.ones((t, t), bool))
-        with jax.named_scope("indexer"):
-            keys_BSJ = self.indexer.keys(x_BTD, cos, sin)
-            scores_BTS = self.indexer.scores(x_BTD, q_resid_BTQ, keys_BSJ, causal_TS[None], cos, sin)
-            ids_BTK = index_topk(scores_BTS, self.indexer.top_k)
-        selected_BTS = jnp.zeros((b, t, t + 1), bool)
-        selected_BTS = selected_BTS.at[jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None],
-                                       jnp.where(ids_BTK < 0, t, ids_BTK)].set(True)[..., :t]
-        mask_BTS = selected_BTS & causal_TS[None]
+        mask_BTS = jnp.broadcast_to(causal_TS, (b, t, t))
+        if stage != "dense":
+            with jax.named_scope("indexer"):
+                if stage is not None:  # the indexer's loss reaches no other parameter
+                    x_BTD, q_resid_BTQ = jax.lax.stop_gradient(x_BTD), jax.lax.stop_gradient(q_resid_BTQ)
+                keys_BSJ = self.indexer.keys(x_BTD, cos, sin)
+                scores_BTS = self.indexer.scores(x_BTD, q_resid_BTQ, keys_BSJ, causal_TS[None], cos, sin)
+                ids_BTK = index_topk(scores_BTS, self.indexer.top_k)
+            if stage != "warmup":
+                selected_BTS = jnp.zeros((b, t, t + 1), bool)
+                selected_BTS = selected_BTS.at[jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None],
+                                               jnp.where(ids_BTK < 0, t, ids_BTK)].set(True)[..., :t]
+                mask_BTS = selected_BTS & causal_TS[None]
         w_uk_NHC, w_uv_NVC = self._kv_b()
         latent_BSC, k_rope_BSR = rows_BTW[..., : self.kv_rank], rows_BTW[..., self.kv_rank:]
         k_nope_BSNH = jnp.einsum("bsc,nhc->bsnh", latent_BSC, w_uk_NHC)
@@ -109,9 +117,12 @@ class MLA(nnx.Module):
         logits_BNTS = (jnp.einsum("btnh,bsnh->bnts", q_nope_BTNH, k_nope_BSNH)
                        + jnp.einsum("btnr,bsr->bnts", q_rope_BTNR, k_rope_BSR)).astype(jnp.float32) * self.scale
         logits_BNTS = jnp.where(mask_BTS[:, None], logits_BNTS, -jnp.inf)
-        probs_BNTS = jax.nn.softmax(logits_BNTS, axis=-1).astype(v_BSNV.dtype)
-        out_BTNV = jnp.einsum("bnts,bsnv->btnv", probs_BNTS, v_BSNV)
-        return self.o_proj(out_BTNV.reshape(b, t, -1))
+        probs_BNTS = jax.nn.softmax(logits_BNTS, axis=-1)
+        out_BTNV = jnp.einsum("bnts,bsnv->btnv", probs_BNTS.astype(v_BSNV.dtype), v_BSNV)
+        kl = jnp.zeros((), jnp.float32)
+        if stage in ("warmup", "sparse"):
+            kl = indexer_kl(probs_BNTS.sum(1), scores_BTS, mask_BTS)
+        return self.o_proj(out_BTNV.reshape(b, t, -1)), kl
 
     def step(self, x_BTD, cos, sin, meta: StepMeta, layer: int, cache: PagedCacheV32):
         """Cached forward for ``T`` new tokens per request: ``(out, top-k ids i32[B, T, K], cache)``."""
@@ -153,9 +164,10 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
-    def __call__(self, h, cos, sin):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def __call__(self, h, cos, sin, stage: str | None = None):
+        out, kl = self.self_attn(self.input_layernorm(h), cos, sin, stage)
+        h = h + out
+        return h + self.mlp(self.post_attention_layernorm(h)), kl
 
     def step(self, h, cos, sin, meta: StepMeta, layer: int, cache: PagedCacheV32):
         out, ids_BTK, cache = self.self_attn.step(self.input_layernorm(h), cos, sin, meta, layer, cache)
@@ -180,12 +192,20 @@ class DeepseekV32(nnx.Module):
 
     def __call__(self, tokens_BT: jax.Array) -> jax.Array:
         """Full causal forward: logits ``[B, T, V]`` (float32)."""
+        return self.train_forward(tokens_BT, None)[0]
+
+    def train_forward(self, tokens_BT: jax.Array, stage: str | None) -> tuple[jax.Array, jax.Array]:
+        """The full causal forward at a training ``stage`` (``layers.STAGES``; None: inference): logits
+        ``f32[B, T, V]`` and the indexer's loss summed over layers."""
+        check_stage(stage)
         b, t = tokens_BT.shape
         cos, sin = self._cos_sin(jnp.broadcast_to(jnp.arange(t), (b, t)))
         h = self.embed_tokens[...][tokens_BT]
+        kl = jnp.zeros((), jnp.float32)
         for layer in self.layers:
-            h = layer(h, cos, sin)
-        return self.lm_head(self.norm(h)).astype(jnp.float32)
+            h, layer_kl = layer(h, cos, sin, stage)
+            kl = kl + layer_kl
+        return self.lm_head(self.norm(h)).astype(jnp.float32), kl
 
     def init_cache(self, num_pages: int, page_size: int, latent_dtype=None) -> PagedCacheV32:
         """An empty, fully resident paged cache: ``num_pages`` pages (page 0 is the null page).

@@ -34,7 +34,7 @@ from ess_jax.cache import StepMeta
 from ess_jax.config import ModelConfig
 from ess_jax.models import mhc
 from ess_jax.models.compressor import CSACompressor, Compressor, Indexer, TailRope, visible_entries, write_entries
-from ess_jax.models.layers import Linear, MoE, RMSNorm, Router, index_topk, rms_normalize
+from ess_jax.models.layers import Linear, MoE, RMSNorm, Router, check_stage, index_topk, indexer_kl, rms_normalize
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
@@ -163,8 +163,11 @@ class Attention(nnx.Module):
         grouped_BTGO = self.o_a_proj(out_BTNH.reshape(b, t, self.o_groups, -1))
         return self.o_b_proj(grouped_BTGO.reshape(b, t, -1))
 
-    def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        """Full causal forward over a whole sequence: dense logits, window / compressed / top-k masks."""
+    def __call__(self, x_BTD: jax.Array, stage: str | None = None) -> tuple[jax.Array, jax.Array]:
+        """Full causal forward over a whole sequence: dense logits, window / compressed / top-k masks
+        (a CSA layer's top-k at ``stage`` None or "sparse"; "dense" / "warmup": every visible entry,
+        ``layers.STAGES``). Returns the output and a CSA layer's indexer loss over its entries
+        (``layers.indexer_kl``; 0 elsewhere and for None / "dense")."""
         b, t, _ = x_BTD.shape
         positions_BT = jnp.broadcast_to(jnp.arange(t), (b, t))
         cos, sin = self.rope.cos_sin(positions_BT)
@@ -172,20 +175,25 @@ class Attention(nnx.Module):
         s = jnp.arange(t)
         keys_BSH = kv_BTH
         visible_BTS = jnp.broadcast_to((s[None, :] <= s[:, None]) & (s[None, :] > s[:, None] - self.window), (b, t, t))
+        scores_BTM = None
         if self.compressor is not None and t >= self.compressor.rate:
             with jax.named_scope("compressor"):
                 entries_BMH = self.compressor(x_BTD)
             n = entries_BMH.shape[1]
             visible_BTM = visible_entries(positions_BT, n, self.compressor.rate)
-            if self.layer_type == CSA:
+            if self.layer_type == CSA and stage != "dense":
                 with jax.named_scope("indexer"):
                     indexer = self.compressor.indexer
-                    scores_BTM = indexer.scores(x_BTD, q_resid_BTQ, indexer(x_BTD), visible_BTM, cos, sin)
+                    x_in, q_in = x_BTD, q_resid_BTQ
+                    if stage is not None:  # the indexer's loss reaches no other parameter
+                        x_in, q_in = jax.lax.stop_gradient(x_BTD), jax.lax.stop_gradient(q_resid_BTQ)
+                    scores_BTM = indexer.scores(x_in, q_in, indexer(x_in), visible_BTM, cos, sin)
                     ids_BTK = index_topk(scores_BTM, indexer.top_k)
-                    picked = jnp.zeros((b, t, n + 1), bool).at[
-                        jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], jnp.where(ids_BTK < 0, n, ids_BTK)
-                    ].set(True)
-                    visible_BTM = picked[..., :n] & visible_BTM
+                    if stage != "warmup":
+                        picked = jnp.zeros((b, t, n + 1), bool).at[
+                            jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None],
+                            jnp.where(ids_BTK < 0, n, ids_BTK)].set(True)
+                        visible_BTM = picked[..., :n] & visible_BTM
             keys_BSH = jnp.concatenate([kv_BTH, entries_BMH.astype(kv_BTH.dtype)], axis=1)
             visible_BTS = jnp.concatenate([visible_BTS, visible_BTM], axis=-1)
         logits_BTNS = jnp.einsum("btnh,bsh->btns", q_BTNH.astype(jnp.float32), keys_BSH.astype(jnp.float32))
@@ -193,7 +201,10 @@ class Attention(nnx.Module):
         sink_BTN1 = jnp.broadcast_to(self.sinks[...], (b, t, self.n_heads))[..., None]
         probs_BTNS = jax.nn.softmax(jnp.concatenate([logits_BTNS, sink_BTN1], axis=-1), axis=-1)[..., :-1]
         out_BTNH = jnp.einsum("btns,bsh->btnh", probs_BTNS, keys_BSH.astype(jnp.float32))
-        return self._output(out_BTNH, cos, sin, x_BTD.dtype)
+        kl = jnp.zeros((), jnp.float32)
+        if scores_BTM is not None and stage in ("warmup", "sparse"):
+            kl = indexer_kl(probs_BTNS[..., t:].sum(2), scores_BTM, visible_BTS[..., t:])
+        return self._output(out_BTNH, cos, sin, x_BTD.dtype), kl
 
     def step(self, x_BTD, positions_BT, window_BSH, comp, kernels: str = "xla"
              ) -> tuple[jax.Array, jax.Array, tuple, jax.Array | None]:
@@ -294,10 +305,11 @@ class DecoderLayer(nnx.Module):
         post, comb, x_BTD = self.ffn_hc(streams_BTXD)
         return mhc.merge(post, comb, self.mlp(self.post_attention_layernorm(x_BTD), tokens_BT), streams_BTXD)
 
-    def __call__(self, streams_BTXD: jax.Array, tokens_BT: jax.Array) -> jax.Array:
+    def __call__(self, streams_BTXD: jax.Array, tokens_BT: jax.Array, stage: str | None = None):
         post, comb, x_BTD = self.attn_hc(streams_BTXD)
-        streams_BTXD = mhc.merge(post, comb, self.self_attn(self.input_layernorm(x_BTD)), streams_BTXD)
-        return self._ffn(streams_BTXD, tokens_BT)
+        out, kl = self.self_attn(self.input_layernorm(x_BTD), stage)
+        streams_BTXD = mhc.merge(post, comb, out, streams_BTXD)
+        return self._ffn(streams_BTXD, tokens_BT), kl
 
     def step(self, streams_BTXD, tokens_BT, positions_BT, window_BSH, comp, kernels: str = "xla"):
         post, comb, x_BTD = self.attn_hc(streams_BTXD)
@@ -332,10 +344,18 @@ class DeepseekV4(nnx.Module):
 
     def __call__(self, tokens_BT: jax.Array) -> jax.Array:
         """Full causal forward: logits ``f32[B, T, V]``."""
+        return self.train_forward(tokens_BT, None)[0]
+
+    def train_forward(self, tokens_BT: jax.Array, stage: str | None) -> tuple[jax.Array, jax.Array]:
+        """The full causal forward at a training ``stage`` (``layers.STAGES``; None: inference): logits
+        ``f32[B, T, V]`` and the CSA indexers' loss summed over layers."""
+        check_stage(stage)
         streams_BTXD = self._embed(tokens_BT)
+        kl = jnp.zeros((), jnp.float32)
         for layer in self.layers:
-            streams_BTXD = layer(streams_BTXD, tokens_BT)
-        return self._head(streams_BTXD)
+            streams_BTXD, layer_kl = layer(streams_BTXD, tokens_BT, stage)
+            kl = kl + layer_kl
+        return self._head(streams_BTXD), kl
 
     def layer_groups(self) -> tuple[list[int], list[int]]:
         """Layer indices of the CSA and of the HCA layers (the order of their cache stacks)."""

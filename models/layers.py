@@ -268,3 +268,34 @@ def index_topk(scores_BTS: jax.Array, top_k: int) -> jax.Array:
     """Top-k ids ``i32[B, T, K]`` of index scores, ``K = min(top_k, S)``; -1 where fewer are visible."""
     values, ids = jax.lax.top_k(scores_BTS, min(top_k, scores_BTS.shape[-1]))
     return jnp.where(values > -jnp.inf, ids, -1).astype(jnp.int32)
+
+
+# ---- indexer training (DeepSeek-V3.2 2.1.1) ------------------------------------------------------
+
+# The full forward's training stages; None is inference (sparse attention, no indexer loss).
+#   "dense":  dense causal attention, no indexer (language-model pre-training from scratch);
+#   "warmup": dense attention; the indexer learns to match it over every visible position;
+#   "sparse": top-k attention, as at inference; the indexer matches it over the selected positions.
+# In "warmup" and "sparse" the indexer reads detached inputs, so its loss reaches no other parameter.
+STAGES = ("dense", "warmup", "sparse")
+
+
+def check_stage(stage: str | None) -> None:
+    if stage is not None and stage not in STAGES:
+        raise ValueError(f"stage={stage!r}: use one of {', '.join(STAGES)} (or None for inference)")
+
+
+def indexer_kl(attention_BTS: jax.Array, scores_BTS: jax.Array, support_BTS: jax.Array) -> jax.Array:
+    """The indexer's loss: mean over queries of ``KL(p_t || softmax(I_t))`` on each query's support.
+
+    ``attention_BTS`` is the main attention's probability mass per position summed over heads; ``p_t``
+    is that mass on the support, L1-normalized (a constant: gradients stop there). ``scores_BTS`` are the
+    indexer's scores. Queries with an empty support or no attention mass on it do not count.
+    """
+    mass_BTS = jnp.where(support_BTS, jax.lax.stop_gradient(attention_BTS).astype(jnp.float32), 0.0)
+    total_BT1 = mass_BTS.sum(-1, keepdims=True)
+    p_BTS = mass_BTS / jnp.maximum(total_BT1, 1e-30)
+    log_q_BTS = jax.nn.log_softmax(jnp.where(support_BTS, scores_BTS, -1e30), axis=-1)
+    kl_BT = jnp.sum(jnp.where(p_BTS > 0, p_BTS * (jnp.log(jnp.maximum(p_BTS, 1e-30)) - log_q_BTS), 0.0), axis=-1)
+    counted_BT = total_BT1[..., 0] > 0
+    return jnp.sum(jnp.where(counted_BT, kl_BT, 0.0)) / jnp.maximum(counted_BT.sum(), 1)

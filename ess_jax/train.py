@@ -1,0 +1,379 @@
+"""``python -m ess_jax.train``: train a model from scratch or continue a checkpoint, one stage per run.
+
+Stages (``--stage``; DeepSeek-V3.2's indexer training, ``models.layers.STAGES``):
+- ``dense``: language-model loss with dense causal attention; every parameter but the indexers' learns
+  (pre-training a model from scratch);
+- ``warmup``: only the indexers learn: the KL divergence between the main attention (summed over heads,
+  L1-normalized over positions / V4's CSA entries) and the softmax of the index scores, dense attention;
+- ``sparse``: the model learns the language-model loss with top-k attention, as it runs at inference,
+  and the indexers the KL on their selected positions only, their inputs detached from the main loss.
+
+Data: ``--data DIR`` as ``tools/build_corpus.py`` writes it: ``train.npy`` / ``heldout.npy`` (uint16 token
+ids) and ``tokenizer.json``. A training example is ``--context + 1`` consecutive tokens at an offset
+drawn from ``--seed``, the step and the micro-batch, so the data order is fixed by the seed and a
+resumed run reads what an uninterrupted one would. The held-out loss is measured every
+``--eval-every`` steps on ``--eval-batches`` fixed windows of heldout.npy, evenly spaced.
+
+Optimizer: optax AdamW (b1 0.9, b2 0.95, ``--weight-decay``), gradient norm clipped at 1, learning rate
+warmed up linearly over ``--warmup-steps`` then cosine-decayed to 10 % at ``--steps``; ``--accum``
+micro-batches of ``--batch`` examples per step. ``--dtype bfloat16`` computes in bfloat16 (the model's
+bfloat16 parameters, float32 ones stay float32) on float32 master weights.
+
+``--model`` is a preset (``tiny-v32``, ``tiny-v4``: trained from scratch; vocabulary size and the
+bos / eos / pad ids are taken from the data's tokenizer) or a checkpoint directory (continued; its
+vocabulary must be the tokenizer's). ``--out DIR`` receives, every ``--checkpoint-every`` steps and at
+the end, the training state (``state.npz`` + ``state.json``: parameters, optimizer state, step) and a
+transformers checkpoint (``config.json``, ``model.safetensors``, ``tokenizer.json``) that ``load_model``
+loads; ``train_log.jsonl`` has one line per logged step. Running the same command again resumes from
+the state (a run killed at any point loses at most the steps since the last checkpoint); the flags
+must match the state's. A run whose state is at ``--steps`` exports and exits.
+
+Errors print one line starting with "error:" and exit with 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ess_jax.cli import Parser
+
+# Flags that define the run: a resumed run must repeat them.
+_RUN_FLAGS = ("model", "data", "stage", "steps", "context", "batch", "accum", "lr", "warmup_steps",
+              "weight_decay", "seed", "dtype")
+
+
+def parse_args(argv=None):
+    p = Parser("python -m ess_jax.train", __doc__)
+    p.add_argument("--model", required=True, help="preset (from scratch) or checkpoint directory (continued)")
+    p.add_argument("--data", required=True, help="corpus directory (train.npy, heldout.npy, tokenizer.json)")
+    p.add_argument("--out", required=True, help="output directory: training state and the exported checkpoint")
+    p.add_argument("--stage", choices=["dense", "warmup", "sparse"], default="dense", help="training stage")
+    p.add_argument("--steps", type=int, required=True, help="optimizer steps of this run")
+    p.add_argument("--context", type=int, default=512, help="tokens per example (default 512)")
+    p.add_argument("--batch", type=int, default=8, help="examples per micro-batch (default 8)")
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
+    p.add_argument("--warmup-steps", type=int, default=100, help="linear warm-up steps (default 100)")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default 0.1)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data order")
+    p.add_argument("--eval-every", type=int, default=100, help="held-out loss every N steps (default 100)")
+    p.add_argument("--eval-batches", type=int, default=4, help="held-out micro-batches per evaluation (default 4)")
+    p.add_argument("--checkpoint-every", type=int, default=50, help="save every N steps (default 50)")
+    p.add_argument("--log-every", type=int, default=10, help="train_log.jsonl line every N steps (default 10)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    for name in ("steps", "context", "batch", "accum", "eval_every", "eval_batches", "checkpoint_every", "log_every"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup_steps < 0 or args.lr <= 0 or args.weight_decay < 0:
+        p.error("--warmup-steps and --weight-decay must be >= 0 and --lr > 0")
+    return args
+
+
+# ---- data ------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    train: np.ndarray  # uint16 token ids
+    heldout: np.ndarray
+    tokenizer: Path
+
+
+def load_corpus(directory: str | Path, context: int) -> Corpus:
+    directory = Path(directory)
+    files = [directory / n for n in ("train.npy", "heldout.npy", "tokenizer.json")]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise ValueError(f"corpus {directory} lacks {', '.join(missing)}; build it with tools/build_corpus.py")
+    train, heldout = (np.load(f, mmap_mode="r") for f in files[:2])
+    for name, ids in (("train", train), ("heldout", heldout)):
+        if len(ids) < context + 1:
+            raise ValueError(f"{name}.npy has {len(ids)} tokens, fewer than --context + 1 = {context + 1}")
+    return Corpus(train, heldout, files[2])
+
+
+def batch_at(ids: np.ndarray, offsets: np.ndarray, context: int) -> np.ndarray:
+    """Examples ``i32[len(offsets), context + 1]`` starting at ``offsets``."""
+    return np.stack([np.asarray(ids[o:o + context + 1], np.int32) for o in offsets])
+
+
+def train_offsets(n_tokens: int, seed: int, step: int, accum: int, batch: int, context: int) -> np.ndarray:
+    """The example offsets ``[accum, batch]`` of optimizer step ``step``: a function of the seed and step."""
+    rng = np.random.default_rng([seed, step])
+    return rng.integers(0, n_tokens - context, size=(accum, batch))
+
+
+def heldout_offsets(n_tokens: int, count: int, context: int) -> np.ndarray:
+    """``count`` evenly spaced offsets of held-out windows (overlapping when the text is short)."""
+    return np.linspace(0, n_tokens - context - 1, count).astype(np.int64)
+
+
+# ---- model and optimizer -----------------------------------------------------------------------------
+
+def is_indexer(path: tuple) -> bool:
+    """Whether a state path belongs to an indexer (V3.2 ``self_attn.indexer``, V4 ``compressor.indexer``)."""
+    return "indexer" in (str(p) for p in path)
+
+
+def trainable(stage: str):
+    """The nnx filter of the parameters that learn at ``stage``."""
+    from flax import nnx
+
+    indexer = lambda path, value: is_indexer(path)  # noqa: E731
+    if stage == "dense":
+        return nnx.All(nnx.Param, nnx.Not(indexer))
+    if stage == "warmup":
+        return nnx.All(nnx.Param, indexer)
+    return nnx.Param
+
+
+def loss_fn(graphdef, stage: str, dtypes: tuple):
+    """``(trained, frozen, tokens) -> (loss, (lm_loss, indexer_kl))`` for the stage: "dense" the LM loss,
+    "warmup" the indexer KL, "sparse" their sum (disjoint parameters: the indexer reads detached inputs
+    and the top-k selection passes no gradient). ``dtypes``: the compute dtype trees of the trained and
+    the frozen state; the states are cast to them inside (gradients reach the float32 masters)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    def cast(state, dtypes):
+        return jax.tree.map(lambda x, dt: x.astype(dt), state, dtypes)
+
+    def loss(trained, frozen, tokens_BT):
+        module = nnx.merge(graphdef, cast(trained, dtypes[0]), cast(frozen, dtypes[1]))
+        logits_BTV, kl = module.train_forward(tokens_BT[:, :-1], stage)
+        lm = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, tokens_BT[:, 1:]).mean()
+        total = {"dense": lm, "warmup": kl, "sparse": lm + kl}[stage]
+        return total.astype(jnp.float32), (lm, kl)
+
+    return loss
+
+
+def make_train_step(loss, optimizer):
+    """The jitted optimizer step ``(trained, opt_state, frozen, tokens i32[A, B, T+1]) -> (trained,
+    opt_state, mean (loss, lm, kl) over the A micro-batches, gradient norm)``: gradients averaged over
+    the micro-batches (a scan, so memory holds one micro-batch's activations)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    grad_fn = jax.value_and_grad(loss, has_aux=True)
+
+    @jax.jit
+    def train_step(trained, opt_state, frozen, tokens_ABT):
+        def micro(carry, tokens_BT):
+            (total, (lm, kl)), grads = grad_fn(trained, frozen, tokens_BT)
+            return jax.tree.map(jnp.add, carry, (grads, jnp.stack([total, lm, kl]))), None
+
+        zeros = (jax.tree.map(jnp.zeros_like, trained), jnp.zeros(3, jnp.float32))
+        (grads, sums), _ = jax.lax.scan(micro, zeros, tokens_ABT)
+        n = tokens_ABT.shape[0]
+        grads = jax.tree.map(lambda g: g / n, grads)
+        updates, opt_state = optimizer.update(grads, opt_state, trained)
+        return optax.apply_updates(trained, updates), opt_state, sums / n, optax.tree.norm(grads)
+
+    return train_step
+
+
+def make_optimizer(args):
+    import optax
+
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(args.warmup_steps, 1),
+                                                  max(args.steps, args.warmup_steps + 1), end_value=0.1 * args.lr)
+    return optax.chain(optax.clip_by_global_norm(1.0),
+                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay)), schedule
+
+
+def raw_config(model: str, tokenizer_path: Path) -> tuple[dict, bool]:
+    """The config.json dict to train and whether the model starts from scratch (a preset: the
+    tokenizer's vocabulary size and bos / eos / pad ids replace the preset's)."""
+    from ess_jax.config import PRESETS, ConfigError
+    import tokenizers
+
+    tok = tokenizers.Tokenizer.from_file(str(tokenizer_path))
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    path = Path(model)
+    if path.is_dir():
+        raw = json.loads((path / "config.json").read_text())
+        if raw.get("vocab_size") != vocab:
+            raise ConfigError(f"{path} has vocab_size={raw.get('vocab_size')}, the corpus tokenizer {vocab}; "
+                              "continue a checkpoint on a corpus built with its tokenizer")
+        return raw, False
+    if model not in PRESETS:
+        raise ConfigError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
+    from importlib import resources
+
+    raw = json.loads(resources.files("ess_jax.configs").joinpath(f"{model}.json").read_text())
+    special = {name: tok.token_to_id(f"<{name}>") for name in ("bos", "eos", "pad")}
+    if None in special.values():
+        raise ConfigError(f"{tokenizer_path} lacks a <bos>, <eos> or <pad> token; build it with tools/build_corpus.py")
+    raw.update(vocab_size=vocab, **{f"{k}_token_id": v for k, v in special.items()})
+    return raw, True
+
+
+def build(raw: dict, scratch: bool, model: str, seed: int):
+    """The NNX module: fresh weights from ``seed`` or the checkpoint's."""
+    from flax import nnx
+    from ess_jax import checkpoint, families
+    from ess_jax.config import ModelConfig
+    import jax.numpy as jnp
+
+    cfg = ModelConfig.from_hf_dict(raw)
+    cls = families.get(cfg.family).module_cls
+    factory = lambda: cls(cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed))  # noqa: E731
+    return (factory() if scratch else checkpoint.load_into(factory, cfg, Path(model), jnp.float32)), cls, cfg
+
+
+# ---- state on disk ---------------------------------------------------------------------------------
+
+def _leaves(tree) -> list[np.ndarray]:
+    import jax
+
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def save_state(out: Path, trained, opt_state, step: int, flags: dict) -> None:
+    """Atomically write the training state (parameters being trained, optimizer state, step)."""
+    arrays = {f"p{i}": a for i, a in enumerate(_leaves(trained))}
+    arrays.update({f"o{i}": a for i, a in enumerate(_leaves(opt_state))})
+    np.savez(out / "state.tmp.npz", **arrays)
+    (out / "state.tmp.json").write_text(json.dumps({"step": step, "flags": flags}, indent=1))
+    os.replace(out / "state.tmp.npz", out / "state.npz")
+    os.replace(out / "state.tmp.json", out / "state.json")
+
+
+def load_state(out: Path, trained, opt_state):
+    import jax
+    import jax.numpy as jnp
+
+    meta = json.loads((out / "state.json").read_text())
+    with np.load(out / "state.npz") as data:
+        def fill(tree, prefix):
+            leaves, treedef = jax.tree.flatten(tree)
+            return jax.tree.unflatten(treedef, [jnp.asarray(data[f"{prefix}{i}"], leaf.dtype)
+                                                for i, leaf in enumerate(leaves)])
+        return fill(trained, "p"), fill(opt_state, "o"), meta
+
+
+def export(out: Path, graphdef, trained, frozen, raw: dict, tokenizer: Path) -> None:
+    """The transformers checkpoint of the current parameters, with the corpus tokenizer."""
+    from flax import nnx
+    from ess_jax import checkpoint
+
+    _, state = nnx.split(nnx.merge(graphdef, trained, frozen))
+    checkpoint.save(state, raw, out)
+    shutil.copyfile(tokenizer, out / "tokenizer.json")
+
+
+# ---- the loop --------------------------------------------------------------------------------------
+
+def train(args) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    corpus = load_corpus(args.data, args.context)
+    raw, scratch = raw_config(args.model, corpus.tokenizer)
+    module, cls, cfg = build(raw, scratch, args.model, args.seed)
+    if args.context > cfg.max_position_embeddings:
+        raise ValueError(f"--context {args.context} exceeds max_position_embeddings={cfg.max_position_embeddings}")
+    graphdef, trained, frozen = nnx.split(module, trainable(args.stage), ...)
+    del module
+    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    # compute dtypes: those of the same model built in --dtype (its float32 parameters stay float32)
+    abstract = nnx.eval_shape(lambda: cls(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    dtypes = tuple(jax.tree.map(lambda a: a.dtype, part) for part in nnx.split(abstract, trainable(args.stage), ...)[1:])
+    optimizer, schedule = make_optimizer(args)
+    opt_state = optimizer.init(trained)
+    loss = loss_fn(graphdef, args.stage, dtypes)
+    train_step = make_train_step(loss, optimizer)
+
+    @jax.jit
+    def eval_step(trained, frozen, tokens_BT):
+        return loss(trained, frozen, tokens_BT)[1]
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    flags = {k: getattr(args, k) for k in _RUN_FLAGS}
+    step = 0
+    if (out / "state.json").is_file():
+        trained, opt_state, meta = load_state(out, trained, opt_state)
+        if meta["flags"] != flags:
+            changed = sorted(k for k in flags if meta["flags"].get(k) != flags[k])
+            raise ValueError(f"{out} holds a run with other flags ({', '.join(changed)}: "
+                             f"{[meta['flags'].get(k) for k in changed]}); repeat them or use another --out")
+        step = meta["step"]
+    heldout = batch_at(corpus.heldout, heldout_offsets(len(corpus.heldout), args.eval_batches * args.batch,
+                                                       args.context), args.context)
+
+    def evaluate() -> dict:
+        lm, kl = zip(*(eval_step(trained, frozen, jnp.asarray(heldout[i:i + args.batch]))
+                       for i in range(0, len(heldout), args.batch)))
+        return {"heldout_lm": float(np.mean(lm)), "heldout_kl": float(np.mean(kl))}
+
+    log = open(out / "train_log.jsonl", "a")
+    tokens_per_step = args.accum * args.batch * args.context
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+        bar = tqdm(total=args.steps, initial=step, desc=f"train {args.stage}", unit="step", file=sys.stderr)
+    result = {}
+    start, start_step = time.perf_counter(), step
+    while step < args.steps:
+        offsets = train_offsets(len(corpus.train), args.seed, step, args.accum, args.batch, args.context)
+        tokens = np.stack([batch_at(corpus.train, o, args.context) for o in offsets])
+        trained, opt_state, sums, norm = train_step(trained, opt_state, frozen, jnp.asarray(tokens))
+        step += 1
+        total, lm, kl = (float(x) for x in sums)
+        if not math.isfinite(total):
+            raise FloatingPointError(f"step {step}: loss is {total}; lower --lr or check the data")
+        rate = (step - start_step) * tokens_per_step / (time.perf_counter() - start)
+        record = {"step": step, "loss": total, "lm": lm, "kl": kl, "grad_norm": float(norm),
+                  "lr": float(schedule(step - 1)), "tokens_per_s": rate}
+        if step % args.eval_every == 0 or step == args.steps:
+            record.update(evaluate())
+        if step % args.log_every == 0 or "heldout_lm" in record:
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+        if bar is not None:
+            bar.set_postfix(loss=f"{total:.3f}", tok_s=f"{rate:.0f}")
+            bar.update(1)
+        if step % args.checkpoint_every == 0 or step == args.steps:
+            save_state(out, trained, opt_state, step, flags)
+            export(out, graphdef, trained, frozen, raw, corpus.tokenizer)
+        result = record
+    if bar is not None:
+        bar.close()
+    if not result:  # resumed at --steps: export what the state holds
+        export(out, graphdef, trained, frozen, raw, corpus.tokenizer)
+        result = {"step": step, **evaluate()}
+    log.close()
+    return result
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from ess_jax.config import ConfigError
+
+    try:
+        result = train(args)
+    except (ValueError, ConfigError, FloatingPointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

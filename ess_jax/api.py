@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ess_jax import checkpoint, families
-from ess_jax.config import PRESETS, ConfigError, ModelConfig
+from ess_jax.config import CHECKPOINTS, PRESETS, ConfigError, ModelConfig, shipped_checkpoint
 from ess_jax.models.deepseek_v32 import DeepseekV32
 from ess_jax.models.deepseek_v4 import DeepseekV4
 from ess_jax.engine import Engine, EngineConfig
@@ -74,21 +74,25 @@ class Model:
 
 
 def load_model(name_or_dir: str | Path, dtype: str = "float32", *, seed: int = 0) -> Model:
-    """A preset name (random weights from ``seed``) or a HuggingFace checkpoint directory."""
+    """A shipped checkpoint (``config.CHECKPOINTS``: trained tiny models), a preset name (random weights
+    from ``seed``) or a HuggingFace checkpoint directory."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; use one of {', '.join(DTYPES)}")
     jdtype = DTYPES[dtype]
-    path = Path(name_or_dir)
+    shipped = str(name_or_dir) in CHECKPOINTS
+    path = shipped_checkpoint(str(name_or_dir)) if shipped else Path(name_or_dir)
     if path.is_dir():
         cfg = ModelConfig.from_json(path / "config.json")
         cls = families.get(cfg.family).module_cls
         module = checkpoint.load_into(lambda: cls(cfg, dtype=jdtype, rngs=nnx.Rngs(seed)), cfg, path, jdtype)
-        return Model(str(path), module, load_tokenizer(path, cfg), load_chat_template(path))
+        return Model(str(name_or_dir) if shipped else str(path), module, load_tokenizer(path, cfg),
+                     load_chat_template(path))
     if str(name_or_dir) in PRESETS:
         cfg = ModelConfig.from_preset(str(name_or_dir))
         module = families.get(cfg.family).module_cls(cfg, dtype=jdtype, rngs=nnx.Rngs(seed))
         return Model(str(name_or_dir), module, load_tokenizer(None, cfg))
-    raise ConfigError(f"{name_or_dir!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
+    raise ConfigError(f"{name_or_dir!r} is neither a shipped checkpoint ({', '.join(CHECKPOINTS)}), a preset "
+                      f"({', '.join(PRESETS)}) nor a checkpoint directory")
 
 
 @dataclasses.dataclass

@@ -205,13 +205,15 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _config_of(name: str):
-    from ess_jax.config import PRESETS, ConfigError, ModelConfig
+    from ess_jax.config import CHECKPOINTS, PRESETS, ConfigError, ModelConfig, shipped_checkpoint
 
     if name in PRESETS:
         return ModelConfig.from_preset(name)
-    if Path(name).is_dir():
-        return ModelConfig.from_json(Path(name) / "config.json")
-    raise ConfigError(f"--model {name!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
+    path = shipped_checkpoint(name) if name in CHECKPOINTS else Path(name)
+    if path.is_dir():
+        return ModelConfig.from_json(path / "config.json")
+    raise ConfigError(f"--model {name!r} is neither a shipped checkpoint ({', '.join(CHECKPOINTS)}), a preset "
+                      f"({', '.join(PRESETS)}) nor a checkpoint directory")
 
 
 # ---- timing ------------------------------------------------------------------------------------

@@ -17,6 +17,16 @@ from pathlib import Path
 from typing import Any
 
 PRESETS = ("tiny-v32", "deepseek-v3.2", "tiny-v4", "deepseek-v4-flash", "deepseek-v4-pro")
+# Trained checkpoints shipped as package data (ess_jax.checkpoints; tools/train_tiny.sh made them):
+# the tiny presets' shapes with a 4096-token BPE, trained on the Python standard library's sources.
+CHECKPOINTS = ("tiny-v32-code", "tiny-v4-code")
+
+
+def shipped_checkpoint(name: str) -> Path:
+    """The directory of a shipped checkpoint (``CHECKPOINTS``)."""
+    if name not in CHECKPOINTS:
+        raise ConfigError(f"unknown shipped checkpoint {name!r}; shipped: {', '.join(CHECKPOINTS)}")
+    return Path(str(resources.files("ess_jax.checkpoints").joinpath(name)))
 
 
 class ConfigError(ValueError):

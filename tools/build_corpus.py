@@ -32,7 +32,7 @@ Outputs in DIR:
 
 ``--heldout-text FILE`` also writes the held-out documents, whole files in sorted order until their
 total passes ``HELDOUT_TEXT_BYTES`` (48 KB), each preceded by a line ``# file: <relative path>``
-(the regression-test fixture ``tests/fixtures/heldout_code.txt``).
+(the regression-test fixture ``checkpoints/heldout_code.txt``).
 
 Errors (no library at the path, a vocabulary size outside [300, 65535], an output that cannot be
 written, a special token's text in a file) print one line ``error: ...`` and exit with status 2.

@@ -20,24 +20,32 @@ no float8 dtype); the model is built abstractly first, so host memory never hold
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import ml_dtypes
 import numpy as np
 import jax.numpy as jnp
 from flax import nnx
 
-from ess_jax import families
+from ess_jax import config, families
 from ess_jax.config import ModelConfig
 
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "F8_E8M0": ml_dtypes.float8_e8m0fnu,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32,
+    "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
 }
+_FLOAT_CODES = ("F64", "F32", "F16", "BF16")  # what a floating-point parameter may be stored as
+_FP8_CODES = ("F8_E4M3", "F8_E5M2")  # ... or these, with weight_scale_inv block scales
+_SCALE_CODES = _FLOAT_CODES + ("F8_E8M0",)  # what block scales may be stored as
+_INT_CODES = ("I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8")  # what an integer buffer may be stored as
+_MAX_HEADER = 100 * 2**20  # safetensors' own limit on the JSON header
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_REEXPORT = "the file is truncated or corrupt: re-download or re-export it"
 
 
 class CheckpointError(ValueError):
@@ -45,16 +53,73 @@ class CheckpointError(ValueError):
 
 
 class SafetensorsFile:
-    """Lazy reader of one .safetensors file: header parsed once, tensors memory-mapped on demand."""
+    """Lazy reader of one .safetensors file: header parsed once, tensors memory-mapped on demand.
+
+    The header is checked as it is parsed, so a tensor read later cannot fail: the file holds the 8-byte
+    length and a JSON object of that length (at most 100 MiB), each entry (``__metadata__`` aside) an
+    object with a known ``dtype``, a ``shape`` of integers >= 0 and ``data_offsets`` [start, end] inside
+    the data, spanning exactly shape x dtype bytes, and no two entries overlap."""
 
     def __init__(self, path: Path):
         self.path = path
-        with open(path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
-        header.pop("__metadata__", None)
+        try:
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                head = f.read(8)
+                if len(head) < 8:
+                    raise CheckpointError(f"{path} has {size} bytes, fewer than the 8-byte header length every "
+                                          f"safetensors file starts with: {_REEXPORT}")
+                (header_len,) = struct.unpack("<Q", head)
+                if header_len > min(size - 8, _MAX_HEADER):
+                    raise CheckpointError(f"{path} declares a {header_len}-byte header, but {size - 8} bytes follow "
+                                          f"the length (and headers are at most {_MAX_HEADER} bytes): {_REEXPORT}")
+                text = f.read(header_len)
+        except OSError as e:
+            raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from None
+        try:
+            header = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: the safetensors header is not valid JSON ({e}): {_REEXPORT}") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path}: the safetensors header is a JSON {type(header).__name__}, not an object "
+                                  f"of tensors: {_REEXPORT}")
+        metadata = header.pop("__metadata__", None)
+        if metadata is not None and not isinstance(metadata, dict):
+            raise CheckpointError(f"{path}: the safetensors __metadata__ is not an object: {_REEXPORT}")
         self.header = header
         self.data_start = 8 + header_len
+        self.data_size = size - self.data_start
+        for name, info in header.items():
+            self._check_entry(name, info)
+        spans = sorted((info["data_offsets"][0], info["data_offsets"][1], name) for name, info in header.items()
+                       if info["data_offsets"][1] > info["data_offsets"][0])
+        for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+            if start < end:
+                raise CheckpointError(f"{path}: the data of tensors {first} and {second} overlap (bytes {start} to "
+                                      f"{end}): {_REEXPORT}")
+
+    def _check_entry(self, name: str, info) -> None:
+        where = f"{self.path}: tensor {name}"
+        if not isinstance(info, dict):
+            raise CheckpointError(f"{where}: its header entry is {type(info).__name__} {repr(info)[:40]}, not an "
+                                  f"object with dtype, shape and data_offsets: {_REEXPORT}")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in _DTYPES:
+            raise CheckpointError(f"{where} has dtype {dtype!r}, not a safetensors dtype this reader knows "
+                                  f"({', '.join(_DTYPES)}): {_REEXPORT}, or convert the tensor")
+        if not isinstance(shape, list) or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+            raise CheckpointError(f"{where} has shape {shape!r}, not a list of sizes >= 0: {_REEXPORT}")
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or any(isinstance(o, bool) or not isinstance(o, int) for o in offsets)):
+            raise CheckpointError(f"{where} has data_offsets {offsets!r}, not [start, end]: {_REEXPORT}")
+        start, end = offsets
+        if not 0 <= start <= end <= self.data_size:
+            why = "reversed (start > end)" if start > end else f"outside the file's {self.data_size} data bytes"
+            raise CheckpointError(f"{where} has data_offsets [{start}, {end}], {why}: {_REEXPORT}")
+        nbytes = math.prod(shape) * np.dtype(_DTYPES[dtype]).itemsize
+        if end - start != nbytes:
+            raise CheckpointError(f"{where}: shape {shape} of {dtype} is {nbytes} bytes, but its data_offsets span "
+                                  f"{end - start}: {_REEXPORT}")
 
     def keys(self) -> list[str]:
         return list(self.header)
@@ -62,32 +127,45 @@ class SafetensorsFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.header[name]["shape"])
 
+    def dtype(self, name: str) -> str:
+        """The tensor's safetensors dtype code ("F32", "BF16", "F8_E4M3", "I64", ...)."""
+        return self.header[name]["dtype"]
+
     def get(self, name: str) -> np.ndarray:
         info = self.header[name]
-        if info["dtype"] not in _DTYPES:
-            raise CheckpointError(f"tensor {name} in {self.path.name} has unsupported dtype {info['dtype']}")
         dtype = np.dtype(_DTYPES[info["dtype"]])
         start, end = info["data_offsets"]
         count = (end - start) // dtype.itemsize
+        if count == 0:
+            return np.zeros(info["shape"], dtype)
         data = np.memmap(self.path, dtype=dtype, mode="r", offset=self.data_start + start, shape=(count,))
         return data.reshape(info["shape"])
+
+
+INDEX = "model.safetensors.index.json"
 
 
 class Checkpoint:
     """All tensors of a checkpoint directory by (transformers) name.
 
     ``rename`` maps a stored tensor name to the transformers name it is looked up by (identity by default).
+    Opening checks every file's header (``SafetensorsFile``), the index (a ``weight_map`` object of tensor
+    -> shard, shard names inside the directory, every tensor where it says) and that no two stored tensors
+    load as one name. ``read`` checks each tensor's dtype against what its parameter holds and that its
+    values are finite.
     """
 
     def __init__(self, directory: Path, rename=None):
-        index = directory / "model.safetensors.index.json"
+        index = directory / INDEX
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = _read_index(index, directory)
             files = sorted(set(weight_map.values()))
-            missing = [f for f in files if not (directory / f).exists()]
+            missing = [f for f in files if not (directory / f).is_file()]
             if missing:
-                raise CheckpointError(f"{index} names shard(s) {missing} that are not in {directory}")
+                raise CheckpointError(f"{index} names shard(s) {missing} that are not in {directory}: "
+                                      "download them, or fix or remove the index")
         else:
+            weight_map = None
             files = sorted(p.name for p in directory.glob("*.safetensors"))
         if not files:
             raise CheckpointError(f"no *.safetensors files in {directory}")
@@ -97,34 +175,116 @@ class Checkpoint:
         for f in self.files.values():
             for key in f.keys():
                 name = rename(key) if rename else key
+                if name in self.where:
+                    other = self.where[name]
+                    raise CheckpointError(f"tensor {self.stored[name]} in {other.path.name} and tensor {key} in "
+                                          f"{f.path.name} both load as {name} ({directory}): remove one of them")
                 self.where[name] = f
                 self.stored[name] = key
+        if weight_map is not None:
+            for key, shard in weight_map.items():
+                if key not in self.files[shard].header:
+                    raise CheckpointError(f"{index} puts tensor {key} in {shard}, whose header has no such tensor: "
+                                          "the index does not belong to these shards; fix or re-download it")
         self.directory = directory
-        raw_config = json.loads((directory / "config.json").read_text())
-        quant = raw_config.get("quantization_config") or {}
-        self.block = tuple(quant.get("weight_block_size") or (128, 128))
+        path = directory / "config.json"
+        try:
+            raw_config = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read {path}: {e}") from None
+        self.block = config.weight_block_size(raw_config if isinstance(raw_config, dict) else {})
 
     def __contains__(self, name: str) -> bool:
         return name in self.where
 
-    def read(self, name: str) -> np.ndarray:
-        """A tensor as float32 (or its integer dtype), FP8 block scales applied."""
-        tensor = self.where[name].get(self.stored[name])
-        if tensor.dtype in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)):
+    def describe(self, name: str) -> str:
+        """"FILE: tensor STORED" for error messages."""
+        return f"{self.where[name].path}: tensor {self.stored[name]}"
+
+    def check_dtype(self, name: str, kind: str) -> str:
+        """The stored dtype code of ``name`` if a parameter of ``kind`` ("float" or "int") can be loaded from
+        it (FP8 only with float block scales beside it); CheckpointError naming the file and the tensor."""
+        f, stored = self.where[name], self.stored[name]
+        code = f.dtype(stored)
+        if kind == "int":
+            if code not in _INT_CODES:
+                raise CheckpointError(f"{self.describe(name)} is stored as {code}, but {name} holds integer ids "
+                                      f"({', '.join(_INT_CODES)}): the checkpoint does not match this model; "
+                                      "re-export it")
+            return code
+        if code in _FP8_CODES:
             scale_name = name.removesuffix("weight") + "weight_scale_inv"
             if scale_name not in self.where:
-                raise CheckpointError(f"FP8 tensor {self.stored[name]} has no "
-                                      f"{self.stored.get(scale_name, scale_name)} block scales")
+                raise CheckpointError(f"FP8 tensor {stored} ({f.path}) has no "
+                                      f"{self.stored.get(scale_name, scale_name)} block scales: add them or "
+                                      "store the weight dequantized")
+            scale_code = self.where[scale_name].dtype(self.stored[scale_name])
+            if scale_code not in _SCALE_CODES:
+                raise CheckpointError(f"{self.describe(scale_name)} is stored as {scale_code}, but block scales "
+                                      f"are floats ({', '.join(_SCALE_CODES)}): re-export the checkpoint")
+        elif code not in _FLOAT_CODES:
+            raise CheckpointError(f"{self.describe(name)} is stored as {code}, but {name} is a floating-point "
+                                  f"weight ({', '.join(_FLOAT_CODES)}, or {' / '.join(_FP8_CODES)} with "
+                                  "weight_scale_inv block scales): the checkpoint does not match this model or is "
+                                  "corrupt; re-export it")
+        return code
+
+    def read(self, name: str, kind: str = "float") -> np.ndarray:
+        """A tensor as float32 (``kind`` "float": stored as a float dtype, or FP8 with its block scales
+        applied) or in its integer dtype (``kind`` "int"); CheckpointError naming the file and the tensor
+        for another dtype, or non-finite values."""
+        f, stored = self.where[name], self.stored[name]
+        code = self.check_dtype(name, kind)
+        if kind == "int":
+            return np.asarray(f.get(stored))
+        if code in _FP8_CODES:
+            scale_name = name.removesuffix("weight") + "weight_scale_inv"
             scale = self.where[scale_name].get(self.stored[scale_name])
-            return dequantize_fp8_blocks(tensor, scale, name, self.block)
-        if np.issubdtype(tensor.dtype, np.integer) or tensor.dtype == np.bool_:
-            return np.asarray(tensor)
-        return np.asarray(tensor, dtype=np.float32)
+            array = dequantize_fp8_blocks(f.get(stored), scale, f"{self.describe(name)}", self.block)
+        else:
+            array = np.asarray(f.get(stored), dtype=np.float32)
+        _check_finite(array, self.describe(name))
+        return array
+
+
+def _read_index(index: Path, directory: Path) -> dict[str, str]:
+    """The ``weight_map`` of a shard index: tensor name -> shard file name inside ``directory``."""
+    try:
+        raw = json.loads(index.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {index}: {e}; fix or re-download it (a single-file checkpoint "
+                              "needs no index)") from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index} has no 'weight_map' object (tensor name -> shard file); fix or "
+                              "re-download it (a single-file checkpoint needs no index)")
+    for key, shard in weight_map.items():
+        parts = PurePosixPath(shard).parts if isinstance(shard, str) else ()
+        if (not isinstance(shard, str) or not shard or "\\" in shard or ".." in parts or shard.startswith("/")
+                or PureWindowsPath(shard).drive):
+            raise CheckpointError(f"{index} maps tensor {key} to shard {shard!r}, which is not a file name inside "
+                                  f"{directory}: shard names must be relative to the checkpoint directory, "
+                                  "without '..'; fix the index")
+    return weight_map
+
+
+def _check_finite(array: np.ndarray, where: str) -> None:
+    """Refuse NaN / Inf values. One float64 sum per tensor: finite float32 values cannot overflow it, and a
+    NaN or Inf anywhere makes it non-finite."""
+    if array.size and not np.isfinite(array.sum(dtype=np.float64)):
+        nan, inf = int(np.isnan(array).sum()), int(np.isinf(array).sum())
+        first = tuple(int(i) for i in np.argwhere(~np.isfinite(array))[0])
+        raise CheckpointError(f"{where} has {nan} NaN and {inf} infinite values (the first at index "
+                              f"{list(first)}); a model with them computes NaN logits: the checkpoint is corrupt or "
+                              "from a diverged run; re-export it from good weights")
 
 
 def dequantize_fp8_blocks(w8: np.ndarray, scale: np.ndarray, name: str,
                           block: tuple[int, int] = (128, 128)) -> np.ndarray:
     """``W[i, j] = W8[i, j] * S[i // bo, j // bi]`` for FP8 ``[out, in]`` weights and ``(bo, bi)`` block scales."""
+    if w8.ndim != 2 or scale.ndim != 2:
+        raise CheckpointError(f"{name}: FP8 weights with block scales must be 2-d [out, in] with 2-d scales; got "
+                              f"weight shape {list(w8.shape)} and weight_scale_inv shape {list(scale.shape)}")
     (out, inp), (block_o, block_i) = w8.shape, block
     if scale.shape != (-(-out // block_o), -(-inp // block_i)):
         raise CheckpointError(f"{name}: weight_scale_inv shape {list(scale.shape)} does not tile weight shape "
@@ -139,11 +299,11 @@ def hf_name(path: tuple) -> str:
     return name if name.startswith("lm_head.") else "model." + name + (".weight" if path == ("embed_tokens",) else "")
 
 
-def _read_param(ckpt: Checkpoint, cfg: ModelConfig, name: str, shape: tuple[int, ...]) -> np.ndarray:
+def _read_param(ckpt: Checkpoint, cfg: ModelConfig, name: str, shape: tuple[int, ...], kind: str) -> np.ndarray:
     if name in ckpt:
-        return ckpt.read(name)
-    if name == "lm_head.weight" and cfg.tie_word_embeddings:
-        return ckpt.read("model.embed_tokens.weight")
+        return ckpt.read(name, kind)
+    if name == "lm_head.weight" and cfg.tie_word_embeddings and "model.embed_tokens.weight" in ckpt:
+        return ckpt.read("model.embed_tokens.weight", kind)
     per_expert = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$", name)
     if per_expert:
         prefix, packed = per_expert.groups()
@@ -154,7 +314,14 @@ def _read_param(ckpt: Checkpoint, cfg: ModelConfig, name: str, shape: tuple[int,
             for n in names:
                 if n not in ckpt:
                     raise CheckpointError(f"checkpoint {ckpt.directory} has neither {name} nor {n}")
-            experts.append(np.concatenate([ckpt.read(n) for n in names], axis=0))
+            arrays = [ckpt.read(n, kind) for n in names]
+            # expert e's rows: [2F, D] (gate then up) or [D, F]
+            want = (shape[1] // len(names), shape[2])
+            for n, a in zip(names, arrays):
+                if tuple(a.shape) != want:
+                    raise CheckpointError(f"{ckpt.describe(n)} has shape {list(a.shape)}, config expects "
+                                          f"{list(want)}: the checkpoint does not match its config.json")
+            experts.append(np.concatenate(arrays, axis=0))
         return np.stack(experts)
     raise CheckpointError(f"checkpoint {ckpt.directory} is missing tensor {name} (expected shape {list(shape)})")
 
@@ -204,29 +371,48 @@ def release_to_hf_name(key: str) -> str:
 
 
 def load_into(model_fn, cfg: ModelConfig, directory: Path, dtype) -> nnx.Module:
-    """Build ``model_fn()`` abstractly, then fill every parameter from the checkpoint in ``directory``."""
+    """Build ``model_fn()`` abstractly, then fill every parameter from the checkpoint in ``directory``.
+
+    Everything the headers tell is checked before any tensor is read (files, index, unused tensors, each
+    stored parameter's shape and dtype); each tensor's values are checked finite as it loads."""
     ckpt = Checkpoint(directory, families.get(cfg.family).hf_rename)
     abstract = nnx.eval_shape(model_fn)
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
-    loaded = []
-    for path, variable in flat:
-        name = hf_name(path)
-        expected = tuple(variable.shape)
-        array = _read_param(ckpt, cfg, name, expected)
-        if tuple(array.shape) != expected:
-            raise CheckpointError(f"tensor {name} has shape {list(array.shape)}, config expects {list(expected)}")
-        if name.endswith(".tid2eid") and array.size and (array.min() < 0 or array.max() >= cfg.n_routed_experts):
-            raise CheckpointError(f"tensor {name} has expert ids in [{array.min()}, {array.max()}], "
-                                  f"outside [0, n_routed_experts={cfg.n_routed_experts})")
-        loaded.append((path, variable.replace(jnp.asarray(array, dtype=variable.dtype))))
-        del array
     expected_names = {hf_name(p) for p, _ in flat}
     unknown = [ckpt.stored[k] for k in ckpt.where if not _ignorable(k, cfg, expected_names)]
     if unknown:
         raise CheckpointError(f"checkpoint {directory} has tensors this model does not use: {unknown[:5]}"
-                              f"{' ...' if len(unknown) > 5 else ''}")
+                              f"{' ...' if len(unknown) > 5 else ''} (a checkpoint of another model or config.json?)")
+    kinds = {}
+    for path, variable in flat:
+        name = hf_name(path)
+        kinds[name] = "int" if jnp.issubdtype(variable.dtype, jnp.integer) else "float"
+        if name in ckpt:
+            ckpt.check_dtype(name, kinds[name])
+            _check_shape(ckpt, name, ckpt.where[name].shape(ckpt.stored[name]), tuple(variable.shape))
+    loaded = []
+    for path, variable in flat:
+        name = hf_name(path)
+        expected = tuple(variable.shape)
+        array = _read_param(ckpt, cfg, name, expected, kinds[name])
+        _check_shape(ckpt, name, array.shape, expected)
+        if name.endswith(".tid2eid") and array.size and (array.min() < 0 or array.max() >= cfg.n_routed_experts):
+            raise CheckpointError(f"{ckpt.describe(name)} has expert ids in [{array.min()}, {array.max()}], "
+                                  f"outside [0, n_routed_experts={cfg.n_routed_experts})")
+        loaded.append((path, variable.replace(jnp.asarray(array, dtype=variable.dtype))))
+        del array
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
+
+
+def _check_shape(ckpt: Checkpoint, name: str, shape: tuple[int, ...], expected: tuple[int, ...]) -> None:
+    if tuple(shape) != expected:
+        where = ""
+        if name in ckpt:
+            stored = ckpt.stored[name]
+            where = f" (in {ckpt.where[name].path}{'' if stored == name else f', stored as {stored}'})"
+        raise CheckpointError(f"tensor {name} has shape {list(shape)}, config expects {list(expected)}{where}: the "
+                              "checkpoint does not match its config.json")
 
 
 def save(params: nnx.State, raw_config: dict, directory: Path) -> Path:

@@ -33,6 +33,161 @@ class ConfigError(ValueError):
     """A config.json or preset that cannot describe a model we serve."""
 
 
+# ---- validation --------------------------------------------------------------------------------
+# Every field the families read, by kind, in one table: ``check_raw`` checks a config.json's values before
+# the parsers convert anything, ``check_fields`` the constructed ModelConfig (also one built directly), so a
+# bad value is refused with its name and value before any array exists. The families' checks (``check_v32``,
+# ``check_v4``) then relate fields to each other. Kinds: ("int", lo): an integer (not a bool) >= lo;
+# ("num", lo, strict): a finite number > lo (strict) or >= lo; "frac": a number in (0, 1]; "bool"; "str";
+# ("list", kind): a list (a tuple once constructed) whose items have that kind; "dict"; "eos": an id or a list.
+
+_KINDS: dict[str, Any] = {
+    **{k: ("int", 1) for k in (
+        "vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings", "num_attention_heads",
+        "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim", "index_topk",
+        "intermediate_size", "moe_intermediate_size", "n_routed_experts", "num_experts", "num_local_experts",
+        "num_experts_per_tok", "n_group", "topk_group", "head_dim", "compress_rate_csa", "compress_rate_hca",
+        "sliding_window", "o_groups", "o_lora_rank", "hc_mult", "hc_sinkhorn_iters")},
+    **{k: ("int", 0) for k in ("q_lora_rank", "qk_rope_head_dim", "n_shared_experts", "first_k_dense_replace",
+                               "num_hash_layers", "bos_token_id", "pad_token_id")},
+    **{k: ("num", 0, True) for k in ("rms_norm_eps", "hc_eps", "rope_theta", "compress_rope_theta",
+                                     "routed_scaling_factor")},
+    "swiglu_limit": ("num", 0, False),
+    "partial_rotary_factor": "frac",
+    "tie_word_embeddings": "bool", "norm_topk_prob": "bool",
+    "model_type": "str", "scoring_func": "str",
+    "mlp_layer_types": ("list", "str"), "layer_types": ("list", "str"), "compress_ratios": ("list", ("int", 0)),
+    "compress_rates": "dict", "quantization_config": "dict", "rope_parameters": "dict", "rope_scaling": "dict",
+    "eos_token_id": "eos",
+}
+# keys only one family reads (the other ignores them, whatever they hold)
+_V32_ONLY_KEYS = frozenset({"kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "n_group", "topk_group",
+                            "first_k_dense_replace"})
+_V4_ONLY_KEYS = frozenset({"compress_rates", "compress_ratios", "num_hash_layers", "partial_rotary_factor",
+                           "compress_rope_theta"})  # and V4_ONLY_FIELDS
+_ROPE_KINDS: dict[str, Any] = {
+    "rope_type": "str", "type": "str", "rope_theta": ("num", 0, True), "factor": ("num", 0, True),
+    "original_max_position_embeddings": ("int", 1), "beta_fast": ("num", None, False),
+    "beta_slow": ("num", None, False), "mscale": ("num", None, False), "mscale_all_dim": ("num", None, False),
+    "attention_factor": ("num", 0, True), "truncate": "bool",
+}
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_value(name: str, value: Any, kind: Any) -> None:
+    """Raise ConfigError naming ``name`` and ``value`` unless ``value`` has ``kind`` (see ``_KINDS``)."""
+    def bad(want: str):
+        raise ConfigError(f"config field {name}={_short(value)} must be {want}")
+
+    if kind == "bool":
+        if not isinstance(value, bool):
+            bad("true or false")
+    elif kind == "str":
+        if not isinstance(value, str):
+            bad("a string")
+    elif kind == "dict":
+        if not isinstance(value, dict):
+            bad("a JSON object")
+    elif kind == "frac":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            bad("a number in (0, 1]")
+    elif kind == "eos":
+        ids = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+            bad("a token id (an integer >= 0) or a list of them")
+    elif kind[0] == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            bad(f"an integer >= {kind[1]}")
+        if value < kind[1]:
+            bad(f">= {kind[1]}")
+    elif kind[0] == "num":
+        lo, strict = kind[1], kind[2]
+        want = "a finite number" + ("" if lo is None else f" {'>' if strict else '>='} {lo}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            bad(want)
+        if lo is not None and (value <= lo if strict else value < lo):
+            bad(want)
+    elif kind[0] == "list":
+        if not isinstance(value, (list, tuple)):
+            bad("a list")
+        for i, item in enumerate(value):
+            check_value(f"{name}[{i}]", item, kind[1])
+    else:  # pragma: no cover - a kind missing from this function
+        raise AssertionError(kind)
+
+
+def check_raw(raw: dict[str, Any], family: str) -> None:
+    """The values of a config.json that ``family``'s parser reads (those present and not null), by kind."""
+    skip = _V4_ONLY_KEYS | V4_ONLY_FIELDS if family == "deepseek_v32" else _V32_ONLY_KEYS
+    for key, kind in _KINDS.items():
+        if key not in skip and raw.get(key) is not None:
+            check_value(key, raw[key], kind)
+    if family == "deepseek_v4" and raw.get("compress_rates") is not None:
+        for key, value in raw["compress_rates"].items():
+            check_value(f"compress_rates.{key}", value, ("int", 1))
+    weight_block_size(raw)
+
+
+def weight_block_size(raw: dict[str, Any]) -> tuple[int, int]:
+    """The FP8 block shape of a config.json's ``quantization_config`` (default 128 x 128)."""
+    quant = raw.get("quantization_config")
+    if quant is None:
+        return (128, 128)
+    check_value("quantization_config", quant, "dict")
+    block = quant.get("weight_block_size")
+    if block is None:
+        return (128, 128)
+    check_value("quantization_config.weight_block_size", block, ("list", ("int", 1)))
+    if len(block) != 2:
+        raise ConfigError(f"config field quantization_config.weight_block_size={_short(block)} must be two "
+                          "block dimensions [out, in]")
+    return (block[0], block[1])
+
+
+def check_fields(cfg: ModelConfig) -> None:
+    """Every field of a constructed config by kind (the same table as config.json's values)."""
+    for field in dataclasses.fields(cfg):
+        kind = _KINDS.get(field.name)
+        value = getattr(cfg, field.name)
+        if field.name in ("bos_token_id", "pad_token_id") and value is None:
+            continue
+        if field.name in ("rope", "compress_rope"):
+            if not isinstance(value, RopeConfig):
+                raise ConfigError(f"config field {field.name}={_short(value)} must be a RopeConfig")
+            continue
+        if field.name == "eos_token_id" and not isinstance(value, tuple):
+            raise ConfigError(f"config field eos_token_id={_short(value)} must be a tuple of token ids")
+        if field.name in ("mlp_layer_types", "layer_types") and not isinstance(value, tuple):
+            raise ConfigError(f"config field {field.name}={_short(value)} must be a tuple of strings")
+        if kind is not None:
+            check_value(field.name, value, kind)
+
+
+def check_tokens(cfg: ModelConfig) -> None:
+    """The special token ids lie inside the vocabulary."""
+    named = [("bos_token_id", cfg.bos_token_id), ("pad_token_id", cfg.pad_token_id)]
+    named += [("eos_token_id", t) for t in cfg.eos_token_id]
+    for name, token in named:
+        if token is not None and not 0 <= token < cfg.vocab_size:
+            raise ConfigError(f"config field {name}={token} is outside the vocabulary [0, vocab_size={cfg.vocab_size})")
+
+
+def check_rope(rope: RopeConfig) -> None:
+    kinds = {"rope_type": "str", "theta": ("num", 0, True), "factor": ("num", 0, True),
+             "beta_fast": ("num", None, False), "beta_slow": ("num", None, False), "truncate": "bool"}
+    for name, kind in kinds.items():
+        check_value(f"rope.{name}", getattr(rope, name), kind)
+    if rope.original_max_position_embeddings is not None:
+        check_value("rope.original_max_position_embeddings", rope.original_max_position_embeddings, ("int", 1))
+    for name in ("mscale", "mscale_all_dim", "attention_factor"):
+        if getattr(rope, name) is not None:
+            check_value(f"rope.{name}", getattr(rope, name), ("num", None, False))
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
     """Rotary embedding parameters (HF ``rope_parameters``), rope_type 'default' or 'yarn'."""
@@ -48,17 +203,26 @@ class RopeConfig:
     attention_factor: float | None = None
     truncate: bool = True
 
+    def __post_init__(self):
+        check_rope(self)
+
     @classmethod
-    def from_hf(cls, params: dict[str, Any] | None, rope_theta: float, max_position_embeddings: int) -> RopeConfig:
+    def from_hf(cls, params: dict[str, Any] | None, rope_theta: float, max_position_embeddings: int,
+                where: str = "rope_parameters") -> RopeConfig:
+        if params is not None and not isinstance(params, dict):
+            raise ConfigError(f"config field {where}={params!r} must be a JSON object")
         params = dict(params or {})
+        for key, kind in _ROPE_KINDS.items():
+            if params.get(key) is not None:
+                check_value(f"{where}.{key}", params[key], kind)
         rope_type = params.get("rope_type", params.get("type", "default"))
         theta = float(params.get("rope_theta", rope_theta))
         if rope_type == "default":
             return cls(theta=theta)
         if rope_type != "yarn":
-            raise ConfigError(f"rope_parameters.rope_type={rope_type!r} is not supported (use 'default' or 'yarn')")
+            raise ConfigError(f"{where}.rope_type={rope_type!r} is not supported (use 'default' or 'yarn')")
         if params.get("factor") is None:
-            raise ConfigError("rope_parameters.factor is required for rope_type 'yarn'")
+            raise ConfigError(f"{where}.factor is required for rope_type 'yarn'")
         return cls(
             rope_type="yarn",
             theta=theta,
@@ -152,7 +316,9 @@ class ModelConfig:
     def __post_init__(self):
         from ess_jax import families  # the registry imports this module
 
+        check_fields(self)
         families.get(self.model_type).check(self)
+        check_tokens(self)
 
     # ---- derived -------------------------------------------------------------------------------
     @property
@@ -182,20 +348,30 @@ class ModelConfig:
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         from ess_jax import families  # the registry imports this module
 
+        if not isinstance(raw, dict):
+            raise ConfigError(f"a config must be a JSON object of fields, got {type(raw).__name__} {_short(raw)}")
         if "model_type" not in raw:
             raise ConfigError("config.json has no 'model_type' (expected 'deepseek_v32' or 'deepseek_v4')")
+        if not isinstance(raw["model_type"], str):
+            raise ConfigError(f"config field model_type={_short(raw['model_type'])} must be a string "
+                              "('deepseek_v32' or 'deepseek_v4')")
         return families.get(raw["model_type"]).from_hf_dict(cls, raw)
 
     @classmethod
     def from_json(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"{path} is a directory, not a config.json file")
         try:
             raw = json.loads(path.read_text())
         except FileNotFoundError:
             raise ConfigError(f"no config.json at {path}") from None
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from None
-        return cls.from_hf_dict(raw)
+        try:
+            return cls.from_hf_dict(raw)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
 
     @classmethod
     def from_preset(cls, name: str) -> ModelConfig:
@@ -209,6 +385,7 @@ class ModelConfig:
 
 def v32_from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
     """A ``DeepseekV32Config`` config.json -> ModelConfig."""
+    check_raw(raw, "deepseek_v32")
     names = {f.name for f in dataclasses.fields(cls)} - {"rope", "eos_token_id", "mlp_layer_types"} - V4_ONLY_FIELDS
     kwargs = {k: raw[k] for k in names if raw.get(k) is not None}
     if raw.get("num_experts") is not None:
@@ -227,10 +404,6 @@ def v32_from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
     kwargs["rope"] = RopeConfig.from_hf(
         rope_params, float(raw.get("rope_theta", 10000.0)), int(raw.get("max_position_embeddings", 163840))
     )
-    for key, value in kwargs.items():
-        field_type = {f.name: f.type for f in dataclasses.fields(cls)}.get(key)
-        if field_type in ("int", "float") and not isinstance(value, (int, float)):
-            raise ConfigError(f"config field {key}={value!r} must be a number")
     return cls(**kwargs)
 
 
@@ -285,12 +458,9 @@ _V4_HF_DEFAULTS: dict[str, Any] = dict(
 
 def v4_from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
     """A ``DeepseekV4Config`` config.json (modern or legacy keys) -> ModelConfig, as transformers 5.23 reads it."""
-    fields = {f.name: f.type for f in dataclasses.fields(cls)}
+    check_raw(raw, "deepseek_v4")
     kwargs = dict(_V4_HF_DEFAULTS)
     kwargs.update({k: raw[k] for k in _V4_HF_DEFAULTS if raw.get(k) is not None})
-    for key, value in kwargs.items():
-        if fields.get(key) in ("int", "float") and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ConfigError(f"config field {key}={value!r} must be a number")
     if raw.get("moe_intermediate_size") is None and raw.get("intermediate_size") is not None:
         kwargs["moe_intermediate_size"] = raw["intermediate_size"]  # HF attribute_map alias
     for alias in ("num_local_experts", "num_experts"):
@@ -339,6 +509,11 @@ def v4_from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
     rope_theta = float(raw.get("rope_theta", 10000.0))
     compress_theta = float(raw.get("compress_rope_theta", 160000.0))
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if "main" in params or "compress" in params:
+        for key in ("main", "compress"):
+            if not isinstance(params.get(key), dict):
+                raise ConfigError(f"config field rope_parameters.{key}={_short(params.get(key))} must be a JSON "
+                                  "object (rope_parameters has 'main' and 'compress', or neither)")
     if isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict):
         main, compress = dict(params["main"]), dict(params["compress"])
     else:  # one flat dict: it describes the compress rope (YaRN), whose theta is compress_rope_theta
@@ -348,8 +523,8 @@ def v4_from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         compress.setdefault("rope_type", compress.get("type", "default"))
         if compress["rope_type"] == "yarn":
             compress.setdefault("attention_factor", 1.0)  # the V4 reference never scales cos/sin
-    kwargs["rope"] = RopeConfig.from_hf(main, rope_theta, max_pos)
-    kwargs["compress_rope"] = RopeConfig.from_hf(compress, compress_theta, max_pos)
+    kwargs["rope"] = RopeConfig.from_hf(main, rope_theta, max_pos, "rope_parameters.main")
+    kwargs["compress_rope"] = RopeConfig.from_hf(compress, compress_theta, max_pos, "rope_parameters.compress")
     return cls(model_type="deepseek_v4", **kwargs)
 
 
@@ -383,3 +558,4 @@ def check_v4(cfg: ModelConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+

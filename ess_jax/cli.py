@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
+from pathlib import Path
 
 
 class Parser(argparse.ArgumentParser):
@@ -22,6 +25,15 @@ def add_model_flag(p: argparse.ArgumentParser) -> None:
                         "directory (config.json + *.safetensors [+ tokenizer.json]). Default: tiny-v32")
 
 
+class _EssOnly(argparse.Action):
+    """Store the value and remember the flag was given: these apply to ``--offload ess`` only, and
+    ``engine_config`` refuses them with ``--offload none``."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.ess_only_flags = sorted({*getattr(namespace, "ess_only_flags", ()), option_string})
+
+
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """The cache, batching, kernel and dtype flags that generate, serve and bench share, one meaning each."""
     cache = p.add_argument_group("cache and batching")
@@ -29,16 +41,16 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                        help="'ess' (default): V3.2 latent rows live in pinned host memory behind an LRU device pool "
                             "of --pool-size / --pool-ratio slots per layer and request, misses fetched each step; "
                             "'none': the whole cache on the device. Both give the same tokens")
-    cache.add_argument("--pool-size", type=int, default=None,
+    cache.add_argument("--pool-size", action=_EssOnly, type=int, default=None,
                        help="ess: device pool slots per (layer, request); at least index_topk + 1")
-    cache.add_argument("--pool-ratio", type=float, default=0.2,
+    cache.add_argument("--pool-ratio", action=_EssOnly, type=float, default=0.2,
                        help="ess: pool slots as a fraction of the longest request's tokens, raised to "
                             "index_topk + 1 (default 0.2; --pool-size wins)")
-    cache.add_argument("--fetch", choices=["inline", "split"], default="inline",
+    cache.add_argument("--fetch", action=_EssOnly, choices=["inline", "split"], default="inline",
                        help="ess: how missed rows reach the device: 'inline' gathers them host-side inside the "
                             "compiled step and moves them with an in-step device_put; 'split' calls back to the "
                             "host at each layer's fetch point and gathers from a NumPy store (default inline)")
-    cache.add_argument("--host-cache-mb", type=float, default=None,
+    cache.add_argument("--host-cache-mb", action=_EssOnly, type=float, default=None,
                        help="ess: host store budget in MiB; sets the page count (default: enough for "
                             "--max-batch requests of --max-seq-len tokens)")
     cache.add_argument("--max-batch", type=int, default=8, help="decode batch rows (default 8)")
@@ -67,11 +79,88 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace, **overrides):
-    """The EngineConfig the shared flags describe."""
+    """The EngineConfig the shared flags describe, every flag checked before a model loads: the engine's
+    (``EngineConfig`` checks types, ranges and NaN / inf), ESS-only flags given with ``--offload none``, the
+    sampling and length flags of the entry points that have them, and the memory the cache needs at least
+    (when ``--model`` names a config this can read without loading weights) against the machine's."""
     from ess_jax.engine import EngineConfig
 
-    return EngineConfig(**dict(dict(
+    given = getattr(args, "ess_only_flags", [])
+    if args.offload == "none" and given:
+        raise ValueError(f"{' and '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --offload ess only; "
+                         f"drop {'it' if len(given) == 1 else 'them'} or use --offload ess")
+    check_run_flags(args)
+    config = EngineConfig(**dict(dict(
         max_batch=args.max_batch, page_size=args.page_size, num_pages=args.num_pages, max_seq_len=args.max_seq_len,
         prefill_chunk=args.prefill_chunk, offload=args.offload, pool_size=args.pool_size, pool_ratio=args.pool_ratio,
         fetch=args.fetch, host_cache_mb=args.host_cache_mb, kernels=args.kernels, cache_dtype=args.cache_dtype),
         **overrides))
+    check_before_load(args, config)
+    return config
+
+
+def check_run_flags(args: argparse.Namespace) -> None:
+    """The sampling and length flags an entry point has (``generate``'s ``--temperature``, ``--top-k``, ...):
+    finite, in range, integers that fit the sampler's arrays; ValueError naming the flag."""
+    for name in ("temperature", "top_p"):
+        value = getattr(args, name, None)
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"--{name.replace('_', '-')} {value} must be a finite number")
+    for name, low, high in (("top_k", 0, 2**31), ("seed", 0, 2**32), ("weights_seed", 0, 2**32),
+                            ("max_new_tokens", 1, 2**31)):
+        value = getattr(args, name, None)
+        if value is not None and not low <= value < high:
+            raise ValueError(f"--{name.replace('_', '-')} {value} must be in [{low}, {high})")
+
+
+def _model_config(name: str):
+    """The ModelConfig of ``--model`` read without loading weights, or None for a name ``load_model``
+    resolves (and refuses) itself."""
+    from ess_jax.config import CHECKPOINTS, PRESETS, ModelConfig, shipped_checkpoint
+
+    if name in CHECKPOINTS:
+        return ModelConfig.from_json(shipped_checkpoint(name) / "config.json")
+    if Path(name).is_dir():
+        return ModelConfig.from_json(Path(name) / "config.json")
+    if name in PRESETS:
+        return ModelConfig.from_preset(name)
+    return None
+
+
+def _check_prompt_ids(prompts: list, cfg, config, max_new_tokens: int) -> None:
+    """``generate``'s ``--prompt-ids`` against the model's vocabulary and positions, before it loads (a list
+    that does not parse is ``generate``'s to report)."""
+    longest = min(config.max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    for kind, value in prompts:
+        if kind != "ids":
+            continue
+        try:
+            ids = [int(x) for x in value.split(",") if x.strip()]
+        except ValueError:
+            continue
+        bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"--prompt-ids: token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+        if len(ids) + max_new_tokens > longest:
+            raise ValueError(f"--prompt-ids: {len(ids)} prompt tokens + --max-new-tokens {max_new_tokens} exceed the "
+                             f"{longest} tokens a request may have (max_position_embeddings, or --max-seq-len)")
+
+
+def check_before_load(args: argparse.Namespace, config) -> None:
+    """Refuse, before the model loads, ``--prompt-ids`` the model cannot take and a cache the machine cannot
+    hold: the sizes the engine gets at least, through ``engine.cache_layout`` and ``engine.check_memory``
+    (``generate`` cuts the batch to its prompts and ``eval`` to its windows, and both size requests to them:
+    so the rows of the prompts, or one, and ``--max-seq-len``, or the new tokens + 1). ``Engine`` checks the
+    sizes it gets again, exactly, before it allocates."""
+    from ess_jax.engine import cache_layout, check_memory
+
+    model = getattr(args, "model", None)
+    cfg = _model_config(str(model)) if model is not None else None
+    if cfg is None:
+        return
+    prompts = getattr(args, "prompts", None)
+    _check_prompt_ids(prompts or [], cfg, config, getattr(args, "max_new_tokens", 1))
+    rows = min(config.max_batch, len(prompts)) if prompts else 1
+    tokens = config.max_seq_len or min(getattr(args, "max_new_tokens", 0) + 1, cfg.max_position_embeddings)
+    least = dataclasses.replace(config, max_batch=rows, max_seq_len=tokens)
+    check_memory(cache_layout(cfg, least, getattr(args, "dtype", "float32"), lower_bound=True))

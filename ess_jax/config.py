@@ -318,7 +318,6 @@ class ModelConfig:
 
         check_fields(self)
         families.get(self.model_type).check(self)
-        check_tokens(self)
 
     # ---- derived -------------------------------------------------------------------------------
     @property
@@ -355,7 +354,9 @@ class ModelConfig:
         if not isinstance(raw["model_type"], str):
             raise ConfigError(f"config field model_type={_short(raw['model_type'])} must be a string "
                               "('deepseek_v32' or 'deepseek_v4')")
-        return families.get(raw["model_type"]).from_hf_dict(cls, raw)
+        cfg = families.get(raw["model_type"]).from_hf_dict(cls, raw)
+        check_tokens(cfg)  # a config.json's special ids (a config built in code may leave them out of range)
+        return cfg
 
     @classmethod
     def from_json(cls, path: str | Path) -> ModelConfig:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 import threading
 import time
@@ -100,9 +101,23 @@ class EngineConfig:
     # "float32", "fp8" (656-byte V3.2 rows, 584-byte V4 rows at the real shapes; ess_jax.pallas_kernels.fp8_rows)
 
     def __post_init__(self):
-        for name in ("max_batch", "page_size", "prefill_chunk"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        for name in ("max_batch", "page_size", "prefill_chunk", "num_pages", "max_seq_len", "pool_size"):
+            value = getattr(self, name)
+            if value is None and name in ("num_pages", "max_seq_len", "pool_size"):
+                continue
+            low = 2 if name == "num_pages" else 1
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                why = " (page 0 is the reserved null page)" if name == "num_pages" else ""
+                raise ValueError(f"{_flag(name)} {value!r} must be an integer >= {low}{why}")
+        if (isinstance(self.pool_ratio, bool) or not isinstance(self.pool_ratio, (int, float))
+                or not 0 < self.pool_ratio <= 1):
+            raise ValueError(f"--pool-ratio {self.pool_ratio!r} must be a number in (0, 1]")
+        if self.host_cache_mb is not None and (
+                isinstance(self.host_cache_mb, bool) or not isinstance(self.host_cache_mb, (int, float))
+                or not math.isfinite(self.host_cache_mb) or self.host_cache_mb <= 0):
+            raise ValueError(f"--host-cache-mb {self.host_cache_mb!r} must be a finite number of MiB > 0")
+        if not isinstance(self.keep_logits, bool):
+            raise ValueError(f"keep_logits={self.keep_logits!r} must be True or False")
         if self.offload not in ("none", "ess"):
             raise ValueError(f"--offload {self.offload!r} is not a mode; use 'ess' or 'none'")
         ops.resolve_kernels(self.kernels)  # raises for an unknown choice
@@ -112,6 +127,116 @@ class EngineConfig:
         if self.fetch not in tier.FETCH_BACKENDS:
             raise ValueError(f"--fetch {self.fetch!r} is not a fetch backend; use one of "
                              f"{', '.join(tier.FETCH_BACKENDS)}")
+        # The ESS-only fields are ignored with offload "none" (one config serves both paths through
+        # dataclasses.replace); the CLIs refuse ESS-only flags given with --offload none (cli.engine_config).
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_sampling(sampling: SamplingParams) -> None:
+    """What ``SamplingParams`` leaves to the engine: finite values, integers that fit the int32 / uint32
+    arrays the sampler reads; ValueError naming the parameter."""
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    for name, value in (("temperature", sampling.temperature), ("top_p", sampling.top_p)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{name}={value!r} must be a finite number")
+    for name, value, high in (("top_k", sampling.top_k, 2**31), ("seed", sampling.seed, 2**32)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < high:
+            raise ValueError(f"{name}={value!r} must be an integer in [0, {high})")
+
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """The sizes an engine's caches get from a model config and an EngineConfig, and their bytes."""
+
+    max_seq_len: int
+    pages_per_row: int
+    size: families.CacheSize
+    parts: list  # families.Part of one request's cache, in the stored formats
+    offloaded: families.Part  # the tier's part with --offload ess
+    pool_slots: int | None  # ess: device pool slots per (layer, request)
+    device_bytes: int  # the decode-time cache (with ess: resident parts, pools; and the prefill scratch)
+    host_bytes: int  # ess: the host store
+    logits_bytes: int  # one decode step's float32 logits [max_batch, vocab]
+
+
+def cache_layout(cfg, config: EngineConfig, model_format: str, *, lower_bound: bool = False) -> CacheLayout:
+    """The engine's cache sizes and bytes, from the config alone (no array is built). Raises ValueError naming
+    the flags when ``--offload ess`` cannot serve these requests, the pool is too small or the host budget
+    cannot hold the longest request. ``lower_bound``: sizes the engine gets at least (a CLI's check before
+    the model loads, when the requests are not known yet), so an ess cache with no entries is not an error."""
+    family = families.get(cfg.family)
+    max_seq_len = min(config.max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    pages_per_row = math.ceil(max_seq_len / config.page_size)
+    pages = config.num_pages if config.num_pages is not None else config.max_batch * pages_per_row + 1
+    size = families.CacheSize(config.max_batch, pages, config.page_size, max_seq_len)
+    parts = family.cache_parts(cfg, family.stored_formats(config.cache_dtype or model_format, model_format))
+    part = next(p for p in parts if p.where == "offloaded")
+    resident = family.resident_bytes(parts, size, size.pages * size.page_size)
+    slots, host = None, 0
+    device = resident
+    entries = part.entries(max_seq_len)
+    if config.offload == "ess" and (part.layers and entries >= 1 or not lower_bound):
+        if not part.layers or entries < 1:
+            why = "no layers holding them" if not part.layers else "requests too short for one entry"
+            raise ValueError(f"--offload ess offloads the {part.name}; this {cfg.family} model has {why} "
+                             f"(max_seq_len {max_seq_len}): use --offload none")
+        slots = tier.pool_slots(pool_size=config.pool_size, pool_ratio=config.pool_ratio, max_seq_len=entries,
+                                index_topk=part.topk)
+        if config.host_cache_mb is not None:
+            size = family.fit_host_budget(size, part, config.host_cache_mb)
+            resident = family.resident_bytes(parts, size, size.pages * size.page_size)
+        store_pages, store_page_size = family.host_shape(size, part)
+        host = part.layers * store_pages * store_page_size * part.row_bytes
+        scratch = dataclasses.replace(size, rows=1, pages=pages_per_row + 1)
+        device = (resident - family.resident_bytes([part], size, size.pages * size.page_size)
+                  + part.layers * size.rows * slots * part.row_bytes
+                  + family.resident_bytes(parts, scratch, scratch.pages * scratch.page_size))
+    return CacheLayout(max_seq_len, pages_per_row, size, parts, part, slots, int(device), int(host),
+                       4 * config.max_batch * cfg.vocab_size)
+
+
+def memory_limits() -> tuple[int | None, int]:
+    """The device's memory (jax's ``bytes_limit``; None where the device does not say, as on CPU, whose
+    memory is the host's) and the host's physical memory, in bytes."""
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # a backend without memory statistics
+        stats = {}
+    return stats.get("bytes_limit"), host
+
+
+def check_memory(layout: CacheLayout, weights_bytes: int = 0) -> None:
+    """Refuse a layout the machine cannot hold, with the numbers: the device's caches, logits and weights
+    against the device memory, the host store against the host memory (both against the host's on a device
+    without its own memory)."""
+    device_limit, host_limit = memory_limits()
+    device = layout.device_bytes + layout.logits_bytes + weights_bytes
+    s = layout.size
+    what = (f"{s.pages} pages of {s.page_size} tokens, {s.rows} batch rows of up to {layout.max_seq_len} tokens"
+            + (f", {layout.pool_slots} pool slots per layer and row" if layout.pool_slots else ""))
+    fix = "lower --num-pages, --page-size, --max-batch or --max-seq-len"
+    if device_limit is None:
+        if device + layout.host_bytes > host_limit:
+            raise ValueError(f"the engine needs {(device + layout.host_bytes) / GiB:.2f} GiB ({what}: device cache "
+                             f"{layout.device_bytes / GiB:.2f} GiB, host store {layout.host_bytes / GiB:.2f} GiB, "
+                             f"logits {layout.logits_bytes / GiB:.2f} GiB, weights {weights_bytes / GiB:.2f} GiB) but "
+                             f"this machine has {host_limit / GiB:.2f} GiB: {fix}")
+        return
+    if device > device_limit:
+        raise ValueError(f"the engine needs {device / GiB:.2f} GiB on the device ({what}: cache "
+                         f"{layout.device_bytes / GiB:.2f} GiB, logits {layout.logits_bytes / GiB:.2f} GiB, weights "
+                         f"{weights_bytes / GiB:.2f} GiB) but the device has {device_limit / GiB:.2f} GiB: {fix}")
+    if layout.host_bytes > host_limit:
+        raise ValueError(f"the host store needs {layout.host_bytes / GiB:.2f} GiB ({what}) but this machine has "
+                         f"{host_limit / GiB:.2f} GiB: {fix}, or set --host-cache-mb")
 
 
 def _prefill(graphdef, params, tokens_BT, meta: StepMeta, cache, last_B, sampling):
@@ -160,29 +285,17 @@ class Engine:
     def __init__(self, model, config: EngineConfig = EngineConfig(), *, progress: bool = False):
         cfg = model.cfg
         self.model, self.config, self.progress = model, config, progress
-        self.max_seq_len = min(config.max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.pages_per_row = math.ceil(self.max_seq_len / config.page_size)
         self.family = families.get(cfg.family)
-        size = families.CacheSize(config.max_batch, config.num_pages or config.max_batch * self.pages_per_row + 1,
-                                  config.page_size, self.max_seq_len)
         module = model.module
         self.latent_dtype = CACHE_DTYPES[config.cache_dtype] if config.cache_dtype else module.dtype
-        model_format = jnp.dtype(module.dtype).name
-        self.parts = self.family.cache_parts(cfg, self.family.stored_formats(config.cache_dtype or model_format,
-                                                                             model_format))
-        part = self.offloaded_part = next(p for p in self.parts if p.where == "offloaded")  # the tier's with ess
-        self.row_bytes = part.row_bytes
-        self.pool_slots = self.scratch = None
+        # sizes and bytes from the config, checked against the machine before any cache array exists
+        layout = cache_layout(cfg, config, jnp.dtype(module.dtype).name)
+        check_memory(layout, sum(int(x.nbytes) for x in jax.tree.leaves(model.params)))
+        self.max_seq_len, self.pages_per_row, size = layout.max_seq_len, layout.pages_per_row, layout.size
+        self.parts, part, self.pool_slots = layout.parts, layout.offloaded, layout.pool_slots
+        self.offloaded_part, self.row_bytes = part, part.row_bytes  # the tier's part with ess
+        self.scratch = None
         if config.offload == "ess":
-            entries = part.entries(self.max_seq_len)
-            if not part.layers or entries < 1:
-                why = "no layers holding them" if not part.layers else "requests too short for one entry"
-                raise ValueError(f"--offload ess offloads the {part.name}; this {cfg.family} model has {why} "
-                                 f"(max_seq_len {self.max_seq_len}): use --offload none")
-            self.pool_slots = tier.pool_slots(pool_size=config.pool_size, pool_ratio=config.pool_ratio,
-                                              max_seq_len=entries, index_topk=part.topk)
-            if config.host_cache_mb is not None:
-                size = self.family.fit_host_budget(size, part, config.host_cache_mb)
             self.cache = self.family.offloaded_cache(module, size, part, self.latent_dtype,
                                                      slots=self.pool_slots, fetch=config.fetch, kernels=config.kernels)
             # prefill computes on a device scratch for one prompt (a prefill node's view), then hands off
@@ -197,8 +310,10 @@ class Engine:
                                    max_position_embeddings=self.max_seq_len)
         self.buckets = _buckets(config.prefill_chunk)
         self.requests: dict[int, Request] = {}  # unfinished requests by id (added from any thread)
+        # reserved_pages: what the unfinished requests reserve now; peak_reserved_pages: the most at once
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "decode_s": 0.0, "prefill_s": 0.0,
-                      "prompt_rows_to_host": 0, "reserved_pages": 0}
+                      "prompt_rows_to_host": 0, "reserved_pages": 0, "peak_reserved_pages": 0}
+        self._reserved: dict[int, int] = {}  # pages each unfinished request reserves
         b = config.max_batch
         self._lengths = np.zeros(b, np.int32)  # tokens in the cache per batch row
         self._last = np.zeros(b, np.int32)  # token each row feeds next
@@ -224,11 +339,13 @@ class Engine:
         and reports each one's log-probability under the step's logits (``logprobs`` defaults to 0 then);
         ``max_new_tokens`` must equal their number, and no eos or stop id ends it early.
         Raises ValueError naming the problem if the request can never be served."""
+        listed = lambda ids: ids if isinstance(ids, (str, bytes)) else list(ids)  # noqa: E731 (str: refused below)
+        prompt_ids, stop_token_ids = listed(prompt_ids), listed(stop_token_ids)
+        forced_ids = None if forced_ids is None else listed(forced_ids)
+        pages = self.check_request(prompt_ids, max_new_tokens, stop_token_ids, logprobs=logprobs, forced_ids=forced_ids)
+        check_sampling(sampling)
         prompt = [int(t) for t in prompt_ids]
         forced = None if forced_ids is None else tuple(int(t) for t in forced_ids)
-        pages = self.check_request(prompt, max_new_tokens, stop_token_ids, logprobs=logprobs, forced_ids=forced)
-        if not isinstance(sampling, SamplingParams):
-            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         stop = frozenset(() if ignore_eos else self.model.cfg.eos_token_id) | frozenset(map(int, stop_token_ids))
         if forced is not None:
             stop, logprobs = frozenset(), 0 if logprobs is None else logprobs
@@ -239,7 +356,9 @@ class Engine:
             self._next_id += 1
             self.requests[request_id] = request
             self._inbox.append(request_id)
+            self._reserved[request_id] = pages
             self.stats["reserved_pages"] += pages
+            self.stats["peak_reserved_pages"] = max(self.stats["peak_reserved_pages"], self.stats["reserved_pages"])
         return request_id
 
     def check_request(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int] = (), *,
@@ -249,13 +368,23 @@ class Engine:
         more pages than the pool has, forced ids that are not ``max_new_tokens`` of them or come with stop ids.
         ``add_request`` runs it; callers may run it first to refuse early."""
         vocab = self.model.cfg.vocab_size
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
+            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
         for name, ids in (("prompt token id", prompt_ids), ("stop token id", stop_token_ids),
                           ("forced token id", forced_ids or ())):
+            if isinstance(ids, (str, bytes)):
+                raise ValueError(f"{name}s must be a sequence of integers, got {type(ids).__name__}")
+            ids = list(ids)
+            ints = [t for t in ids if not isinstance(t, bool) and isinstance(t, (int, np.integer))]
+            if len(ints) != len(ids):
+                wrong = next(t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer)))
+                raise ValueError(f"{name} {wrong!r} is not an integer")
             bad = [int(t) for t in ids if not 0 <= int(t) < vocab]
             if bad:
                 raise ValueError(f"{name} {bad[0]} is outside the vocabulary [0, {vocab})")
-        if logprobs is not None and not 0 <= logprobs <= vocab:
-            raise ValueError(f"logprobs={logprobs} must be in [0, {vocab}] (the vocabulary size)")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, (int, np.integer))
+                                     or not 0 <= logprobs <= vocab):
+            raise ValueError(f"logprobs={logprobs!r} must be an integer in [0, {vocab}] (the vocabulary size)")
         if forced_ids is not None:
             if len(forced_ids) != max_new_tokens:
                 raise ValueError(f"{len(forced_ids)} forced ids for max_new_tokens={max_new_tokens}; "
@@ -336,6 +465,7 @@ class Engine:
         room = min(self.max_seq_len, self.allocator.capacity * self.config.page_size) - 1
         self.add_request([0] * min(2 * self.config.prefill_chunk - 1, room), 1, ignore_eos=True)
         self.run()
+        self.stats["peak_reserved_pages"] = self.stats["reserved_pages"]  # the warm-up request is no workload
 
     # ---- host loop -----------------------------------------------------------------------------
     def _take_inbox(self):
@@ -495,21 +625,26 @@ class Engine:
             self._lengths[slot] = 0
         with self._inbox_lock:
             del self.requests[request_id]
+            self.stats["reserved_pages"] -= self._reserved.pop(request_id, 0)
 
     def cache_bytes(self) -> dict[str, int]:
         """Bytes of the real cache arrays: device (the decode-time cache), host (the offload store), and
-        what the requests added so far would occupy on the device without offload (from the cache parts;
-        V3.2: their reserved pages of latent rows and indexer keys; V4: ``max_batch`` full-length rows)."""
+        what the requests would occupy on the device without offload (from the cache parts; V3.2: their
+        reserved pages of latent rows and indexer keys; V4: ``max_batch`` full-length rows): at the peak of
+        the requests reserved at once (``resident_device_bytes``; for a batch added at once, all of it) and
+        for the unfinished requests now (``resident_device_bytes_now``). Finished requests count in neither
+        once gone, so a long-lived engine's figures stay bounded."""
         arrays = jax.tree.leaves(self.cache)
         host = 0
         if self.scratch is not None:
             offloaded = self.family.tier_of(self.cache)
             host = offloaded.store.array.nbytes if offloaded.store is not None else offloaded.host.nbytes
             arrays = [x for x in arrays if x is not offloaded.host]
-        reserved_tokens = self.stats["reserved_pages"] * self.config.page_size
-        resident = self.family.resident_bytes(self.parts, self.size, reserved_tokens)
+        page = self.config.page_size
+        peak = self.family.resident_bytes(self.parts, self.size, self.stats["peak_reserved_pages"] * page)
+        now = self.family.resident_bytes(self.parts, self.size, self.stats["reserved_pages"] * page)
         out = {"device_bytes": int(sum(x.nbytes for x in arrays)), "host_bytes": int(host),
-               "resident_device_bytes": int(resident)}
+               "resident_device_bytes": int(peak), "resident_device_bytes_now": int(now)}
         if self.scratch is not None:
             out["prefill_scratch_bytes"] = int(sum(x.nbytes for x in jax.tree.leaves(self.scratch)))
         return out

@@ -45,7 +45,10 @@ class HFTokenizer:
             self._tokenizer = tokenizers.Tokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception on unreadable or malformed files
             raise ConfigError(f"cannot read tokenizer {path}: {e}") from None
-        largest = max(self._tokenizer.get_vocab(with_added_tokens=True).values())
+        vocab = self._tokenizer.get_vocab(with_added_tokens=True)
+        if not vocab:
+            raise ConfigError(f"{path} has an empty vocabulary: not the tokenizer of this checkpoint")
+        largest = max(vocab.values())
         if largest >= vocab_size:
             raise ConfigError(f"{path} has token id {largest}, outside the model's vocab_size={vocab_size}")
 
@@ -100,13 +103,21 @@ class ChatTemplate:
 def load_chat_template(directory: str | Path | None) -> ChatTemplate | None:
     """The chat template of a checkpoint directory's ``tokenizer_config.json``, or None without one."""
     path = None if directory is None else Path(directory) / "tokenizer_config.json"
-    if path is None or not path.is_file():
+    if path is None or not path.exists():
         return None
+    if not path.is_file():
+        raise ConfigError(f"{path} is not a file: remove it or put the checkpoint's tokenizer_config.json there")
     try:
         config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:
         raise ConfigError(f"cannot read {path}: {e}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} is a JSON {type(config).__name__}, not an object")
     source = config.get("chat_template")
+    if source is not None and not isinstance(source, (str, list)):
+        raise ConfigError(f"{path}: chat_template must be a string or a list of named templates")
+    if isinstance(source, list) and not all(isinstance(t, dict) for t in source):
+        raise ConfigError(f"{path}: chat_template as a list must hold {{'name', 'template'}} objects")
     if isinstance(source, list):  # named templates: the default one
         source = next((t.get("template") for t in source if t.get("name") == "default"), None)
     if not source:
@@ -120,9 +131,13 @@ def load_chat_template(directory: str | Path | None) -> ChatTemplate | None:
 
 def load_tokenizer(directory: str | Path | None, cfg: ModelConfig) -> Tokenizer:
     """The tokenizer of a checkpoint directory: its ``tokenizer.json`` if it has one, else byte-level
-    (also for ``directory=None``, the presets)."""
-    if directory is not None and (Path(directory) / "tokenizer.json").is_file():
-        return HFTokenizer(Path(directory) / "tokenizer.json", vocab_size=cfg.vocab_size)
+    (also for ``directory=None``, the presets); a ``tokenizer.json`` that is not a file is an error."""
+    path = None if directory is None else Path(directory) / "tokenizer.json"
+    if path is not None and path.exists():
+        if not path.is_file():
+            raise ConfigError(f"{path} is not a file: remove it (for the byte-level tokenizer) or put the "
+                              "checkpoint's tokenizer.json there")
+        return HFTokenizer(path, vocab_size=cfg.vocab_size)
     return ByteTokenizer(cfg)
 
 

@@ -6,7 +6,8 @@ venv:
 	@bash tools/bootstrap.sh
 
 demo: venv
-	$(PY) -m ess_jax.generate --model tiny-v32 --prompt "The cache outgrew the device." --max-new-tokens 32
+	$(PY) -m ess_jax.generate --model tiny-v32-code --prompt-file checkpoints/demo_prompt.txt --max-new-tokens 64 \
+		--temperature 0.7 --top-p 0.9 --seed 0
 
 test: venv
 	$(PY) -m pytest -q

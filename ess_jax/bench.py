@@ -26,7 +26,8 @@ What is measured, per configuration:
       without         floor(M / (resident_device_bytes / batch))   (the resident row's own count)
   resident_device_bytes being what the same requests hold on the device without offload.
 
-Prompts (``prompt_source``): without ``--text``, one stream of random token ids from ``--seed``,
+Prompts (``prompt_source``): without ``--text`` (a shipped checkpoint's default is the held-out code
+it ships with, checkpoints/heldout_code.txt), one stream of random token ids from ``--seed``,
 request i its tokens ``[i C, (i + 1) C)`` (C = ``--context``); with ``--text FILE``, FILE's text
 tokenized once by the model's tokenizer, request i its tokens ``[i (C // 2), i (C // 2) + C)``
 (windows overlapping by half). A locality prompt of N tokens is the stream's first N either way. A
@@ -117,9 +118,10 @@ def _names(text: str) -> list[str]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = Parser("python -m ess_jax.bench", __doc__)
-    p.add_argument("--model", default="tiny-v32",
-                   help="preset name (random weights from --weights-seed) or HuggingFace checkpoint directory "
-                        "(default tiny-v32; tiny-v4 runs HiSparse over its CSA entries)")
+    p.add_argument("--model", default="tiny-v32-code",
+                   help="shipped checkpoint (tiny-v32-code, tiny-v4-code: trained), preset name (random weights "
+                        "from --weights-seed) or HuggingFace checkpoint directory (default tiny-v32-code; the V4 "
+                        "models run HiSparse over their CSA entries)")
     p.add_argument("--context", type=int, default=8192, help="prompt tokens per request (default 8192)")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per request and run (default 64)")
     p.add_argument("--batch", type=int, default=2, help="requests decoded together (default 2)")
@@ -139,7 +141,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "4 x top_k slots (default 0.05,0.1,0.2,0.3,0.5)")
     p.add_argument("--text", default=None, metavar="FILE",
                    help="cut the prompts from FILE's text (tokenized by the model's tokenizer): request i from "
-                        "token i x (--context // 2), the locality prompts from token 0 (default: random token ids)")
+                        "token i x (--context // 2), the locality prompts from token 0 (default: for a shipped "
+                        "checkpoint the held-out code it ships with, checkpoints/heldout_code.txt; else random "
+                        "token ids)")
     p.add_argument("--prefill-chunk", type=int, default=1024, help="engine prefill chunk in tokens (default 1024)")
     p.add_argument("--device-budget-mb", type=float, default=1024.0,
                    help="device memory budget (MiB) for the capacity comparison (default 1024)")
@@ -170,7 +174,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     serve.add_argument("--max-tokens", type=int, default=32, help="new tokens per request (default 32)")
     serve.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     serve.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take (default 600)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    from ess_jax.config import CHECKPOINTS, shipped_checkpoint
+
+    if args.text is None and args.model in CHECKPOINTS:  # a trained model reads text, not random ids
+        args.text = str(shipped_checkpoint(args.model).parent / "heldout_code.txt")
+    return args
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -547,32 +556,6 @@ def locality_pass(model, prompts: dict[int, list[int]], args, log) -> dict:
 
 # ---- the transformers peer ---------------------------------------------------------------------
 
-def save_hf_checkpoint(model, directory: Path, raw_config: dict) -> Path:
-    """Write ``model``'s parameters as a transformers checkpoint (per-expert names, as save_pretrained does)."""
-    from flax import nnx
-    from safetensors.numpy import save_file
-    from ess_jax.checkpoint import hf_name
-
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for path, variable in nnx.to_flat_state(model.params):
-        name, value = hf_name(path), np.asarray(variable[...], np.float32)
-        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2F, D]: gate rows first
-            half = value.shape[1] // 2
-            for e in range(value.shape[0]):
-                tensors[f"{name[:-len('gate_up_proj')]}{e}.gate_proj.weight"] = np.ascontiguousarray(value[e, :half])
-                tensors[f"{name[:-len('gate_up_proj')]}{e}.up_proj.weight"] = np.ascontiguousarray(value[e, half:])
-        elif name.endswith("mlp.experts.down_proj"):  # [E, D, F]
-            for e in range(value.shape[0]):
-                tensors[f"{name[:-len('down_proj')]}{e}.down_proj.weight"] = np.ascontiguousarray(value[e])
-        else:
-            tensors[name] = np.ascontiguousarray(value)
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    config = dict(raw_config, architectures=["DeepseekV32ForCausalLM"], dtype="float32")
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
-    return directory
-
-
 def hf_generate_timing(checkpoint: str, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict:
     """Time transformers' greedy ``generate`` (no eos) on ``prompts`` from ``checkpoint``. Self-contained:
     it imports only torch / transformers, so it also runs as a script in another interpreter."""
@@ -614,12 +597,16 @@ def run_peer(model, model_name: str, prompts: list[list[int]], args, log) -> dic
     if not in_process and args.peer_python is None:
         return {"available": False, "reason": "torch and transformers are not importable in this Python; pass "
                                               "--peer-python /path/to/python that has them"}
-    if Path(model_name).is_dir():
-        checkpoint = Path(model_name)
-    else:
+    from ess_jax.config import CHECKPOINTS, shipped_checkpoint
+
+    if model_name in CHECKPOINTS or Path(model_name).is_dir():
+        checkpoint = shipped_checkpoint(model_name) if model_name in CHECKPOINTS else Path(model_name)
+    else:  # a preset's random weights, saved for transformers
         from importlib import resources
+        from ess_jax import checkpoint as checkpoints
+
         raw = json.loads(resources.files("ess_jax.configs").joinpath(f"{model_name}.json").read_text())
-        checkpoint = save_hf_checkpoint(model, Path(args.out) / f"hf-{model_name}", raw)
+        checkpoint = checkpoints.save(model.params, raw, Path(args.out) / f"hf-{model_name}")
     log(f"peer: transformers generate on {checkpoint} ({'in process' if in_process else args.peer_python})")
     call = dict(checkpoint=str(checkpoint), prompts=prompts, new_tokens=args.new_tokens, repeats=args.repeats)
     if in_process:

@@ -416,28 +416,21 @@ def _check_shape(ckpt: Checkpoint, name: str, shape: tuple[int, ...], expected: 
 
 
 def save(params: nnx.State, raw_config: dict, directory: Path) -> Path:
-    """Write a model's parameter state as a transformers checkpoint in ``directory``: ``model.safetensors``
-    (float32, one module per expert as ``save_pretrained`` writes them; buffers such as ``tid2eid`` as
-    stored) and ``config.json`` (``raw_config`` with its family's ``architectures``)."""
+    """Write a model's parameter state as a transformers 5 checkpoint in ``directory``:
+    ``model.safetensors`` (transformers' names, experts packed as ``gate_up_proj`` / ``down_proj``,
+    which both families' transformers classes load as they are; floats as float32, buffers such as
+    ``tid2eid`` in their own dtype) and ``config.json`` (``raw_config`` with its family's
+    ``architectures``)."""
     from safetensors.numpy import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for path, variable in nnx.to_flat_state(params):
         value = np.asarray(variable[...])
-        name, value = hf_name(path), value if value.dtype.kind in "iub" else value.astype(np.float32)
-        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2F, D]: gate rows first
-            prefix, half = name[:-len("gate_up_proj")], value.shape[1] // 2
-            for e in range(value.shape[0]):
-                tensors[f"{prefix}{e}.gate_proj.weight"] = np.ascontiguousarray(value[e, :half])
-                tensors[f"{prefix}{e}.up_proj.weight"] = np.ascontiguousarray(value[e, half:])
-        elif name.endswith("mlp.experts.down_proj"):  # [E, D, F]
-            for e in range(value.shape[0]):
-                tensors[f"{name[:-len('down_proj')]}{e}.down_proj.weight"] = np.ascontiguousarray(value[e])
-        else:
-            tensors[name] = np.ascontiguousarray(value)
+        tensors[hf_name(path)] = np.ascontiguousarray(value if value.dtype.kind in "iub" else value.astype(np.float32))
     tmp = directory / "model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.chmod(0o644)
     tmp.replace(directory / "model.safetensors")
     family = families.get(raw_config["model_type"])
     config = dict(raw_config, architectures=[family.architecture], dtype="float32")

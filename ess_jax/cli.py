@@ -20,9 +20,10 @@ class Parser(argparse.ArgumentParser):
 
 
 def add_model_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny-v32",
-                   help="preset name (tiny-v32, random weights from --weights-seed) or a HuggingFace checkpoint "
-                        "directory (config.json + *.safetensors [+ tokenizer.json]). Default: tiny-v32")
+    p.add_argument("--model", default="tiny-v32-code",
+                   help="a shipped checkpoint (tiny-v32-code, tiny-v4-code: trained on Python code), a preset "
+                        "(tiny-v32, tiny-v4: random weights from --weights-seed) or a HuggingFace checkpoint "
+                        "directory (config.json + *.safetensors [+ tokenizer.json]). Default: tiny-v32-code")
 
 
 class _EssOnly(argparse.Action):

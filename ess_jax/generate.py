@@ -1,7 +1,7 @@
 """``python -m ess_jax.generate``: prompts in, text out, with continuous batching.
 
 Examples:
-    python -m ess_jax.generate --prompt "Hello"                      # the embedded tiny-v32 preset
+    python -m ess_jax.generate --prompt "Hello"                      # the shipped tiny-v32-code checkpoint
     python -m ess_jax.generate --model path/to/hf_checkpoint --prompt-ids 1,2,3 --json
     python -m ess_jax.generate --prompt a --prompt b --temperature 0.8 --top-p 0.9 --seed 7
 

@@ -1,10 +1,10 @@
 """``python -m ess_jax.serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) on the online engine.
 
 Examples:
-    python -m ess_jax.serve                                   # tiny-v32, ESS at ratio 0.2, 127.0.0.1:8000
+    python -m ess_jax.serve                                   # tiny-v32-code, ESS at ratio 0.2, 127.0.0.1:8000
     python -m ess_jax.serve --model path/to/ckpt --port 8080 --api-key secret --offload none
     curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
-        -d '{"model": "tiny-v32", "prompt": "Hello", "max_tokens": 16, "temperature": 0}'
+        -d '{"model": "tiny-v32-code", "prompt": "Hello", "max_tokens": 16, "temperature": 0}'
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": true), GET /v1/models,
 GET /health, GET /metrics (Prometheus). SIGINT / SIGTERM: stop accepting, let running requests finish

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from ess_jax import bench
+from ess_jax import checkpoint as checkpoints
 from ess_jax.api import Model, load_model
 from ess_jax.config import ModelConfig
 from ess_jax.engine import Engine, EngineConfig
@@ -29,7 +30,7 @@ def checkpoint(tmp_path_factory):
     bench compiles little; loading it back also checks the writer."""
     cfg = small_v32()
     model = Model("small", DeepseekV32(cfg, rngs=nnx.Rngs(0)), load_tokenizer(None, cfg))
-    directory = bench.save_hf_checkpoint(model, tmp_path_factory.mktemp("small-v32"), small_v32_json())
+    directory = checkpoints.save(model.params, small_v32_json(), tmp_path_factory.mktemp("small-v32"))
     loaded = load_model(directory)
     for (_, a), (_, b) in zip(nnx.to_flat_state(model.params), nnx.to_flat_state(loaded.params)):
         np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]))
@@ -154,8 +155,8 @@ def test_prompt_source_random_and_text_windows(tmp_path):
 def test_text_too_short_exits_2_naming_the_sizes(tmp_path, capsys):
     text = tmp_path / "short.txt"
     text.write_text("x" * 300)  # 301 tokens with the bos
-    code = bench.main(["--text", str(text), "--context", "256", "--new-tokens", "8", "--locality-contexts", "128",
-                       "--out", str(tmp_path / "out")])
+    code = bench.main(["--model", "tiny-v32", "--text", str(text), "--context", "256", "--new-tokens", "8",
+                       "--locality-contexts", "128", "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
     assert err.startswith(f"error: --text {text} holds 301 tokens") and "384 needed" in err

@@ -20,7 +20,7 @@ ESS_ARGS, NONE_ARGS = SAME_ARGS + ["--pool-size", "17", "--fetch", "split"], SAM
 BAD_INPUT = [
     (["--prompt", ""], "empty"),
     (["--prompt-ids", "1,2,x"], "not a comma-separated list"),
-    (["--model", "no-such-model", "--prompt", "a"], "neither a preset"),
+    (["--model", "no-such-model", "--prompt", "a"], "neither a shipped checkpoint"),
     (["--prompt-ids", "1,2,99999"], "outside the vocabulary"),
     (["--prompt-ids", ",".join(["1"] * 17000)], "max_position_embeddings"),
     ([], "no prompt"),

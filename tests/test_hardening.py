@@ -231,6 +231,10 @@ def test_v4_integer_buffer_as_float_and_duplicate_names_are_refused(tmp_path):
         ess_jax.load_model(target)
 
 
+def _not_loaded(*args, **kwargs):
+    raise AssertionError("the model loaded before its input was checked")
+
+
 # ---- configs --------------------------------------------------------------------------------------------
 
 V32_RAW = json.loads((V32 / "config.json").read_text())
@@ -296,10 +300,6 @@ def test_tokenizer_json_that_is_a_directory_is_an_error(v32_copy):
 
 # ---- flags: refused before the model loads ---------------------------------------------------------------
 
-def _not_loaded(*args, **kwargs):
-    raise AssertionError("the model loaded before the flags were checked")
-
-
 FLAG_CASES = {
     "--host-cache-mb nan": (["--host-cache-mb", "nan"], ["--host-cache-mb nan"]),
     "--temperature inf": (["--temperature", "inf"], ["--temperature inf"]),
@@ -339,7 +339,10 @@ def test_bad_flags_are_refused_before_the_model_loads(monkeypatch, case):
 
 def test_good_flags_pass_the_checks(monkeypatch):
     """The checks refuse nothing a normal run asks for (the model load is where this run stops)."""
-    monkeypatch.setattr(generate_cli, "load_model", lambda *a, **k: (_ for _ in ()).throw(ValueError("stop here")))
+    def stop_here(*args, **kwargs):
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(generate_cli, "load_model", stop_here)
     for flags in ([], ["--offload", "none"], ["--pool-size", "17", "--fetch", "split"], ["--host-cache-mb", "64"],
                   ["--temperature", "0.7", "--top-k", "5", "--top-p", "0.9", "--seed", "3"]):
         assert_refused(*run_cli(*generate_args(V32, *flags)), "stop here")

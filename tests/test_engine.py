@@ -71,11 +71,12 @@ def test_config_eos_stops_unless_ignored(model, tmp_path):
     free_run = ess_jax.generate(model, [prompt], 16, engine=ENGINE).output_ids[0]
     eos = next(t for t in free_run[3:] if t != model.cfg.eos_token_id[0])
     first = free_run.index(eos)
+    never = next(t for t in range(model.cfg.vocab_size) if t not in free_run)  # an eos id this run never emits
     for f in FIXTURE.iterdir():
         (tmp_path / f.name).symlink_to(f)
     (tmp_path / "config.json").unlink()
     raw = json.loads((FIXTURE / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps(dict(raw, eos_token_id=[999, eos])))
+    (tmp_path / "config.json").write_text(json.dumps(dict(raw, eos_token_id=[never, eos])))
     stopping = ess_jax.load_model(tmp_path)
     stopped = ess_jax.generate(stopping, [prompt], 16, engine=ENGINE)
     assert stopped.output_ids[0] == free_run[: first + 1] and stopped.finish_reasons == ["stop"]

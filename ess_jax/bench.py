@@ -557,8 +557,12 @@ def locality_pass(model, prompts: dict[int, list[int]], args, log) -> dict:
 # ---- the transformers peer ---------------------------------------------------------------------
 
 def hf_generate_timing(checkpoint: str, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict:
-    """Time transformers' greedy ``generate`` (no eos) on ``prompts`` from ``checkpoint``. Self-contained:
-    it imports only torch / transformers, so it also runs as a script in another interpreter."""
+    """Time transformers' greedy ``generate`` (no eos) on ``prompts`` from ``checkpoint``, per token: a
+    streamer stamps the prompt's hand-over and every new token, so prefill is the time to the first new
+    token and decode the time from it to the last, per repetition (medians over ``repeats``). A rate
+    whose interval is not positive, or whose repetitions spread wider than their median, is reported
+    as unmeasured (None) with the reason. Self-contained: it imports only torch / transformers, so it
+    also runs as a script in another interpreter."""
     import statistics
     import time
 
@@ -569,24 +573,42 @@ def hf_generate_timing(checkpoint: str, prompts: list[list[int]], new_tokens: in
     model.generation_config.eos_token_id = None
     ids = torch.tensor(prompts)
 
-    def timed(n: int):
-        start = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                                 min_new_tokens=n, eos_token_id=None, pad_token_id=0)
-        return time.perf_counter() - start, out[:, ids.shape[1]:].tolist()
+    class Stamps:  # transformers' streamer protocol: put() per hand-over, end() once
+        def __init__(self):
+            self.times = []
 
-    prefill, full, outputs = [], [], None
+        def put(self, value):
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    prefill, decode, outputs = [], [], None
     for _ in range(repeats):
-        prefill.append(timed(1)[0])
-        seconds, outputs = timed(new_tokens)
-        full.append(seconds)
-    prefill_s, full_s = statistics.median(prefill), statistics.median(full)
-    decode_s = max(full_s - prefill_s, 1e-9)
+        stamps, start = Stamps(), time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0, streamer=stamps)
+        outputs = out[:, ids.shape[1]:].tolist()
+        first, last = stamps.times[1], stamps.times[-1]  # times[0]: the prompt handed over
+        prefill.append(first - start)
+        decode.append(last - first)
+
+    def rate(tokens: int, seconds: list[float]) -> tuple[float | None, str | None]:
+        median = statistics.median(seconds)
+        if tokens < 1 or min(seconds) <= 0:
+            return None, f"an interval of {min(seconds):.3g} s for {tokens} tokens"
+        if max(seconds) - min(seconds) > median:
+            return None, f"repetitions spread {min(seconds):.3g}-{max(seconds):.3g} s around a median of {median:.3g} s"
+        return tokens / median, None
+
+    decode_rate, decode_why = rate(ids.shape[0] * (new_tokens - 1), decode)
+    prefill_rate, prefill_why = rate(ids.numel(), prefill)
     return {"torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
-            "prefill_s": prefill_s, "generate_s": full_s,
-            "prefill_tokens_per_s": ids.numel() / prefill_s,
-            "decode_tokens_per_s": ids.shape[0] * (new_tokens - 1) / decode_s, "output_ids": outputs}
+            "prefill_s": prefill, "decode_s": decode, "prefill_tokens_per_s": prefill_rate,
+            "decode_tokens_per_s": decode_rate, "unmeasured": {k: v for k, v in
+                                                                (("decode", decode_why), ("prefill", prefill_why)) if v},
+            "output_ids": outputs}
 
 
 def run_peer(model, model_name: str, prompts: list[list[int]], args, log) -> dict:
@@ -664,11 +686,15 @@ def render(result: dict) -> str:
     peer = result.get("peer")
     if peer is not None:
         if peer["available"]:
+            def figure(kind: str, digits: int) -> str:
+                if peer[f"{kind}_tokens_per_s"] is None:
+                    return f"{kind} unmeasured ({peer['unmeasured'][kind]})"
+                return (f"{kind} {peer[f'{kind}_tokens_per_s']:.{digits}f} tok/s (ess_jax resident "
+                        f"{peer[f'{kind}_ratio']:.2f}x)")
+
             out.append(f"peer: transformers {peer['transformers']} (torch {peer['torch']}, {peer['threads']} threads) "
-                       f"decode {peer['decode_tokens_per_s']:.1f} tok/s, prefill {peer['prefill_tokens_per_s']:.0f} "
-                       f"tok/s; ess_jax resident / transformers: decode {peer['decode_ratio']:.2f}x, prefill "
-                       f"{peer['prefill_ratio']:.2f}x; greedy tokens agree (leading, per request) on "
-                       f"{peer['tokens_agree']} of {peer['tokens_compared']}")
+                       f"{figure('decode', 1)}, {figure('prefill', 0)}; greedy tokens agree (leading, per request) "
+                       f"on {peer['tokens_agree']} of {peer['tokens_compared']}")
         else:
             out.append(f"peer: unavailable ({peer['reason']})")
     if result["locality"]:
@@ -844,9 +870,10 @@ def bench(args: argparse.Namespace, log) -> dict:
         peer = run_peer(model, args.model, prompts, args, log)
         if peer["available"]:
             resident = runs[0]
-            peer.update(decode_ratio=resident["decode_tokens_per_s"] / peer["decode_tokens_per_s"],
-                        prefill_ratio=resident["prefill_tokens_per_s"] / peer["prefill_tokens_per_s"],
-                        tokens_agree=sum(_agreeing_prefix(a, b) for a, b in zip(resident["output_ids"],
+            for kind in ("decode", "prefill"):
+                rate = peer[f"{kind}_tokens_per_s"]
+                peer[f"{kind}_ratio"] = None if rate is None else resident[f"{kind}_tokens_per_s"] / rate
+            peer.update(tokens_agree=sum(_agreeing_prefix(a, b) for a, b in zip(resident["output_ids"],
                                                                                  peer["output_ids"])),
                         tokens_compared=sum(len(o) for o in peer["output_ids"]))
         result["peer"] = peer

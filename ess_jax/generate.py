@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import types
 
 from ess_jax.api import generate, load_model
 from ess_jax.cli import Parser, add_engine_flags, add_model_flag, engine_config
@@ -107,6 +108,17 @@ def main(argv: list[str] | None = None) -> int:
                   f"{m['cache']['resident_device_bytes'] / 2**20:.1f} MiB", file=sys.stderr)
     return 0
 
+
+class _CallableModule(types.ModuleType):
+    """Importing this module makes it the package's ``generate`` attribute (the import system binds a
+    submodule to its parent), shadowing the API function ``ess_jax.generate``; calling the module calls
+    that function, so ``ess_jax.generate(model, prompts, ...)`` works whichever was loaded first."""
+
+    def __call__(self, *args, **kwargs):
+        return generate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main())

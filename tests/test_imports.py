@@ -93,3 +93,18 @@ def test_public_names_resolve_through_the_lazy_root():
 def test_public_name_access_imports_the_api():
     mods = loaded("import ess_jax\ness_jax.load_model")
     assert {"ess_jax.api", "ess_jax.engine", "flax"} <= mods
+
+
+def test_the_generate_cli_module_leaves_ess_jax_generate_callable():
+    """Importing ``ess_jax.generate`` (the CLI) binds it over the package's ``generate``; it still calls the API."""
+    import ess_jax
+    import ess_jax.api
+    import ess_jax.generate as cli
+
+    calls = []
+    real = ess_jax.api.generate
+    try:
+        cli.generate = lambda *args, **kwargs: calls.append((args, kwargs)) or "result"
+        assert ess_jax.generate("model", ["prompt"], 3) == "result" and calls == [(("model", ["prompt"], 3), {})]
+    finally:
+        cli.generate = real

@@ -10,7 +10,7 @@ demo: venv
 		--temperature 0.7 --top-p 0.9 --seed 0
 
 test: venv
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q
 
 # Regenerates tests/fixtures/ from transformers (needs torch + transformers, see tools/requirements-fixtures.txt).
 fixtures:

@@ -128,22 +128,32 @@ def _model_config(name: str):
     return None
 
 
-def _check_prompt_ids(prompts: list, cfg, config, max_new_tokens: int) -> None:
-    """``generate``'s ``--prompt-ids`` against the model's vocabulary and positions, before it loads (a list
-    that does not parse is ``generate``'s to report)."""
+def _check_prompts(prompts: list, model: str, cfg, config, max_new_tokens: int) -> None:
+    """``generate``'s prompts against the model's vocabulary and positions, before it loads: ``--prompt-ids``
+    as given, ``--prompt`` / ``--prompt-file`` through the checkpoint's tokenizer (read alone, no weights).
+    A list that does not parse or a file that cannot be read is ``generate``'s to report."""
+    from ess_jax.config import CHECKPOINTS, shipped_checkpoint
+    from ess_jax.tokenizer import load_tokenizer
+
     longest = min(config.max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    tokenizer = None
     for kind, value in prompts:
-        if kind != "ids":
-            continue
+        flag = {"ids": "--prompt-ids", "text": "--prompt", "file": "--prompt-file"}[kind]
         try:
-            ids = [int(x) for x in value.split(",") if x.strip()]
-        except ValueError:
+            if kind == "ids":
+                ids = [int(x) for x in value.split(",") if x.strip()]
+            else:
+                if tokenizer is None:
+                    directory = shipped_checkpoint(model) if model in CHECKPOINTS else Path(model)
+                    tokenizer = load_tokenizer(directory if directory.is_dir() else None, cfg)
+                ids = tokenizer.encode(value if kind == "text" else Path(value).read_text())
+        except (ValueError, OSError):
             continue
         bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
         if bad:
-            raise ValueError(f"--prompt-ids: token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+            raise ValueError(f"{flag}: token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
         if len(ids) + max_new_tokens > longest:
-            raise ValueError(f"--prompt-ids: {len(ids)} prompt tokens + --max-new-tokens {max_new_tokens} exceed the "
+            raise ValueError(f"{flag}: {len(ids)} prompt tokens + --max-new-tokens {max_new_tokens} exceed the "
                              f"{longest} tokens a request may have (max_position_embeddings, or --max-seq-len)")
 
 
@@ -160,7 +170,10 @@ def check_before_load(args: argparse.Namespace, config) -> None:
     if cfg is None:
         return
     prompts = getattr(args, "prompts", None)
-    _check_prompt_ids(prompts or [], cfg, config, getattr(args, "max_new_tokens", 1))
+    if config.max_seq_len is not None and config.max_seq_len > cfg.max_position_embeddings:
+        raise ValueError(f"--max-seq-len {config.max_seq_len} exceeds the model's max_position_embeddings "
+                         f"({cfg.max_position_embeddings}); lower it")
+    _check_prompts(prompts or [], str(model), cfg, config, getattr(args, "max_new_tokens", 1))
     rows = min(config.max_batch, len(prompts)) if prompts else 1
     tokens = config.max_seq_len or min(getattr(args, "max_new_tokens", 0) + 1, cfg.max_position_embeddings)
     least = dataclasses.replace(config, max_batch=rows, max_seq_len=tokens)

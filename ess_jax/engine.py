@@ -172,7 +172,10 @@ def cache_layout(cfg, config: EngineConfig, model_format: str, *, lower_bound: b
     cannot hold the longest request. ``lower_bound``: sizes the engine gets at least (a CLI's check before
     the model loads, when the requests are not known yet), so an ess cache with no entries is not an error."""
     family = families.get(cfg.family)
-    max_seq_len = min(config.max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    if config.max_seq_len is not None and config.max_seq_len > cfg.max_position_embeddings:
+        raise ValueError(f"max_seq_len={config.max_seq_len} exceeds the model's max_position_embeddings "
+                         f"({cfg.max_position_embeddings}); lower --max-seq-len")
+    max_seq_len = config.max_seq_len or cfg.max_position_embeddings
     pages_per_row = math.ceil(max_seq_len / config.page_size)
     pages = config.num_pages if config.num_pages is not None else config.max_batch * pages_per_row + 1
     size = families.CacheSize(config.max_batch, pages, config.page_size, max_seq_len)

@@ -327,6 +327,8 @@ FLAG_CASES = {
     "--prompt-ids outside the vocabulary": (["--prompt-ids", "5,320"], ["token id 320", "outside the vocabulary"]),
     "--prompt-ids too long": (["--max-new-tokens", "4000", "--prompt-ids", ",".join(["1"] * 100)],
                               ["max_position_embeddings"]),
+    "--prompt too long": (["--max-new-tokens", "4000", "--prompt", "x" * 100], ["--prompt: 101 prompt tokens"]),
+    "--max-seq-len beyond the positions": (["--max-seq-len", "100000"], ["--max-seq-len 100000", "max_position_embeddings"]),
 }
 
 

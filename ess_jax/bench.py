@@ -624,10 +624,10 @@ def run_peer(model, model_name: str, prompts: list[list[int]], args, log) -> dic
     if model_name in CHECKPOINTS or Path(model_name).is_dir():
         checkpoint = shipped_checkpoint(model_name) if model_name in CHECKPOINTS else Path(model_name)
     else:  # a preset's random weights, saved for transformers
-        from importlib import resources
         from ess_jax import checkpoint as checkpoints
+        from ess_jax.config import preset_dict
 
-        raw = json.loads(resources.files("ess_jax.configs").joinpath(f"{model_name}.json").read_text())
+        raw = preset_dict(model_name)
         checkpoint = checkpoints.save(model.params, raw, Path(args.out) / f"hf-{model_name}")
     log(f"peer: transformers generate on {checkpoint} ({'in process' if in_process else args.peer_python})")
     call = dict(checkpoint=str(checkpoint), prompts=prompts, new_tokens=args.new_tokens, repeats=args.repeats)

@@ -376,10 +376,14 @@ class ModelConfig:
 
     @classmethod
     def from_preset(cls, name: str) -> ModelConfig:
-        if name not in PRESETS:
-            raise ConfigError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)} (or pass a checkpoint directory)")
-        text = resources.files("ess_jax.configs").joinpath(f"{name}.json").read_text()
-        return cls.from_hf_dict(json.loads(text))
+        return cls.from_hf_dict(preset_dict(name))
+
+
+def preset_dict(name: str) -> dict[str, Any]:
+    """A preset's config.json as a dict (``configs/NAME.json``)."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)} (or pass a checkpoint directory)")
+    return json.loads(resources.files("ess_jax.configs").joinpath(f"{name}.json").read_text())
 
 
 # ---- deepseek_v32 ------------------------------------------------------------------------------

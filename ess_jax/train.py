@@ -198,7 +198,7 @@ def make_optimizer(args):
 def raw_config(model: str, tokenizer_path: Path) -> tuple[dict, bool]:
     """The config.json dict to train and whether the model starts from scratch (a preset: the
     tokenizer's vocabulary size and bos / eos / pad ids replace the preset's)."""
-    from ess_jax.config import PRESETS, ConfigError
+    from ess_jax.config import PRESETS, ConfigError, preset_dict
     import tokenizers
 
     tok = tokenizers.Tokenizer.from_file(str(tokenizer_path))
@@ -212,9 +212,7 @@ def raw_config(model: str, tokenizer_path: Path) -> tuple[dict, bool]:
         return raw, False
     if model not in PRESETS:
         raise ConfigError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
-    from importlib import resources
-
-    raw = json.loads(resources.files("ess_jax.configs").joinpath(f"{model}.json").read_text())
+    raw = preset_dict(model)
     special = {name: tok.token_to_id(f"<{name}>") for name in ("bos", "eos", "pad")}
     if None in special.values():
         raise ConfigError(f"{tokenizer_path} lacks a <bos>, <eos> or <pad> token; build it with tools/build_corpus.py")

@@ -73,21 +73,32 @@ class Model:
         return tokens.astype(np.int32)
 
 
-def load_model(name_or_dir: str | Path, dtype: str = "float32", *, seed: int = 0) -> Model:
+def load_model(name_or_dir: str | Path, dtype: str = "float32", *, seed: int = 0,
+               weights: str = "dequantized") -> Model:
     """A shipped checkpoint (``config.CHECKPOINTS``: trained tiny models), a preset name (random weights
-    from ``seed``) or a HuggingFace checkpoint directory."""
+    from ``seed``) or a HuggingFace checkpoint directory.
+
+    A checkpoint's quantized weights (FP8 with block scales, V4's packed FP4 experts) are dequantized to
+    ``dtype`` at load (``weights="dequantized"``), or kept on the device in their stored bytes and
+    dequantized inside each step where a layer reads them (``weights="release"``: the device holds the
+    release's bytes, not the dequantized model's)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    if weights not in checkpoint.WEIGHTS:
+        raise ValueError(f"weights={weights!r} is not supported; use one of {', '.join(checkpoint.WEIGHTS)}")
     jdtype = DTYPES[dtype]
     shipped = str(name_or_dir) in CHECKPOINTS
     path = shipped_checkpoint(str(name_or_dir)) if shipped else Path(name_or_dir)
     if path.is_dir():
         cfg = ModelConfig.from_json(path / "config.json")
         cls = families.get(cfg.family).module_cls
-        module = checkpoint.load_into(lambda: cls(cfg, dtype=jdtype, rngs=nnx.Rngs(seed)), cfg, path, jdtype)
+        module = checkpoint.load_into(lambda: cls(cfg, dtype=jdtype, rngs=nnx.Rngs(seed)), cfg, path, jdtype, weights)
         return Model(str(name_or_dir) if shipped else str(path), module, load_tokenizer(path, cfg),
                      load_chat_template(path))
     if str(name_or_dir) in PRESETS:
+        if weights == "release":
+            raise ValueError(f"weights='release' keeps a checkpoint's quantized tensors as stored; preset "
+                             f"{str(name_or_dir)!r} has random weights and no checkpoint: load it dequantized")
         cfg = ModelConfig.from_preset(str(name_or_dir))
         module = families.get(cfg.family).module_cls(cfg, dtype=jdtype, rngs=nnx.Rngs(seed))
         return Model(str(name_or_dir), module, load_tokenizer(None, cfg))

@@ -6,7 +6,10 @@ A checkpoint directory holds ``config.json`` and one or more ``*.safetensors`` f
   ``mlp.experts.down_proj [E, D, F]``;
 - the original DeepSeek release names with one module per expert
   (``mlp.experts.E.{gate,up,down}_proj.weight``), stacked at load.
-FP8 (e4m3) weights with a ``weight_scale_inv`` of 128x128 block scales are dequantized at load.
+Quantized weights, each with its scales beside it as ``weight_scale_inv``: FP8 (e4m3) with 128x128 block
+scales, and FP4 (e2m1, two a byte in int8 / uint8) with a ue8m0 scale per 32 values of a row (V4's
+routed experts). ``load_into`` dequantizes them at load (``weights="dequantized"``) or keeps them in their
+bytes on the device (``weights="release"``, ``ess_jax.models.quant``), dequantized inside the step.
 Layers at index >= num_hidden_layers (the MTP layer) are skipped.
 
 DeepSeek-V4's original release names (no ``model.`` prefix, ``layers.N.{attn,ffn}.*``, FP8 scales as
@@ -19,6 +22,7 @@ no float8 dtype); the model is built abstractly first, so host memory never hold
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -27,11 +31,13 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import ml_dtypes
 import numpy as np
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from ess_jax import config, families
 from ess_jax.config import ModelConfig
+from ess_jax.models import quant
 
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -41,11 +47,13 @@ _DTYPES = {
 }
 _FLOAT_CODES = ("F64", "F32", "F16", "BF16")  # what a floating-point parameter may be stored as
 _FP8_CODES = ("F8_E4M3", "F8_E5M2")  # ... or these, with weight_scale_inv block scales
+_FP4_CODES = ("I8", "U8")  # ... or packed FP4 in these, with weight_scale_inv scales per 32 values
 _SCALE_CODES = _FLOAT_CODES + ("F8_E8M0",)  # what block scales may be stored as
 _INT_CODES = ("I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8")  # what an integer buffer may be stored as
 _MAX_HEADER = 100 * 2**20  # safetensors' own limit on the JSON header
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _REEXPORT = "the file is truncated or corrupt: re-download or re-export it"
+WEIGHTS = ("dequantized", "release")  # load_into's weights=: dequantized at load, or kept quantized on the device
 
 
 class CheckpointError(ValueError):
@@ -201,9 +209,21 @@ class Checkpoint:
         """"FILE: tensor STORED" for error messages."""
         return f"{self.where[name].path}: tensor {self.stored[name]}"
 
+    def quantized(self, name: str) -> bool:
+        """Whether ``name`` is stored quantized: FP8, or int8 / uint8 (packed FP4) with scales beside it."""
+        code = self.where[name].dtype(self.stored[name])
+        return code in _FP8_CODES or (code in _FP4_CODES and _scale_name(name) in self.where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of the parameter ``name`` holds: the stored shape, two values a byte for packed FP4."""
+        shape = self.where[name].shape(self.stored[name])
+        fp4 = self.quantized(name) and self.where[name].dtype(self.stored[name]) in _FP4_CODES
+        return (*shape[:-1], 2 * shape[-1]) if fp4 and shape else shape
+
     def check_dtype(self, name: str, kind: str) -> str:
         """The stored dtype code of ``name`` if a parameter of ``kind`` ("float" or "int") can be loaded from
-        it (FP8 only with float block scales beside it); CheckpointError naming the file and the tensor."""
+        it (FP8 or packed FP4 only with float scales beside it); CheckpointError naming the file and the
+        tensor."""
         f, stored = self.where[name], self.stored[name]
         code = f.dtype(stored)
         if kind == "int":
@@ -212,8 +232,8 @@ class Checkpoint:
                                       f"({', '.join(_INT_CODES)}): the checkpoint does not match this model; "
                                       "re-export it")
             return code
-        if code in _FP8_CODES:
-            scale_name = name.removesuffix("weight") + "weight_scale_inv"
+        if self.quantized(name):
+            scale_name = _scale_name(name)
             if scale_name not in self.where:
                 raise CheckpointError(f"FP8 tensor {stored} ({f.path}) has no "
                                       f"{self.stored.get(scale_name, scale_name)} block scales: add them or "
@@ -224,27 +244,32 @@ class Checkpoint:
                                       f"are floats ({', '.join(_SCALE_CODES)}): re-export the checkpoint")
         elif code not in _FLOAT_CODES:
             raise CheckpointError(f"{self.describe(name)} is stored as {code}, but {name} is a floating-point "
-                                  f"weight ({', '.join(_FLOAT_CODES)}, or {' / '.join(_FP8_CODES)} with "
-                                  "weight_scale_inv block scales): the checkpoint does not match this model or is "
-                                  "corrupt; re-export it")
+                                  f"weight ({', '.join(_FLOAT_CODES)}, {' / '.join(_FP8_CODES)} with "
+                                  f"weight_scale_inv block scales, or packed FP4 in {' / '.join(_FP4_CODES)} with "
+                                  "weight_scale_inv scales): the checkpoint does not match this model or is corrupt; "
+                                  "re-export it")
         return code
 
-    def read(self, name: str, kind: str = "float") -> np.ndarray:
-        """A tensor as float32 (``kind`` "float": stored as a float dtype, or FP8 with its block scales
-        applied) or in its integer dtype (``kind`` "int"); CheckpointError naming the file and the tensor
-        for another dtype, or non-finite values."""
+    def read(self, name: str, kind: str = "float") -> np.ndarray | quant.Quantized:
+        """A tensor in its integer dtype (``kind`` "int"), as float32 (``kind`` "float", stored as a float
+        dtype) or, stored quantized, as a ``quant.Fp8Blocks`` / ``quant.Fp4Values`` of the stored arrays
+        (``[...]`` dequantizes it to float32); CheckpointError naming the file and the tensor for another
+        dtype, scales that do not fit the values, or non-finite values."""
         f, stored = self.where[name], self.stored[name]
         code = self.check_dtype(name, kind)
         if kind == "int":
             return np.asarray(f.get(stored))
-        if code in _FP8_CODES:
-            scale_name = name.removesuffix("weight") + "weight_scale_inv"
-            scale = self.where[scale_name].get(self.stored[scale_name])
-            array = dequantize_fp8_blocks(f.get(stored), scale, f"{self.describe(name)}", self.block)
-        else:
+        if not self.quantized(name):
             array = np.asarray(f.get(stored), dtype=np.float32)
-        _check_finite(array, self.describe(name))
-        return array
+            _check_finite(array, self.describe(name))
+            return array
+        scale_name = _scale_name(name)
+        values, scales = f.get(stored), self.where[scale_name].get(self.stored[scale_name])
+        _check_finite(np.asarray(scales, np.float32), self.describe(scale_name))
+        if code in _FP4_CODES:
+            return fp4_values(values, scales, self.describe(name))  # e2m1 has no NaN or Inf
+        _check_finite(np.asarray(values, np.float32), self.describe(name))
+        return fp8_blocks(values, scales, self.describe(name), self.block)
 
 
 def _read_index(index: Path, directory: Path) -> dict[str, str]:
@@ -279,9 +304,13 @@ def _check_finite(array: np.ndarray, where: str) -> None:
                               "from a diverged run; re-export it from good weights")
 
 
-def dequantize_fp8_blocks(w8: np.ndarray, scale: np.ndarray, name: str,
-                          block: tuple[int, int] = (128, 128)) -> np.ndarray:
-    """``W[i, j] = W8[i, j] * S[i // bo, j // bi]`` for FP8 ``[out, in]`` weights and ``(bo, bi)`` block scales."""
+def _scale_name(name: str) -> str:
+    return name.removesuffix("weight") + "weight_scale_inv"
+
+
+def fp8_blocks(w8: np.ndarray, scale: np.ndarray, name: str, block: tuple[int, int] = (128, 128)) -> quant.Fp8Blocks:
+    """FP8 ``[out, in]`` weights with ``(bo, bi)`` block scales ``[ceil(out / bo), ceil(in / bi)]``, checked
+    (``name`` says where they are), as a float32 ``quant.Fp8Blocks``."""
     if w8.ndim != 2 or scale.ndim != 2:
         raise CheckpointError(f"{name}: FP8 weights with block scales must be 2-d [out, in] with 2-d scales; got "
                               f"weight shape {list(w8.shape)} and weight_scale_inv shape {list(scale.shape)}")
@@ -289,8 +318,18 @@ def dequantize_fp8_blocks(w8: np.ndarray, scale: np.ndarray, name: str,
     if scale.shape != (-(-out // block_o), -(-inp // block_i)):
         raise CheckpointError(f"{name}: weight_scale_inv shape {list(scale.shape)} does not tile weight shape "
                               f"{list(w8.shape)} in {block_o}x{block_i} blocks")
-    expanded = np.repeat(np.repeat(np.asarray(scale, np.float32), block_o, axis=0), block_i, axis=1)[:out, :inp]
-    return np.asarray(w8, dtype=np.float32) * expanded
+    return quant.Fp8Blocks(w8, scale, block, parts=1, dtype=np.dtype(np.float32))
+
+
+def fp4_values(packed: np.ndarray, scale: np.ndarray, name: str) -> quant.Fp4Values:
+    """Packed FP4 ``[out, in / 2]`` with scales ``[out, in / 32]``, checked (``name`` says where they are),
+    as a float32 ``quant.Fp4Values``."""
+    if packed.ndim != 2 or (2 * packed.shape[1]) % quant.FP4_GROUP or \
+            scale.shape != (packed.shape[0], 2 * packed.shape[1] // quant.FP4_GROUP):
+        raise CheckpointError(f"{name}: packed FP4 weights [out, in / 2] need weight_scale_inv [out, in / "
+                              f"{quant.FP4_GROUP}] (one per {quant.FP4_GROUP} values of a row); got weight shape "
+                              f"{list(packed.shape)} and weight_scale_inv shape {list(scale.shape)}")
+    return quant.Fp4Values(packed, scale, dtype=np.dtype(np.float32))
 
 
 def hf_name(path: tuple) -> str:
@@ -321,9 +360,31 @@ def _read_param(ckpt: Checkpoint, cfg: ModelConfig, name: str, shape: tuple[int,
                 if tuple(a.shape) != want:
                     raise CheckpointError(f"{ckpt.describe(n)} has shape {list(a.shape)}, config expects "
                                           f"{list(want)}: the checkpoint does not match its config.json")
-            experts.append(np.concatenate(arrays, axis=0))
-        return np.stack(experts)
+            experts.append(_join(arrays, np.concatenate, [ckpt.describe(n) for n in names]))
+        return _join(experts, np.stack, [f"{prefix}.{e}" for e in range(shape[0])])
     raise CheckpointError(f"checkpoint {ckpt.directory} is missing tensor {name} (expected shape {list(shape)})")
+
+
+def _join(arrays: list, combine, where: list[str]):
+    """``combine`` (np.concatenate: rows one below the other; np.stack: a new leading axis) of tensors in
+    one storage format, quantized ones with their scales (concatenated FP8 matrices become ``parts``)."""
+    formats = {_format(a) for a in arrays}
+    if len(formats) > 1:
+        raise CheckpointError(f"{where[0]} ... {where[-1]} are stored in different formats ({', '.join(sorted(formats))}) "
+                              "but load as one tensor: store them alike")
+    if isinstance(arrays[0], np.ndarray):
+        return combine(arrays)
+    joined = jax.tree.map(lambda *xs: combine(xs), *arrays)
+    if isinstance(joined, quant.Fp8Blocks) and combine is np.concatenate:
+        joined = dataclasses.replace(joined, parts=sum(a.parts for a in arrays))
+    return joined
+
+
+def _format(array: np.ndarray | quant.Quantized) -> str:
+    if isinstance(array, np.ndarray):
+        return "unquantized"
+    kind = "FP8" if isinstance(array, quant.Fp8Blocks) else "packed FP4"
+    return f"{kind} with {array.scales.dtype} scales"
 
 
 # DeepSeek-V4 release names -> transformers names (transformers' conversion_mapping for deepseek_v4,
@@ -370,11 +431,16 @@ def release_to_hf_name(key: str) -> str:
     return name if name.startswith("lm_head.") else "model." + name
 
 
-def load_into(model_fn, cfg: ModelConfig, directory: Path, dtype) -> nnx.Module:
+def load_into(model_fn, cfg: ModelConfig, directory: Path, dtype, weights: str = "dequantized") -> nnx.Module:
     """Build ``model_fn()`` abstractly, then fill every parameter from the checkpoint in ``directory``.
 
+    Quantized tensors (FP8 with block scales, packed FP4 with per-32 scales) are dequantized to the
+    parameter's dtype with ``weights="dequantized"``; with ``weights="release"`` the parameter holds them
+    as stored (``quant.Fp8Blocks`` / ``quant.Fp4Values``), dequantized where the model reads it.
     Everything the headers tell is checked before any tensor is read (files, index, unused tensors, each
     stored parameter's shape and dtype); each tensor's values are checked finite as it loads."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights={weights!r} is not one of {', '.join(WEIGHTS)}")
     ckpt = Checkpoint(directory, families.get(cfg.family).hf_rename)
     abstract = nnx.eval_shape(model_fn)
     graphdef, state = nnx.split(abstract)
@@ -390,7 +456,7 @@ def load_into(model_fn, cfg: ModelConfig, directory: Path, dtype) -> nnx.Module:
         kinds[name] = "int" if jnp.issubdtype(variable.dtype, jnp.integer) else "float"
         if name in ckpt:
             ckpt.check_dtype(name, kinds[name])
-            _check_shape(ckpt, name, ckpt.where[name].shape(ckpt.stored[name]), tuple(variable.shape))
+            _check_shape(ckpt, name, ckpt.shape(name), tuple(variable.shape))
     loaded = []
     for path, variable in flat:
         name = hf_name(path)
@@ -400,9 +466,18 @@ def load_into(model_fn, cfg: ModelConfig, directory: Path, dtype) -> nnx.Module:
         if name.endswith(".tid2eid") and array.size and (array.min() < 0 or array.max() >= cfg.n_routed_experts):
             raise CheckpointError(f"{ckpt.describe(name)} has expert ids in [{array.min()}, {array.max()}], "
                                   f"outside [0, n_routed_experts={cfg.n_routed_experts})")
-        loaded.append((path, variable.replace(jnp.asarray(array, dtype=variable.dtype))))
+        loaded.append((path, variable.replace(_device_value(array, variable.dtype, weights))))
         del array
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
+
+
+def _device_value(array: np.ndarray | quant.Quantized, dtype, weights: str):
+    """A parameter's value on the device: an array in ``dtype``, or a quantized tensor dequantized to
+    ``dtype`` there (``weights="dequantized"``) or kept in its stored bytes, read as ``dtype``."""
+    if isinstance(array, np.ndarray):
+        return jnp.asarray(array, dtype=dtype)
+    kept = dataclasses.replace(jax.tree.map(jnp.asarray, array), dtype=dtype)
+    return kept if weights == "release" else kept[...]
 
 
 def _check_shape(ckpt: Checkpoint, name: str, shape: tuple[int, ...], expected: tuple[int, ...]) -> None:

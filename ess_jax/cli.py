@@ -70,6 +70,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "not yet run on a GPU), 'auto' = Pallas on a Hopper GPU and XLA elsewhere, 'pallas' (on CPU: "
                         "the Mosaic GPU interpreter, slow, for checking)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32", help="parameter and compute dtype")
+    p.add_argument("--weights", choices=["dequantized", "release"], default="dequantized",
+                   help="a checkpoint's quantized weights (FP8 e4m3 with 128x128 block scales; V4's FP4 experts): "
+                        "'dequantized' (default) to --dtype at load; 'release': kept in their stored bytes on the "
+                        "device and dequantized inside each step, layer by layer (the device holds the release's "
+                        "bytes). Same logits to float32 rounding")
     p.add_argument("--cache-dtype", choices=["bfloat16", "float32", "fp8"], default=None,
                    help="V3.2 latent rows / V4 CSA entries in the cache, host store and pool: default the --dtype; "
                         "'fp8' = FlashMLA-style rows (V3.2: e4m3 latent + one float32 scale per 128 values + bf16 "
@@ -163,9 +168,13 @@ def check_before_load(args: argparse.Namespace, config) -> None:
     (``generate`` cuts the batch to its prompts and ``eval`` to its windows, and both size requests to them:
     so the rows of the prompts, or one, and ``--max-seq-len``, or the new tokens + 1). ``Engine`` checks the
     sizes it gets again, exactly, before it allocates."""
+    from ess_jax.config import PRESETS
     from ess_jax.engine import cache_layout, check_memory
 
     model = getattr(args, "model", None)
+    if getattr(args, "weights", None) == "release" and str(model) in PRESETS:
+        raise ValueError(f"--weights release keeps a checkpoint's quantized tensors as stored; the preset {model} "
+                         "has random weights and no checkpoint: drop --weights release or pass a checkpoint")
     cfg = _model_config(str(model)) if model is not None else None
     if cfg is None:
         return

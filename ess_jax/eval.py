@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         paths = _paths(args)
         text = read_text(args.text)
         engine = engine_config(args)
-        model = load_model(args.model, args.dtype, seed=args.weights_seed)
+        model = load_model(args.model, args.dtype, seed=args.weights_seed, weights=args.weights)
         ids = model.tokenizer.encode(text)[: args.max_tokens]
         if len(ids) < 2:
             raise ValueError(f"--text {args.text} has {len(ids)} token(s); scoring needs at least 2")

@@ -108,3 +108,32 @@ class PagedRun:
         """The request's cached latent rows in position order."""
         latent = np.asarray(self.cache.latent.pages[layer])[self.page_table[request]]
         return latent.reshape(-1, latent.shape[-1])[: self.lengths[request]]
+
+
+def v4_release_name(name: str) -> str:
+    """A DeepSeek-V4 transformers parameter name as the original release names it (DOMAIN.md 2.8), written
+    independently of the loader's ``release_to_hf_name``; packed experts keep their transformers leaf
+    (``layers.N.ffn.experts.gate_up_proj``), for the caller to split into ``experts.E.w1 / w3 / w2``."""
+    top = {"model.embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
+           "model.norm.weight": "norm.weight", "model.hc_head.hc_fn": "hc_head_fn",
+           "model.hc_head.hc_base": "hc_head_base", "model.hc_head.hc_scale": "hc_head_scale"}
+    if name in top:
+        return top[name]
+    name = name.removeprefix("model.")
+    for old, new in [
+        (".input_layernorm.", ".attn_norm."), (".post_attention_layernorm.", ".ffn_norm."),
+        (".attn_hc.", ".hc_attn_"), (".ffn_hc.", ".hc_ffn_"),
+        (".self_attn.compressor.indexer.scorer.weights_proj.", ".attn.indexer.weights_proj."),
+        (".self_attn.compressor.indexer.q_b_proj.", ".attn.indexer.wq_b."),
+        (".self_attn.compressor.indexer.", ".attn.indexer.compressor."),
+        (".self_attn.compressor.", ".attn.compressor."), (".self_attn.", ".attn."), (".mlp.", ".ffn."),
+        ("compressor.kv_proj.", "compressor.wkv."), ("compressor.gate_proj.", "compressor.wgate."),
+        ("compressor.position_bias", "compressor.ape"), ("compressor.kv_norm.", "compressor.norm."),
+        (".q_a_proj.", ".wq_a."), (".q_a_norm.", ".q_norm."), (".q_b_proj.", ".wq_b."), (".kv_proj.", ".wkv."),
+        (".o_a_proj.", ".wo_a."), (".o_b_proj.", ".wo_b."), (".sinks", ".attn_sink"),
+        (".gate.e_score_correction_bias", ".gate.bias"),
+        (".shared_experts.gate_proj.", ".shared_experts.w1."), (".shared_experts.up_proj.", ".shared_experts.w3."),
+        (".shared_experts.down_proj.", ".shared_experts.w2."),
+    ]:
+        name = name.replace(old, new)
+    return name

@@ -10,6 +10,7 @@ from helpers import ENGINE
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CASES = ["hf-v32-a", "hf-v32-b", "hf-v32-fp8"]
+LOADS = [(name, "dequantized") for name in CASES] + [("hf-v32-fp8", "release")]  # release: FP8 kept on the device
 
 
 def _reference(name):
@@ -18,9 +19,10 @@ def _reference(name):
     return [(ref[f"prompt_{i}"], ref[f"logits_{i}"], ref[f"generate_{i}"]) for i in range(n)]
 
 
-@pytest.fixture(scope="module", params=CASES)
+@pytest.fixture(scope="module", params=LOADS, ids="-".join)
 def case(request):
-    return request.param, ess_jax.load_model(FIXTURES / request.param), _reference(request.param)
+    name, weights = request.param
+    return name, ess_jax.load_model(FIXTURES / name, weights=weights), _reference(name)
 
 
 def test_logits_match_transformers(case):

@@ -1,19 +1,64 @@
-"""What the command-line entry points share: an argument parser whose errors are one line."""
+"""What the command-line entry points share: an argument parser whose errors are one line, and the
+persistent compilation cache."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import math
+import os
+import tempfile
 from pathlib import Path
+
+
+def default_compile_cache() -> str:
+    """``$JAX_COMPILATION_CACHE_DIR`` when set, else ``$XDG_CACHE_HOME/ess_jax/jax`` (``~/.cache/ess_jax/jax``)."""
+    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(Path(xdg) / "ess_jax" / "jax")
+
+
+def use_compile_cache(directory: str) -> None:
+    """Point jax's persistent compilation cache at ``directory`` (created if missing), every executable
+    included however fast it compiled, so a second run of the same model and shapes compiles nothing;
+    ``"none"`` turns the cache off. OSError when the directory cannot be written."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    if directory != "none":
+        path = Path(directory).expanduser().absolute()
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)  # executables in it run as code: keep it private
+        tempfile.TemporaryFile(dir=path).close()
+        jax.config.update("jax_compilation_cache_dir", str(path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_enable_compilation_cache", directory != "none")
+    compilation_cache.reset_cache()  # a cache this process already opened follows the new setting
 
 
 class Parser(argparse.ArgumentParser):
     """``argparse`` with the module docstring kept as written and errors printed as one line starting
-    with ``error:`` (no usage dump), exit status 2, like every other bad-input error of the CLIs."""
+    with ``error:`` (no usage dump), exit status 2, like every other bad-input error of the CLIs. With
+    ``compile_cache`` (the entry points that compile) it has ``--compile-cache`` and applies it when the
+    arguments parse, before anything compiles."""
 
-    def __init__(self, prog: str, description: str | None):
+    def __init__(self, prog: str, description: str | None, compile_cache: bool = True):
         super().__init__(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+        self.compile_cache = compile_cache
+        if compile_cache:
+            self.add_argument("--compile-cache", metavar="DIR", default=default_compile_cache(),
+                              help="directory where compiled steps persist between runs, so a rerun with the same "
+                                   "model and shapes skips compiling; 'none' turns it off (default: "
+                                   "$JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/ess_jax/jax, i.e. "
+                                   "~/.cache/ess_jax/jax)")
+
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        if self.compile_cache:
+            try:
+                use_compile_cache(parsed.compile_cache)
+            except OSError as e:
+                self.error(f"--compile-cache {parsed.compile_cache}: cannot write there ({e.strerror or e}); "
+                           f"pass a writable directory, or --compile-cache none to compile without a cache")
+        return parsed
 
     def error(self, message):
         self.exit(2, f"error: {message} (see --help)\n")

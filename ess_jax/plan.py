@@ -143,7 +143,7 @@ def weights_per_gpu(weights: dict[str, float], cfg: ModelConfig, ep: int, tp: in
 # ---- CLI ---------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = Parser("python -m ess_jax.plan", __doc__)
+    p = Parser("python -m ess_jax.plan", __doc__, compile_cache=False)
     p.add_argument("--model", action="append",
                    help=f"preset ({', '.join(PRESETS)}) or a config.json / checkpoint directory (repeatable; "
                         f"default: {', '.join(REAL_PRESETS)})")

@@ -1,16 +1,22 @@
+import gc
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 # Tests run on the CPU unless a GPU test asks otherwise.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Every executable the session compiles goes to a persistent compilation cache of its own (removed when the
+# session ends), so one compiled again, after _drop_compiled_code or in a CLI subprocess (which inherits
+# these), is read back instead of compiled.
+COMPILE_CACHE = tempfile.mkdtemp(prefix="ess_jax-tests-jax-")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = COMPILE_CACHE
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+# Parity tests compare float32 logits at 1e-4 of their scale: no TF32 / bf16 passes in matmuls on GPUs (set in
+# the environment, so the CLI subprocesses compile this process's executables and read them from the cache).
+os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
 
 import jax  # noqa: E402
-
-# Parity tests compare float32 logits at 1e-4 of their scale: no TF32 / bf16 passes in matmuls on GPUs.
-jax.config.update("jax_default_matmul_precision", "highest")
-
-import gc  # noqa: E402
-from pathlib import Path  # noqa: E402
-
 import pytest  # noqa: E402
 
 
@@ -19,10 +25,14 @@ def _drop_compiled_code():
     """XLA:CPU maps every executable's code into memory regions of its own, so a suite that keeps all its
     compiled steps alive passes the kernel's vm.max_map_count (65530 by default) and the compiler then
     crashes. When a test module ends with the process past half of that, the compiled code of the
-    modules so far is dropped (the next modules recompile what they need)."""
+    modules so far is dropped (the next modules read what they need back from the compilation cache)."""
     yield
     maps = Path("/proc/self/maps")
     if maps.exists() and len(maps.read_text().splitlines()) > 65530 // 2:
         gc.collect()
         jax.clear_caches()
         gc.collect()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(COMPILE_CACHE, ignore_errors=True)

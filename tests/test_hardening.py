@@ -329,6 +329,8 @@ FLAG_CASES = {
                               ["max_position_embeddings"]),
     "--prompt too long": (["--max-new-tokens", "4000", "--prompt", "x" * 100], ["--prompt: 101 prompt tokens"]),
     "--max-seq-len beyond the positions": (["--max-seq-len", "100000"], ["--max-seq-len 100000", "max_position_embeddings"]),
+    "--compile-cache not writable": (["--compile-cache", "/dev/null/jax"],
+                                     ["--compile-cache /dev/null/jax: cannot write there", "--compile-cache none"]),
 }
 
 

@@ -304,10 +304,13 @@ def test_errors_get_their_status_and_the_server_keeps_serving(limited):
 
 def test_sigterm_lets_running_requests_finish_and_exits_0(root):
     """The real CLI in a subprocess: SIGTERM while a stream runs; the stream completes and the process
-    exits 0 within --shutdown-timeout."""
-    port = free_port()
+    exits 0 within --shutdown-timeout. The engine has CONFIGS["ess"]'s shapes, so the subprocess reads the
+    steps this process compiled from the session's compilation cache."""
+    port, shape = free_port(), CONFIGS["ess"]
     proc = subprocess.Popen([sys.executable, "-m", "ess_jax.serve", "--model", str(checkpoint("v32", root)),
-                             "--port", str(port), "--max-seq-len", "256", "--max-batch", "2", "--prefill-chunk", "32",
+                             "--port", str(port), "--max-seq-len", str(shape.max_seq_len), "--max-batch",
+                             str(shape.max_batch), "--page-size", str(shape.page_size), "--prefill-chunk",
+                             str(shape.prefill_chunk), "--pool-size", str(shape.pool_size),
                              "--served-model-name", "m", "--shutdown-timeout", "60"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

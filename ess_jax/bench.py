@@ -48,7 +48,7 @@ context, mean over the steps (step 0 compares the first decode step with the las
   entry, m tokens, on: a head advancing one token per step stays in its entry for m - 1 steps of m
   (raw overlap) and moves to the next entry on the m-th (shifted overlap);
 - LRU hit rate vs pool size: the tier's policy replayed exactly over the trace (``simulate_lru``,
-  mirroring ``tier._warm_layer`` and ``tier._resolve``) at top_k + 1, 2 x top_k and 4 x top_k slots and
+  mirroring ``tier.warm_layer`` and ``tier.resolve``) at top_k + 1, 2 x top_k and 4 x top_k slots and
   at each ``--pool-sweep`` ratio of the request's entries (``tier.pool_slots`` for N + S + 1 tokens, as
   an engine serving this one request sizes its pools), per layer and overall, counted as the tier's
   device counters count (``Engine.offload_metrics``): after prefill the pool holds the whole prompt if
@@ -402,8 +402,8 @@ def _trace_step():
     import jax
     from flax import nnx
 
-    return jax.jit(lambda graphdef, params, tokens, meta, cache: nnx.merge(graphdef, params).step(tokens, meta, cache),
-                   static_argnums=0, donate_argnums=4)
+    return jax.jit(lambda graphdef, kernels, params, tokens, meta, cache: nnx.merge(graphdef, params).step(
+        tokens, meta, cache, kernels=kernels), static_argnums=(0, 1), donate_argnums=5)
 
 
 def topk_trace(model, prompt: list[int], steps: int, *, chunk: int, page_size: int = 64, cache_dtype: str | None = None,
@@ -426,7 +426,7 @@ def topk_trace(model, prompt: list[int], steps: int, *, chunk: int, page_size: i
     pages = math.ceil(max_seq_len / page_size)
     dtype = engine_lib.CACHE_DTYPES[cache_dtype] if cache_dtype else module.dtype
     cache = family.resident_cache(module, families.CacheSize(rows=1, pages=pages + 1, page_size=page_size,
-                                                             max_seq_len=max_seq_len), dtype, kernels)
+                                                             max_seq_len=max_seq_len), dtype)
     table_BX = jnp.arange(1, pages + 1, dtype=jnp.int32)[None]  # the scratch's pages 1..X (0 is the null page)
     row_B = jnp.zeros((1,), jnp.int32)
     greedy = (jnp.zeros(1, jnp.float32), jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.float32), jnp.zeros(1, jnp.uint32),
@@ -436,7 +436,7 @@ def topk_trace(model, prompt: list[int], steps: int, *, chunk: int, page_size: i
         real = max(b for b in buckets if b <= len(prompt) - start)
         meta = StepMeta(jnp.asarray(start + np.arange(real, dtype=np.int32))[None], jnp.ones((1, real), bool),
                         table_BX, row_B)
-        token, _, ids_LBQK, cache = engine_lib._PREFILL(model.graphdef, model.params,
+        token, _, ids_LBQK, cache = engine_lib._PREFILL(model.graphdef, kernels, model.params,
                                                         jnp.asarray([prompt[start:start + real]], jnp.int32), meta,
                                                         cache, jnp.asarray([real - 1], jnp.int32), greedy)
         windows = windows[-1:] + [(real, ids_LBQK[:, 0])]
@@ -447,8 +447,8 @@ def topk_trace(model, prompt: list[int], steps: int, *, chunk: int, page_size: i
     for t in range(steps):
         position = len(prompt) + t
         meta = StepMeta(jnp.asarray([[position]], jnp.int32), jnp.ones((1, 1), bool), table_BX, row_B)
-        logits_BTV, ids_LBTK, cache = _trace_step()(model.graphdef, model.params, jnp.asarray([[token]], jnp.int32),
-                                                    meta, cache)
+        logits_BTV, ids_LBTK, cache = _trace_step()(model.graphdef, kernels, model.params,
+                                                    jnp.asarray([[token]], jnp.int32), meta, cache)
         ids.append(np.asarray(ids_LBTK[:, 0, 0]))
         new.append((position + 1) // m - 1 if (position + 1) % m == 0 else -1)  # the entry this token completes
         token = int(jnp.argmax(logits_BTV[0, 0]))
@@ -471,7 +471,7 @@ def trace_overlaps(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
 
 
 def warm_pool(warm_QK: np.ndarray, prompt_entries: int, slots: int) -> tuple[np.ndarray, np.ndarray]:
-    """One layer's pool after the warm-up (``tier._warm_layer``): the whole prompt if it fits, else the
+    """One layer's pool after the warm-up (``tier.warm_layer``): the whole prompt if it fits, else the
     ``slots`` ids last selected by the warm-up queries (stamp: the last index in their flattened ids).
     Slot i holds the i-th most recent; the recency order lists the empty slots first (by slot), then the
     held ones from the oldest stamp. Returns slot -> entry ``[P]`` (-1 empty) and the order ``[P]``."""
@@ -486,7 +486,7 @@ def warm_pool(warm_QK: np.ndarray, prompt_entries: int, slots: int) -> tuple[np.
 
 
 def simulate_lru(trace: Trace, slots: int) -> np.ndarray:
-    """Lookups, hits and misses ``i64[L, 3]`` of the tier's LRU (``tier._resolve``) over ``trace`` with
+    """Lookups, hits and misses ``i64[L, 3]`` of the tier's LRU (``tier.resolve``) over ``trace`` with
     ``slots`` pool slots per layer, as its device counters count them, from the pool ``warm_pool`` fills.
     Per decode step: every valid id is a lookup; the step's new entry counts as a hit when selected, an id
     whose entry is in the pool as a hit, the others as misses. The new entry (inserted whether selected
@@ -526,7 +526,7 @@ def pool_sweep(trace: Trace, ratios: list[float]) -> list[dict]:
     sizes = [("k+1", k + 1, None), ("2k", 2 * k, None), ("4k", 4 * k, None)] + [(f"r={r:g}", None, r) for r in ratios]
     rows = []
     for label, size, ratio in sizes:
-        slots = pool_slots(pool_size=size, pool_ratio=ratio, max_seq_len=trace.entries, index_topk=k)
+        slots = pool_slots(trace.entries, k, pool_size=size, pool_ratio=ratio)
         counts = simulate_lru(trace, slots)
         lookups, hits, misses = (int(x) for x in counts.sum(0))
         rows.append({"pool": label, "pool_size": size, "pool_ratio": ratio, "slots": slots, "lookups": lookups,

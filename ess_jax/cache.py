@@ -1,22 +1,30 @@
-"""Cache and per-step metadata pytrees (registered dataclasses, donated by the jitted steps).
+"""Cache and per-step metadata pytrees (registered dataclasses, donated by the jitted steps), the one
+page-table translator, and the seam between cache stores and attention: row sources.
 
 Requests of different lengths share one global pool of pages per cache part; a request's pages
-are listed in its row of the page table. Page 0 is the null page: rows of padding tokens and of
-inactive batch rows are written there, and page-table entries past a request's reservation point
-at it. Nothing ever reads the null page as a valid position, because every read is masked by the
-query's position. Axis letters: ess_jax.notation (G = pages in the pool, Z = page size,
-X = pages per request in the page table).
+are listed in its row of the page table, one page per ``page_size`` tokens. A part with one row per
+``m`` tokens (V3.2: m = 1; V4's compressed entries: m = 4 or 128) keeps ``Z = max(1, page_size / m)``
+rows per page: entry ``e`` covers tokens from ``e * m`` and lives in the page holding that token
+(``locate``).
+Page 0 is the null page: rows of padding tokens and of inactive batch rows are written there, and
+page-table entries past a request's reservation point at it. Nothing ever reads the null page as a
+valid position, because every read is masked by the query's position.
+
+A **store** turns this step's top-k ids into **row sources** (DESIGN.md §4): a flat row array and the
+ids to read from it (-1 = none). ``read`` writes the step's new rows and returns the ``Sources``:
+those ready now and those in flight (the tier's fetched misses); ``ops.dual_attention`` attends over
+both and hands the ready rows back to ``settle`` for the store's writes after the attention.
+Axis letters: ess_jax.notation (G = pages in the pool, Z = rows per page, X = pages per request in the
+page table).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable, ClassVar
 
 import jax
 import jax.numpy as jnp
-
-from ess_jax import ops
 
 
 @jax.tree_util.register_dataclass
@@ -30,27 +38,96 @@ class StepMeta:
     rows: jax.Array  # i32[B] the request's batch row, indexing per-request state (V4's window and rings)
 
 
+def entries_per_page(page_size: int, rate: int) -> int:
+    """``Z``: rows per page of a part with one row per ``rate`` tokens, in pages of ``page_size`` tokens."""
+    return max(1, page_size // rate)
+
+
+def check_geometry(page_size: int, rate: int) -> None:
+    """A part's rows must tile the pages: ``rate`` divides ``page_size`` or ``page_size`` divides ``rate``."""
+    if page_size % rate and rate % page_size:
+        raise ValueError(f"--page-size {page_size} does not tile a compressed part of one entry per {rate} tokens: "
+                         f"use a page size that divides {rate} or a multiple of it")
+
+
+def locate(page_table_BX: jax.Array, ids: jax.Array, *, page_size: int, rate: int = 1
+           ) -> tuple[jax.Array, jax.Array]:
+    """(page, offset in the page) of entry ids ``[B, ...]`` of a part with one entry per ``rate`` tokens
+    in pages of ``page_size`` tokens; id -1 maps to the null page. The one page-table translator."""
+    b = ids.shape[0]
+    safe = jnp.maximum(ids, 0)
+    per_page = entries_per_page(page_size, rate)
+    index = (safe * rate) // page_size
+    page = jnp.take_along_axis(page_table_BX, jnp.clip(index, 0, page_table_BX.shape[1] - 1).reshape(b, -1), axis=1)
+    return jnp.where(ids >= 0, page.reshape(ids.shape), 0), safe % per_page
+
+
+def flat_ids(page_table_BX: jax.Array, ids: jax.Array, *, page_size: int, rate: int = 1) -> jax.Array:
+    """Entry ids -> global row ids into pages ``[G, Z, W]`` viewed as ``[G * Z, W]`` (FlashMLA's sparse
+    index); -1 kept."""
+    page, offset = locate(page_table_BX, ids, page_size=page_size, rate=rate)
+    return jnp.where(ids >= 0, page * entries_per_page(page_size, rate) + offset, -1).astype(jnp.int32)
+
+
+def write_slots(meta: StepMeta, page_size: int) -> tuple[jax.Array, jax.Array]:
+    """Page and in-page offset ``i32[B, T]`` each token is written to (the null page if invalid)."""
+    return locate(meta.page_table, jnp.where(meta.valid, meta.positions, -1), page_size=page_size)
+
+
+def request_rows(pages_GEX: jax.Array, page_table_BX: jax.Array, count: int, *, page_size: int, rate: int = 1
+                 ) -> jax.Array:
+    """Each request's first ``count`` rows in order: pages ``[G, Z, ...]`` -> ``[B, count, ...]``."""
+    ids_BM = jnp.broadcast_to(jnp.arange(count, dtype=jnp.int32), (page_table_BX.shape[0], count))
+    page, offset = locate(page_table_BX, ids_BM, page_size=page_size, rate=rate)
+    return pages_GEX[page, offset]
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class DeviceLatents:
-    """V3.2 latent rows, every position resident on the device in pages (``--offload none``)."""
+class RowSource:
+    """Rows attention reads: a flat row array and the rows of it each query reads."""
 
-    pages: jax.Array  # [L, G, Z, W] latent rows [c (C) | k_rope (R, interleaved)]
-    kernels: str = dataclasses.field(default="xla", metadata=dict(static=True))  # ops kernel choice
+    rows_PW: jax.Array  # [P, W] rows in the store's format (P: rows of the flat array)
+    ids_BTK: jax.Array  # i32[B, T, K] rows of rows_PW to read, -1 = none
 
-    def attend(self, layer: int, meta: StepMeta, rows_BTW: jax.Array, ids_BTK: jax.Array,
-               q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, scale: float) -> tuple[jax.Array, DeviceLatents]:
-        """Store this step's rows, then absorbed MLA over the rows at ``ids_BTK`` (-1 = none).
-        Returns the attended latent ``f32[B, T, N, C]`` and the updated store."""
-        page_BT, offset_BT = write_slots(meta, self.pages.shape[2])
-        rows_BTW = ops.encode_mla_rows(rows_BTW, self.pages.dtype, latent_dim=q_latent_BTNC.shape[-1])
-        pages = self.pages.at[layer, page_BT, offset_BT].set(rows_BTW)
-        rows_BTKW = rows_at(pages[layer], meta.page_table, ids_BTK)
-        out_BTNC, _ = ops.sparse_mla(q_latent_BTNC, q_rope_BTNR, rows_BTKW, ids_BTK >= 0, scale=scale,
-                                     kernels=self.kernels)
-        return out_BTNC, dataclasses.replace(self, pages=pages)
 
-    def begin_step(self) -> DeviceLatents:
+@dataclasses.dataclass
+class Sources:
+    """What a store's ``read`` hands the attention (lives only inside a trace): the sources ready now, those
+    in flight (attended after the ready half), and ``settle(ready)`` -> the updated store, called with the
+    ready sources once the attention over them is done."""
+
+    ready: list[RowSource]
+    inflight: list[RowSource]
+    settle: Callable[[list[RowSource]], Any]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ResidentPages:
+    """Rows of a sparse part, every one resident on the device in pages (``--offload none``, the prefill
+    scratch): V3.2 latent rows (rate 1), V4 CSA entries (rate m)."""
+
+    pages: jax.Array  # [L, G, Z, W] rows in the store's format (latent [c | k_rope], V4 entries; or FP8 rows)
+    page_size: int = dataclasses.field(metadata=dict(static=True))  # tokens per page (Z)
+    rate: int = dataclasses.field(metadata=dict(static=True))  # tokens per row (m)
+
+    @property
+    def dtype(self):
+        return self.pages.dtype
+
+    def read(self, layer: int, meta: StepMeta, new_ids_BM: jax.Array, new_rows_BMW: jax.Array,
+             ids_BTK: jax.Array) -> Sources:
+        """Store the step's new rows at their ids (-1 = none), then one source: the layer's pages and the
+        rows at ``ids_BTK``."""
+        geometry = dict(page_size=self.page_size, rate=self.rate)
+        page_BM, offset_BM = locate(meta.page_table, new_ids_BM, **geometry)
+        pages = self.pages.at[layer, page_BM, offset_BM].set(new_rows_BMW)
+        _, g, e, w = pages.shape
+        source = RowSource(pages[layer].reshape(g * e, w), flat_ids(meta.page_table, ids_BTK, **geometry))
+        return Sources([source], [], lambda ready: dataclasses.replace(self, pages=pages))
+
+    def begin_step(self) -> ResidentPages:
         """Nothing to do before a step: every row is already where it is read from."""
         return self
 
@@ -59,10 +136,10 @@ class DeviceLatents:
 @dataclasses.dataclass
 class PagedCacheV32:
     """DeepSeek-V3.2's cache: per layer one indexer key (always on the device) and one latent row per
-    token. ``latent`` is any store with an ``attend`` method: ``DeviceLatents`` or the offloaded tier."""
+    token. ``latent`` is a store: ``ResidentPages`` or the offloaded tier (``ess_jax.tier.Tier``)."""
 
     index_keys: jax.Array  # [L, G, Z, J] indexer keys (LayerNorm + RoPE applied), or FP8 rows u8[L, G, Z, J + 4]
-    latent: Any  # DeviceLatents | ess_jax.tier.TieredLatents
+    latent: Any  # ResidentPages | ess_jax.tier.Tier
 
     @property
     def page_size(self) -> int:
@@ -72,28 +149,45 @@ class PagedCacheV32:
         """Start-of-step work of the latent store (the tier's backup of the last step's rows)."""
         return dataclasses.replace(self, latent=self.latent.begin_step())
 
-    @property
-    def num_pages(self) -> int:
-        return self.index_keys.shape[1]
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class CsaCache:
+    """DeepSeek-V4's CSA layers (Lc of them): compressor rings per batch row, entries and indexer keys in
+    pages (one per ``m`` tokens). ``entries`` is a store: ``ResidentPages`` or the HiSparse tier."""
+
+    ROW_STATE: ClassVar = ("kv_ring", "gate_ring", "index_kv_ring", "index_gate_ring")  # the fields per batch row
+
+    kv_ring: jax.Array  # [Lc, B, 2m, 2H] compressor inputs a of the open and the previous window
+    gate_ring: jax.Array  # f32[Lc, B, 2m, 2H] their gate logits + position bias z
+    index_kv_ring: jax.Array  # [Lc, B, 2m, 2J] the same for the indexer's compressor
+    index_gate_ring: jax.Array  # f32[Lc, B, 2m, 2J]
+    entries: Any  # ResidentPages [Lc, G, Z, W] (kv_norm + RoPE at e*m; W = H or FP8 bytes) | ess_jax.tier.Tier
+    index_keys: jax.Array  # [Lc, G, Z, J] the indexer's keys, one per entry
 
 
-def write_slots(meta: StepMeta, page_size: int) -> tuple[jax.Array, jax.Array]:
-    """Page and in-page offset ``i32[B, T]`` each token is written to (the null page if invalid)."""
-    page_index_BT = meta.positions // page_size
-    page_BT = jnp.take_along_axis(meta.page_table, jnp.clip(page_index_BT, 0, meta.page_table.shape[1] - 1), axis=1)
-    return jnp.where(meta.valid, page_BT, 0), meta.positions % page_size
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class HcaCache:
+    """DeepSeek-V4's HCA layers (Lh of them): the compressor ring per batch row, entries in pages."""
+
+    ROW_STATE: ClassVar = ("kv_ring", "gate_ring")
+
+    kv_ring: jax.Array  # [Lh, B, m', H] compressor inputs of the open window
+    gate_ring: jax.Array  # f32[Lh, B, m', H]
+    entries: jax.Array  # [Lh, G, Z, H] entries (kv_norm + RoPE at e*m'), Z = max(1, page size / m')
+    page_size: int = dataclasses.field(metadata=dict(static=True))  # tokens per page (Z)
 
 
-def gather_positions(pages_GZX: jax.Array, page_table_BX: jax.Array) -> jax.Array:
-    """A request's rows in position order: ``[G, Z, ...]`` pages -> ``[B, X * Z, ...]``."""
-    rows = pages_GZX[page_table_BX]  # [B, X, Z, ...]
-    return rows.reshape(rows.shape[0], rows.shape[1] * rows.shape[2], *rows.shape[3:])
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class V4Cache:
+    """DeepSeek-V4's cache: every layer's sliding window per batch row, the CSA and HCA layers' records."""
 
+    window: jax.Array  # [L, B, n_win, H] keys (K = V, kv_norm + RoPE) of the last n_win positions, slot s % n_win
+    csa: CsaCache
+    hca: HcaCache
 
-def rows_at(pages_GZW: jax.Array, page_table_BX: jax.Array, ids_BTK: jax.Array) -> jax.Array:
-    """Rows at request positions ``ids_BTK`` (-1 reads position 0; mask it): ``[B, T, K, W]``."""
-    b = ids_BTK.shape[0]
-    page_size = pages_GZW.shape[1]
-    safe_ids_BTK = jnp.maximum(ids_BTK, 0)
-    pages_BTK = jnp.take_along_axis(page_table_BX, (safe_ids_BTK // page_size).reshape(b, -1), axis=1)
-    return pages_GZW[pages_BTK.reshape(ids_BTK.shape), safe_ids_BTK % page_size]
+    def begin_step(self) -> V4Cache:
+        """Start-of-step work of the CSA entries' store (the tier's backup of the last step's entries)."""
+        return dataclasses.replace(self, csa=dataclasses.replace(self.csa, entries=self.csa.entries.begin_step()))

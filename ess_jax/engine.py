@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from ess_jax import families, ops, tier
 from ess_jax.allocator import Admission, PageAllocator
-from ess_jax.cache import StepMeta
+from ess_jax.cache import StepMeta, check_geometry
 from ess_jax.sampling import SamplingParams, sample
 from ess_jax.tokenizer import IncrementalDetokenizer
 
@@ -180,8 +180,11 @@ def cache_layout(cfg, config: EngineConfig, model_format: str, *, lower_bound: b
     pages = config.num_pages if config.num_pages is not None else config.max_batch * pages_per_row + 1
     size = families.CacheSize(config.max_batch, pages, config.page_size, max_seq_len)
     parts = family.cache_parts(cfg, family.stored_formats(config.cache_dtype or model_format, model_format))
+    for p in parts:
+        if p.tokens_per_row and p.layers:
+            check_geometry(config.page_size, p.tokens_per_row)
     part = next(p for p in parts if p.where == "offloaded")
-    resident = family.resident_bytes(parts, size, size.pages * size.page_size)
+    resident = families.resident_bytes(parts, size, size.pages)
     slots, host = None, 0
     device = resident
     entries = part.entries(max_seq_len)
@@ -190,17 +193,14 @@ def cache_layout(cfg, config: EngineConfig, model_format: str, *, lower_bound: b
             why = "no layers holding them" if not part.layers else "requests too short for one entry"
             raise ValueError(f"--offload ess offloads the {part.name}; this {cfg.family} model has {why} "
                              f"(max_seq_len {max_seq_len}): use --offload none")
-        slots = tier.pool_slots(pool_size=config.pool_size, pool_ratio=config.pool_ratio, max_seq_len=entries,
-                                index_topk=part.topk)
+        slots = tier.pool_slots(entries, part.topk, pool_size=config.pool_size, pool_ratio=config.pool_ratio)
         if config.host_cache_mb is not None:
-            size = family.fit_host_budget(size, part, config.host_cache_mb)
-            resident = family.resident_bytes(parts, size, size.pages * size.page_size)
-        store_pages, store_page_size = family.host_shape(size, part)
-        host = part.layers * store_pages * store_page_size * part.row_bytes
+            size = families.fit_host_budget(size, part, config.host_cache_mb)
+            resident = families.resident_bytes(parts, size, size.pages)
+        host = size.pages * part.page_bytes(size.page_size)
         scratch = dataclasses.replace(size, rows=1, pages=pages_per_row + 1)
-        device = (resident - family.resident_bytes([part], size, size.pages * size.page_size)
-                  + part.layers * size.rows * slots * part.row_bytes
-                  + family.resident_bytes(parts, scratch, scratch.pages * scratch.page_size))
+        device = (resident - host + part.layers * size.rows * slots * part.row_bytes
+                  + families.resident_bytes(parts, scratch, scratch.pages))
     return CacheLayout(max_seq_len, pages_per_row, size, parts, part, slots, int(device), int(host),
                        4 * config.max_batch * cfg.vocab_size)
 
@@ -242,11 +242,11 @@ def check_memory(layout: CacheLayout, weights_bytes: int = 0) -> None:
                          f"{host_limit / GiB:.2f} GiB: {fix}, or set --host-cache-mb")
 
 
-def _prefill(graphdef, params, tokens_BT, meta: StepMeta, cache, last_B, sampling):
+def _prefill(graphdef, kernels: str, params, tokens_BT, meta: StepMeta, cache, last_B, sampling):
     """One prefill chunk. Returns the token sampled after each row's last real token ``i32[B]``, the
     top-k ids of the chunk's last ``WARMUP_QUERIES`` real tokens ``i32[L, B, Q, K]`` (-1 before the
     chunk) and the cache."""
-    logits_BTV, ids_LBTK, cache = nnx.merge(graphdef, params).step(tokens_BT, meta, cache)
+    logits_BTV, ids_LBTK, cache = nnx.merge(graphdef, params).step(tokens_BT, meta, cache, kernels=kernels)
     logits_BV = jnp.take_along_axis(logits_BTV, last_B[:, None, None], axis=1)[:, 0]
     window_BQ = last_B[:, None] - tier.WARMUP_QUERIES + 1 + jnp.arange(tier.WARMUP_QUERIES)
     ids_LBQK = jnp.take_along_axis(ids_LBTK, jnp.maximum(window_BQ, 0)[None, :, :, None], axis=2)
@@ -254,23 +254,24 @@ def _prefill(graphdef, params, tokens_BT, meta: StepMeta, cache, last_B, samplin
     return sample(logits_BV, *sampling), logits_BV, ids_LBQK, cache
 
 
-def _decode(graphdef, params, tokens_BT, meta: StepMeta, cache, sampling):
+def _decode(graphdef, kernels: str, params, tokens_BT, meta: StepMeta, cache, sampling):
     """One decode step for every batch row; the sampled tokens ``i32[B]``."""
-    logits_BTV, _, cache = nnx.merge(graphdef, params).step(tokens_BT, meta, cache.begin_step())
+    logits_BTV, _, cache = nnx.merge(graphdef, params).step(tokens_BT, meta, cache.begin_step(), kernels=kernels)
     return sample(logits_BTV[:, -1], *sampling), logits_BTV[:, -1], cache
 
 
 def _flush(family: families.Family, cache):
-    return family.with_tier(cache, family.tier_of(cache).flush())
+    return family.with_store(cache, family.store_of(cache).begin_step())
 
 
 def _release(family: families.Family, cache, row, pages_X):
-    return family.with_tier(cache, tier.release(family.tier_of(cache), row, pages_X))
+    return family.with_store(cache, family.store_of(cache).release(row, pages_X))
 
 
-# Module-level jits: engines over the same model and shapes share compiled executables.
-_PREFILL = jax.jit(_prefill, static_argnums=0, donate_argnums=4)
-_DECODE = jax.jit(_decode, static_argnums=0, donate_argnums=4)
+# Module-level jits: engines over the same model and shapes share compiled executables (the split backend's
+# NumPy store is part of the step's static identity: its engine's own).
+_PREFILL = jax.jit(_prefill, static_argnums=(0, 1), donate_argnums=5)
+_DECODE = jax.jit(_decode, static_argnums=(0, 1), donate_argnums=5)
 _HANDOFF = jax.jit(families.Family.handoff, static_argnums=0, donate_argnums=1)
 _FLUSH = jax.jit(_flush, static_argnums=0, donate_argnums=1)
 _RELEASE = jax.jit(_release, static_argnums=0, donate_argnums=1)
@@ -298,15 +299,15 @@ class Engine:
         self.parts, part, self.pool_slots = layout.parts, layout.offloaded, layout.pool_slots
         self.offloaded_part, self.row_bytes = part, part.row_bytes  # the tier's part with ess
         self.scratch = None
+        self.kernels = config.kernels  # static in the compiled steps
         if config.offload == "ess":
-            self.cache = self.family.offloaded_cache(module, size, part, self.latent_dtype,
-                                                     slots=self.pool_slots, fetch=config.fetch, kernels=config.kernels)
+            self.cache = self.family.offloaded_cache(module, size, part, self.latent_dtype, slots=self.pool_slots,
+                                                     fetch=config.fetch)
             # prefill computes on a device scratch for one prompt (a prefill node's view), then hands off
             self.scratch = self.family.resident_cache(
-                module, dataclasses.replace(size, rows=1, pages=self.pages_per_row + 1), self.latent_dtype,
-                config.kernels)
+                module, dataclasses.replace(size, rows=1, pages=self.pages_per_row + 1), self.latent_dtype)
         else:
-            self.cache = self.family.resident_cache(module, size, self.latent_dtype, config.kernels)
+            self.cache = self.family.resident_cache(module, size, self.latent_dtype)
         self.size = size
         self.allocator = PageAllocator(size.pages, config.page_size)
         self.admission = Admission(self.allocator, max_batch=config.max_batch,
@@ -442,7 +443,7 @@ class Engine:
                    file=sys.stderr, disable=not self.progress, leave=False)
         while self.has_unfinished():
             bar.update(sum(len(out.new_token_ids) for out in self.step()))
-        if self.scratch is not None and self.family.tier_of(self.cache).store is None:
+        if self.scratch is not None:
             self.cache = _FLUSH(self.family, self.cache)  # the last step's rows reach the host store too
         bar.close()
         return [requests[i] for i in sorted(requests)]
@@ -453,10 +454,9 @@ class Engine:
         out = {"pages_in_use": self.allocator.capacity - self.allocator.num_free, "pages_total": self.allocator.capacity,
                "rows_in_use": self.config.max_batch - self.admission.num_free_slots, "rows_total": self.config.max_batch}
         if self.scratch is not None:
-            out["pool_slots_in_use"] = int((np.asarray(self.family.tier_of(self.cache).slot_entry) >= 0).sum())
-            out["host_pages_in_use"] = sum(int((self.family.host_pages(e.slot, *self._tables(e.pages))[1] > 0).sum())
-                                           for e in self.admission.running.values())
-            out["host_pages_total"] = self.family.host_shape(self.size, self.offloaded_part)[0] - 1  # page 0: null
+            out["pool_slots_in_use"] = int((np.asarray(self.family.store_of(self.cache).lru.slot_entry) >= 0).sum())
+            out["host_pages_in_use"] = out["pages_in_use"]  # the host store has the cache's pages
+            out["host_pages_total"] = out["pages_total"]
         return out
 
     def warm_up(self) -> None:
@@ -488,7 +488,7 @@ class Engine:
     def _compile_decode(self):
         b, start = self.config.max_batch, time.perf_counter()
         self._decode = _DECODE.lower(
-            self.model.graphdef, self.model.params, jnp.zeros((b, 1), jnp.int32),
+            self.model.graphdef, self.kernels, self.model.params, jnp.zeros((b, 1), jnp.int32),
             self._decode_meta(np.zeros(b, bool)), self.cache, self._sampling_arrays([None] * b)).compile()
         self.stats["compile_s"] = time.perf_counter() - start
 
@@ -532,7 +532,7 @@ class Engine:
         start_time, start = time.perf_counter(), request.prefilled
         meta = StepMeta(jnp.asarray((start + np.arange(real, dtype=np.int32))[None]), jnp.ones((1, real), bool),
                         jnp.asarray((table_X if offloaded else pages_X)[None]), jnp.asarray([row], jnp.int32))
-        token, logits_BV, ids_LBQK, cache = _PREFILL(self.model.graphdef, self.model.params,
+        token, logits_BV, ids_LBQK, cache = _PREFILL(self.model.graphdef, self.kernels, self.model.params,
                                                      jnp.asarray(prompt[None, start:start + real]), meta, cache,
                                                      jnp.asarray([real - 1], jnp.int32),
                                                      self._sampling_arrays([request]))
@@ -549,14 +549,9 @@ class Engine:
             return
         self._prefilling.popleft()
         if offloaded:
-            scratch_X, host_X = self.family.host_pages(slot, pages_X, table_X)
             entries = self.offloaded_part.entries(len(prompt))
-            self.cache = _HANDOFF(self.family, self.cache, self.scratch, jnp.asarray(scratch_X), jnp.asarray(host_X),
-                                  slot, len(prompt), entries, _last_queries(request.windows))
-            store = self.family.tier_of(self.cache).store
-            if store is not None:  # split: the prompt's rows go to the NumPy store from here
-                used = host_X > 0
-                store.array[:, host_X[used]] = np.asarray(self.family.offloaded_rows(self.scratch))[:, scratch_X[used]]
+            self.cache = _HANDOFF(self.family, self.cache, self.scratch, jnp.asarray(table_X), jnp.asarray(pages_X),
+                                  slot, entries, _last_queries(request.windows))
             self.stats["prompt_rows_to_host"] += entries * self.offloaded_part.layers
         request.windows = []
         self.stats["prefill_s"] += time.perf_counter() - start_time
@@ -571,14 +566,9 @@ class Engine:
         active = np.array([r is not None for r in rows])
         meta = self._decode_meta(active)
         start = time.perf_counter()
-        tokens, logits_BV, self.cache = self._decode(self.model.params, jnp.asarray(self._last[:, None]), meta, self.cache,
-                                          self._sampling_arrays(rows))
+        tokens, logits_BV, self.cache = self._decode(self.model.params, jnp.asarray(self._last[:, None]), meta,
+                                                     self.cache, self._sampling_arrays(rows))
         tokens = np.asarray(tokens)
-        offloaded = self.family.tier_of(self.cache) if self.scratch is not None else None
-        if offloaded is not None and offloaded.store is not None:  # split: back up this step's new entries,
-            pages, offsets = np.asarray(offloaded.staged_page), np.asarray(offloaded.staged_offset)  # page 0: none
-            staged = pages > 0
-            offloaded.store.array[:, pages[staged], offsets[staged]] = np.asarray(offloaded.staged)[:, staged]
         self.stats["decode_s"] += time.perf_counter() - start
         self._lengths += active
         self.stats["decode_tokens"] += len(self._decoding)
@@ -620,8 +610,7 @@ class Engine:
         elif request_id in self.admission.running:
             _, slot, pages = self.admission.running[request_id]
             if self.scratch is not None:
-                _, host_X = self.family.host_pages(slot, *self._tables(pages))
-                self.cache = _RELEASE(self.family, self.cache, slot, jnp.asarray(host_X))
+                self.cache = _RELEASE(self.family, self.cache, slot, jnp.asarray(self._tables(pages)[0]))
             self.admission.finish(request_id)
             self._decoding.pop(request_id, None)
             self._prefilling = deque(e for e in self._prefilling if e.request_id != request_id)
@@ -632,20 +621,19 @@ class Engine:
 
     def cache_bytes(self) -> dict[str, int]:
         """Bytes of the real cache arrays: device (the decode-time cache), host (the offload store), and
-        what the requests would occupy on the device without offload (from the cache parts; V3.2: their
-        reserved pages of latent rows and indexer keys; V4: ``max_batch`` full-length rows): at the peak of
-        the requests reserved at once (``resident_device_bytes``; for a batch added at once, all of it) and
-        for the unfinished requests now (``resident_device_bytes_now``). Finished requests count in neither
-        once gone, so a long-lived engine's figures stay bounded."""
+        what the requests would occupy on the device without offload (from the cache parts: their reserved
+        pages of every paged part and every batch row's fixed parts): at the peak of the requests reserved at
+        once (``resident_device_bytes``; for a batch added at once, all of it) and for the unfinished requests
+        now (``resident_device_bytes_now``). Finished requests count in neither once gone, so a long-lived
+        engine's figures stay bounded."""
         arrays = jax.tree.leaves(self.cache)
         host = 0
         if self.scratch is not None:
-            offloaded = self.family.tier_of(self.cache)
-            host = offloaded.store.array.nbytes if offloaded.store is not None else offloaded.host.nbytes
-            arrays = [x for x in arrays if x is not offloaded.host]
-        page = self.config.page_size
-        peak = self.family.resident_bytes(self.parts, self.size, self.stats["peak_reserved_pages"] * page)
-        now = self.family.resident_bytes(self.parts, self.size, self.stats["reserved_pages"] * page)
+            store = self.family.store_of(self.cache).host
+            host = store.nbytes
+            arrays = [x for x in arrays if all(x is not y for y in jax.tree.leaves(store))]
+        peak = families.resident_bytes(self.parts, self.size, self.stats["peak_reserved_pages"])
+        now = families.resident_bytes(self.parts, self.size, self.stats["reserved_pages"])
         out = {"device_bytes": int(sum(x.nbytes for x in arrays)), "host_bytes": int(host),
                "resident_device_bytes": int(peak), "resident_device_bytes_now": int(now)}
         if self.scratch is not None:
@@ -656,7 +644,7 @@ class Engine:
         """Tier counters (read from the device once) as the ``--json`` ``metrics.offload`` object."""
         if self.scratch is None:
             return None
-        counts = np.asarray(self.family.tier_of(self.cache).counters)  # [L_s, 4] lookups, hits, misses, staged
+        counts = np.asarray(self.family.store_of(self.cache).counters)  # [L_s, 4] lookups, hits, misses, staged
         layers = self.family.sparse_layers(self.model.cfg)
         lookups, hits, misses, staged = (int(x) for x in counts.sum(0))
         row_bytes = self.row_bytes

@@ -10,13 +10,14 @@ A ``Family`` holds
   engine's row bytes and resident byte count, the benchmark's through it);
 - the sparse layers, whose entries the indexer selects and the tier offloads; a request's entries
   are its offloaded part's ``entries(tokens)``;
-- the engine's caches: the resident cache, the decode cache with the offloaded part in the tier
-  (``ess_jax.tier``), the host store's pages, the scratch -> decode-cache handoff after an
-  offloaded prefill, and ``tier_of`` / ``with_tier``.
+- the engine's caches: the resident cache, the decode cache with the offloaded part's store the tier
+  (``ess_jax.tier``), the scratch -> decode-cache handoff after an offloaded prefill, and ``store_of`` /
+  ``with_store``.
 
-DeepSeek-V3.2 offloads every layer's latent rows; its host store has the engine's global pages.
-DeepSeek-V4 offloads the CSA layers' entries (HiSparse): its host store has one page of entries per
-batch row (page ``row + 1``; page 0 is the null page), and everything else is resident per batch row.
+Both families page their cache through the engine's page tables (``ess_jax.cache``: ``Z`` rows of a
+part per page of ``Z`` tokens) and the host store has the same pages. DeepSeek-V3.2 offloads every
+layer's latent rows; DeepSeek-V4 the CSA layers' entries (HiSparse), its window and compressor rings
+fixed-size per batch row.
 """
 
 from __future__ import annotations
@@ -26,15 +27,25 @@ import importlib
 import math
 from typing import Any, Callable
 
-import numpy as np
 import jax
 import jax.numpy as jnp
 
 from ess_jax import config, tier
+from ess_jax.cache import entries_per_page
 from ess_jax.config import ConfigError, ModelConfig
 from ess_jax.pallas_kernels import fp8_rows
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "int32": 4}
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSize:
+    """The geometry of an engine cache."""
+
+    rows: int  # batch rows
+    pages: int  # pages of the global pool, the null page included
+    page_size: int  # tokens per page
+    max_seq_len: int  # positions per request
 _SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 _CSA, _HCA = config.V4_LAYER_TYPES[1:]
 
@@ -64,6 +75,32 @@ class Part:
             return self.layers * self.row_bytes
         return self.layers * self.entries(context) * self.row_bytes
 
+    def page_bytes(self, page_size: int) -> int:
+        """Bytes of one page of ``page_size`` tokens of this part (every layer; 0 for fixed parts): the
+        engine's paged arrays hold ``cache.entries_per_page`` rows per page."""
+        return self.layers * entries_per_page(page_size, self.tokens_per_row) * self.row_bytes if self.tokens_per_row else 0
+
+
+def resident_bytes(parts: list[Part], size: CacheSize, reserved_pages: int) -> int:
+    """Bytes the engine's cache of ``size`` holds without offload for requests that reserved ``reserved_pages``
+    pages in all: their pages of every paged part and every batch row's fixed parts."""
+    paged = reserved_pages * sum(p.page_bytes(size.page_size) for p in parts)
+    return paged + size.rows * sum(p.bytes(0) for p in parts if not p.tokens_per_row)
+
+
+def fit_host_budget(size: CacheSize, part: Part, host_cache_mb: float) -> CacheSize:
+    """``size`` with the page count a host store budget of ``host_cache_mb`` MiB sets (of the host store, the
+    resident paged parts and the allocator); raises ValueError naming the numbers when the longest request
+    cannot fit."""
+    page_bytes = part.page_bytes(size.page_size)
+    pages, pages_per_row = int(host_cache_mb * 2**20 // page_bytes), math.ceil(size.max_seq_len / size.page_size)
+    if pages < 1 + pages_per_row:
+        raise ValueError(
+            f"--host-cache-mb {host_cache_mb} holds {max(pages - 1, 0)} pages of {page_bytes / 2**20:.3f} MiB; the "
+            f"longest request needs {pages_per_row}: raise it to at least "
+            f"{math.ceil((1 + pages_per_row) * page_bytes / 2**20)}")
+    return dataclasses.replace(size, pages=pages)
+
 
 @dataclasses.dataclass(frozen=True)
 class Formats:
@@ -75,17 +112,8 @@ class Formats:
     index: str  # indexer keys
     rows: str  # V4's other rows: HCA entries and the SWA window
     ring: str  # V4 compressor ring inputs (their gate logits are float32 in every format)
-    lengths: str | None = None  # a per-request token count kept in the cache ("int32"), None: not stored
 
 
-@dataclasses.dataclass(frozen=True)
-class CacheSize:
-    """The geometry of an engine cache."""
-
-    rows: int  # batch rows
-    pages: int  # pages of the global pool, the null page included
-    page_size: int  # tokens per page
-    max_seq_len: int  # positions per request
 
 
 def _mla_row_bytes(latent_dim: int, rope_dim: int, fmt: str) -> int:
@@ -155,76 +183,53 @@ class Family:
         """Layer indices whose entries the indexer selects (the tier's layers, in order)."""
         raise NotImplementedError
 
-    def resident_bytes(self, parts: list[Part], size: CacheSize, reserved_tokens: int) -> int:
-        """Bytes the engine's cache of ``size`` holds without offload for requests that reserved
-        ``reserved_tokens`` in all."""
-        raise NotImplementedError
-
     def release_bytes(self, names: list[str], routed: bool, shape: tuple[int, ...]) -> float | None:
         """Bytes of a parameter (state path ``names``) in the official release's quantized format; None for
         a parameter the release keeps unquantized."""
         raise NotImplementedError
 
     # ---- the engine's caches ---------------------------------------------------------------------
-    def resident_cache(self, module, size: CacheSize, dtype, kernels: str):
+    def resident_cache(self, module, size: CacheSize, dtype):
         """An empty cache with every part on the device, the offloaded part's rows in ``dtype``."""
+        return module.init_cache(size.rows, size.pages, size.page_size, dtype)
+
+    def store_of(self, cache):
+        """The offloaded part's store (``ess_jax.cache.ResidentPages`` or the tier)."""
         raise NotImplementedError
 
-    def offloaded_rows(self, cache) -> jax.Array:
-        """A resident cache's offloaded part as host-store pages ``[L_s, G, Z, W]``."""
+    def with_store(self, cache, store):
+        """``cache`` with ``store`` in the offloaded part's place."""
         raise NotImplementedError
 
-    def tier_of(self, cache) -> tier.TieredLatents:
-        """The tier of an offloaded cache."""
+    def admit_resident(self, cache, scratch, table_X, pages_X, row):
+        """The prompt's resident parts from the prefill scratch (its pages ``table_X``, batch row 0) into the
+        decode cache (the request's pages ``pages_X``, batch row ``row``)."""
         raise NotImplementedError
 
-    def with_tier(self, cache, tiered):
-        """``cache`` with ``tiered`` in the offloaded part's place."""
-        raise NotImplementedError
-
-    def host_shape(self, size: CacheSize, part: Part) -> tuple[int, int]:
-        """The host store's pages ``G`` (the null page included) and entries per page ``Z``."""
-        raise NotImplementedError
-
-    def fit_host_budget(self, size: CacheSize, part: Part, host_cache_mb: float) -> CacheSize:
-        """``size`` under a host store budget of ``host_cache_mb`` MiB; raises ValueError naming the numbers
-        when the longest request cannot fit."""
-        raise NotImplementedError
-
-    def host_pages(self, row: int, pages_X: np.ndarray, table_X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Where the offloaded rows of the request in batch row ``row`` lie: their pages in the prefill
-        scratch and in the host store, given its page table ``pages_X`` and its scratch table ``table_X``."""
-        raise NotImplementedError
-
-    def admit_resident(self, cache, scratch, table_X, pages_X, row, length):
-        """The prompt's resident parts from the prefill scratch into the decode cache."""
-        raise NotImplementedError
-
-    def offloaded_cache(self, module, size: CacheSize, part: Part, dtype, *, slots: int, fetch: str, kernels: str):
+    def offloaded_cache(self, module, size: CacheSize, part: Part, dtype, *, slots: int, fetch: str):
         """An empty decode cache whose offloaded part is the tier (``slots`` pool slots per sparse layer and
-        batch row, host store per ``host_shape``), every other part resident."""
-        shapes = jax.eval_shape(lambda: self.resident_cache(module, size, dtype, kernels))
-        rows = self.offloaded_rows(shapes)
-        pages, page_size = self.host_shape(size, part)
-        tiered = tier.init_tiered(layers=rows.shape[0], batch=size.rows, slots=slots, num_pages=pages,
-                                  page_size=page_size, width=rows.shape[-1], dtype=dtype, fetch=fetch, kernels=kernels)
-        resident = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), self.with_tier(shapes, None))
-        return self.with_tier(resident, tiered)
+        batch row, a host store of the cache's pages), every other part resident."""
+        shapes = jax.eval_shape(lambda: self.resident_cache(module, size, dtype))
+        pages = self.store_of(shapes).pages
+        tiered = tier.init_tier(layers=pages.shape[0], batch=size.rows, slots=slots, num_pages=size.pages,
+                                page_size=size.page_size, rate=part.tokens_per_row, width=pages.shape[-1], dtype=dtype,
+                                fetch=fetch)
+        resident = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), self.with_store(shapes, None))
+        return self.with_store(resident, tiered)
 
-    def handoff(self, cache, scratch, table_X, pages_X, row, length, entries, ids_LQK):
-        """After an offloaded prefill on ``scratch`` (``host_pages`` tables ``table_X`` / ``pages_X``): the
-        prompt's resident parts into batch row ``row`` of the decode cache, its ``entries`` offloaded rows
-        into the host store (inline; the engine writes the split backend's), and the row's pools warmed."""
-        tiered, rows = self.tier_of(cache), self.offloaded_rows(scratch)
-        if tiered.store is None:  # pending rows first: a finished request's last row must not land on reused pages
-            tiered = tier.store_prompt(tiered.flush(), rows, table_X, pages_X)
-        tiered = tier.warm(tiered, rows, table_X, pages_X, row, entries, ids_LQK)
-        return self.with_tier(self.admit_resident(cache, scratch, table_X, pages_X, row, length), tiered)
+    def handoff(self, cache, scratch, table_X, pages_X, row, entries, ids_LQK):
+        """After an offloaded prefill on ``scratch`` (the prompt in its pages ``table_X``): the prompt's resident
+        parts into batch row ``row`` and pages ``pages_X`` of the decode cache, its offloaded rows into the host
+        store's ``pages_X`` and the row's pools warmed with its ``entries`` entries."""
+        rows = self.store_of(scratch).pages
+        # pending rows first: a finished request's last row must not land on reused pages
+        tiered = self.store_of(cache).begin_step().store_prompt(rows, table_X, pages_X)
+        tiered = tiered.warm(rows, table_X, pages_X, row, entries, ids_LQK)
+        return self.with_store(self.admit_resident(cache, scratch, table_X, pages_X, row), tiered)
 
 
 class _DeepseekV32(Family):
-    """Per layer and token one latent row (offloaded) and one indexer key, in the engine's global pages;
-    the host store has the same pages."""
+    """Per layer and token one latent row (offloaded) and one indexer key, in the engine's pages."""
 
     def cache_parts(self, cfg, formats):
         n = cfg.num_hidden_layers
@@ -238,9 +243,6 @@ class _DeepseekV32(Family):
     def sparse_layers(self, cfg):
         return list(range(cfg.num_hidden_layers))
 
-    def resident_bytes(self, parts, size, reserved_tokens):
-        return sum(p.bytes(reserved_tokens) for p in parts)  # the pages the requests reserved
-
     def release_bytes(self, names, routed, shape):
         leaf = names[-2] if names[-1] == "weight" else names[-1]
         if leaf == "gate_up_proj":  # each expert's gate and up: two matrices, each with its own block scales
@@ -250,44 +252,20 @@ class _DeepseekV32(Family):
             return _fp8_block_bytes(shape, 4)  # e4m3 + fp32 block scales
         return None
 
-    def resident_cache(self, module, size, dtype, kernels):
-        cache = module.init_cache(size.pages, size.page_size, dtype)
-        return dataclasses.replace(cache, latent=dataclasses.replace(cache.latent, kernels=kernels))
-
-    def offloaded_rows(self, cache):
-        return cache.latent.pages
-
-    def tier_of(self, cache):
+    def store_of(self, cache):
         return cache.latent
 
-    def with_tier(self, cache, tiered):
-        return dataclasses.replace(cache, latent=tiered)
+    def with_store(self, cache, store):
+        return dataclasses.replace(cache, latent=store)
 
-    def host_shape(self, size, part):
-        return size.pages, size.page_size
-
-    def fit_host_budget(self, size, part, host_cache_mb):
-        """The budget sets the page count (of the host store, the indexer keys and the allocator)."""
-        page_bytes = part.layers * size.page_size * part.row_bytes
-        pages, pages_per_row = int(host_cache_mb * 2**20 // page_bytes), math.ceil(size.max_seq_len / size.page_size)
-        if pages < 1 + pages_per_row:
-            raise ValueError(
-                f"--host-cache-mb {host_cache_mb} holds {max(pages - 1, 0)} pages of {page_bytes / 2**20:.3f} MiB; the "
-                f"longest request needs {pages_per_row}: raise it to at least "
-                f"{math.ceil((1 + pages_per_row) * page_bytes / 2**20)}")
-        return dataclasses.replace(size, pages=pages)
-
-    def host_pages(self, row, pages_X, table_X):
-        return table_X, pages_X  # the request's own pages
-
-    def admit_resident(self, cache, scratch, table_X, pages_X, row, length):
+    def admit_resident(self, cache, scratch, table_X, pages_X, row):
         index_keys = cache.index_keys.at[:, pages_X].set(scratch.index_keys[:, table_X])
         return dataclasses.replace(cache, index_keys=index_keys)
 
 
 class _DeepseekV4(Family):
-    """Per batch row: the CSA entries (offloaded), the CSA indexer keys and HCA entries, the SWA window
-    and the compressor rings; the host store has one page of CSA entries per batch row."""
+    """In the engine's pages: the CSA entries (offloaded), the CSA indexer keys and the HCA entries; per batch
+    row: the SWA window and the compressor rings."""
 
     def cache_parts(self, cfg, formats):
         n_csa, n_hca = cfg.layer_types.count(_CSA), cfg.layer_types.count(_HCA)
@@ -303,18 +281,13 @@ class _DeepseekV4(Family):
                  Part("SWA window", "fixed", cfg.num_hidden_layers, cfg.sliding_window * row, 0),
                  Part(f"CSA compressor tails ({_SHORT[formats.ring]})", "fixed", n_csa, csa_tail, 0),
                  Part(f"HCA compressor tails ({_SHORT[formats.ring]})", "fixed", n_hca, hca_tail, 0)]
-        if formats.lengths:
-            parts.append(Part("token count", "fixed", 1, _ITEMSIZE[formats.lengths], 0))
         return parts
 
     def stored_formats(self, entries, model):
-        return Formats(entries, index=model, rows=model, ring=model, lengths="int32")
+        return Formats(entries, index=model, rows=model, ring=model)
 
     def sparse_layers(self, cfg):
         return [i for i, t in enumerate(cfg.layer_types) if t == _CSA]
-
-    def resident_bytes(self, parts, size, reserved_tokens):
-        return size.rows * sum(p.bytes(size.max_seq_len) for p in parts)  # every batch row at full length
 
     def release_bytes(self, names, routed, shape):
         if routed:  # e2m1 + one ue8m0 scale per 32 values
@@ -324,40 +297,25 @@ class _DeepseekV4(Family):
             return _fp8_block_bytes(shape, 1)  # e4m3 + ue8m0 block scales
         return None
 
-    def resident_cache(self, module, size, dtype, kernels):
-        return dataclasses.replace(module.init_cache(size.rows, size.max_seq_len, dtype), kernels=kernels)
+    def store_of(self, cache):
+        return cache.csa.entries
 
-    def offloaded_rows(self, cache):
-        return cache.entries.csa  # [Lc, B, Mc, W]: batch row b is page b
+    def with_store(self, cache, store):
+        return dataclasses.replace(cache, csa=dataclasses.replace(cache.csa, entries=store))
 
-    def tier_of(self, cache):
-        return cache.entries.csa
+    def admit_resident(self, cache, scratch, table_X, pages_X, row):
+        def put_row(x, new):  # the scratch's batch row 0 -> batch row ``row``
+            return x.at[:, row].set(new[:, 0])
 
-    def with_tier(self, cache, tiered):
-        return dataclasses.replace(cache, entries=dataclasses.replace(cache.entries, csa=tiered))
+        def put_pages(x, new):
+            return x.at[:, pages_X].set(new[:, table_X])
 
-    def host_shape(self, size, part):
-        return size.rows + 1, part.entries(size.max_seq_len)
-
-    def fit_host_budget(self, size, part, host_cache_mb):
-        """The host store is fixed by the batch rows; the budget only has to hold it."""
-        pages, page_size = self.host_shape(size, part)
-        host_bytes = part.layers * pages * page_size * part.row_bytes
-        if host_bytes > host_cache_mb * 2**20:
-            raise ValueError(f"--host-cache-mb {host_cache_mb} is below the CSA entry store of --max-batch {size.rows} "
-                             f"requests of {size.max_seq_len} tokens ({host_bytes / 2**20:.2f} MiB): raise it or lower "
-                             "--max-batch / --max-seq-len")
-        return size
-
-    def host_pages(self, row, pages_X, table_X):
-        return np.zeros(1, np.int32), np.asarray([row + 1], np.int32)  # the scratch's one row -> host page row + 1
-
-    def admit_resident(self, cache, scratch, table_X, pages_X, row, length):
-        put = lambda x, new: x.at[:, row].set(new[:, 0])
-        en, sc = cache.entries, scratch.entries
-        entries = dataclasses.replace(en, index_keys=put(en.index_keys, sc.index_keys), hca=put(en.hca, sc.hca))
-        return dataclasses.replace(cache, state=jax.tree.map(put, cache.state, scratch.state), entries=entries,
-                                   lengths=cache.lengths.at[row].set(length))
+        csa, hca = cache.csa, cache.hca
+        csa = dataclasses.replace(csa, index_keys=put_pages(csa.index_keys, scratch.csa.index_keys),
+                                  **{k: put_row(getattr(csa, k), getattr(scratch.csa, k)) for k in csa.ROW_STATE})
+        hca = dataclasses.replace(hca, entries=put_pages(hca.entries, scratch.hca.entries),
+                                  **{k: put_row(getattr(hca, k), getattr(scratch.hca, k)) for k in hca.ROW_STATE})
+        return dataclasses.replace(cache, window=put_row(cache.window, scratch.window), csa=csa, hca=hca)
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (

@@ -9,7 +9,8 @@
     F  expert / MLP hidden width   A  token-expert assignments (tokens x experts per token)
     X  mHC residual streams (V4)   G  output-projection groups (V4)  O  o-LoRA rank per group (V4)
     U  compressor pooling slots    Y  compressor projection width (coff * D or coff * J, V4)
-    Z  page size (positions per page of the paged cache)
+    Z  rows per page of a paged part: positions (V3.2), or max(1, page_size / m) compressed entries (V4)
+    K1 (suffix) K + 1: the pool slots one step can take (the new entry and one per miss)
 
 A model's cached form is its ``step(tokens, meta, cache) -> (logits, ids, cache)``: the new tokens
 ``i32[B, T]``, their ``ess_jax.cache.StepMeta`` and the cache in; logits ``f32[B, T, V]``, the indexer's

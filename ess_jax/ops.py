@@ -24,12 +24,17 @@ Axis letters: ess_jax.notation.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Callable
+
 import jax
 import jax.numpy as jnp
 
 from ess_jax.pallas_kernels import fp8_rows
 from ess_jax.pallas_kernels import sparse_mla as sparse_mla_kernel
 from ess_jax.pallas_kernels import sparse_v4_attention as v4_kernel
+
+if TYPE_CHECKING:
+    from ess_jax.cache import RowSource, Sources
 
 KERNELS = ("auto", "xla", "pallas")
 
@@ -95,9 +100,9 @@ def sparse_mla_pool(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, pool_PW: j
     """``sparse_mla`` over the rows of a flat pool ``[P, W]`` named by global row ids ``i32[B, T, K]``
     (-1 = none), gathered inside the Pallas kernel (``pallas``) or by XLA first (``xla``).
 
-    The pool is one layer's tier pool ``[R, P, W]`` reshaped to ``[R * P, W]`` (ids ``b * P + slot``)
-    or its resident pages ``[G, Z, W]`` reshaped to ``[G * Z, W]`` (ids from ``paged_row_ids``);
-    float rows or FP8 rows (uint8).
+    The pool is the tier's pool ``[L, B, P, W]`` reshaped to ``[L * B * P, W]`` or a layer's resident pages
+    ``[G, Z, W]`` reshaped to ``[G * Z, W]`` (ids from ``ess_jax.cache.flat_ids``); float rows or FP8 rows
+    (uint8).
     """
     mode = resolve_kernels(kernels)
     if mode == "xla":
@@ -111,14 +116,13 @@ def sparse_mla_pool(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, pool_PW: j
                   interpret=mode == "interpret")
 
 
-def paged_row_ids(page_table_BX: jax.Array, ids_BTK: jax.Array, page_size: int) -> jax.Array:
-    """Request positions ``ids_BTK`` (-1 = none) -> global row ids into pages ``[G, Z, W]`` viewed as
-    ``[G * Z, W]``: ``page_table[b, pos // Z] * Z + pos % Z`` (FlashMLA's sparse index), -1 kept."""
-    b = ids_BTK.shape[0]
-    safe_BTK = jnp.maximum(ids_BTK, 0)
-    page_BTK = jnp.take_along_axis(page_table_BX, (safe_BTK // page_size).reshape(b, -1), axis=1)
-    rows_BTK = page_BTK.reshape(ids_BTK.shape) * page_size + safe_BTK % page_size
-    return jnp.where(ids_BTK >= 0, rows_BTK, -1).astype(jnp.int32)
+def mla_attention(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, sources: list[RowSource], *, scale: float,
+                  kernels: str = "xla") -> tuple[jax.Array, jax.Array]:
+    """``sparse_mla_pool`` over each row source (``ess_jax.cache.RowSource``), merged: ``out f32[B, T, N, C]``
+    and ``lse f32[B, T, N]`` over the union of their rows."""
+    results = [sparse_mla_pool(q_latent_BTNC, q_rope_BTNR, s.rows_PW, s.ids_BTK, scale=scale, kernels=kernels)
+               for s in sources]
+    return _merge_all(results)
 
 
 def mla_row_width(latent_dim: int, rope_dim: int, dtype) -> int:
@@ -215,8 +219,35 @@ def sparse_sink_attention_pool(q_BTNH: jax.Array, window_PH: jax.Array, window_i
                                          scale=scale, interpret=mode == "interpret")
 
 
-def merge_attention(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array) -> jax.Array:
-    """Combine attention over two disjoint row sets: ``out [..., C]`` with ``lse [...]`` each.
+def sink_attention(q_BTNH: jax.Array, window: RowSource | None, entries: list[RowSource], sinks_N: jax.Array, *,
+                   scale: float, rope_dim: int, kernels: str = "xla") -> tuple[jax.Array, jax.Array]:
+    """``sparse_sink_attention`` over the window rows (float, or None) and entry sources in the store's format
+    (float or V4 FP8 rows, decoded with ``rope_dim``): one softmax over all of them with the sink. Two float
+    sources of one dtype go to the fused pool kernel; otherwise the rows are gathered (and decoded) first."""
+    sources = ([window] if window is not None else []) + list(entries)
+    dtypes = {s.rows_PW.dtype for s in sources}
+    if resolve_kernels(kernels) != "xla" and len(sources) <= 2 and len(dtypes) == 1 and jnp.uint8 not in dtypes:
+        first, *rest = sources
+        second = rest[0] if rest else None
+        return sparse_sink_attention_pool(q_BTNH, first.rows_PW, first.ids_BTK,
+                                          None if second is None else second.rows_PW,
+                                          None if second is None else second.ids_BTK, sinks_N, scale=scale,
+                                          kernels=kernels)
+    head_dim = q_BTNH.shape[-1]
+    rows, valid = [], []
+    for s in sources:
+        ok = s.ids_BTK >= 0
+        picked = s.rows_PW[jnp.where(ok, s.ids_BTK, 0)]
+        rows.append(decode_v4_rows(picked, q_BTNH.dtype, head_dim=head_dim, rope_dim=rope_dim))
+        valid.append(ok)
+    return sparse_sink_attention(q_BTNH, jnp.concatenate(rows, axis=2), jnp.concatenate(valid, axis=2), sinks_N,
+                                 scale=scale, kernels=kernels)
+
+
+def merge_attention(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array
+                    ) -> tuple[jax.Array, jax.Array]:
+    """Combine attention over two disjoint row sets: ``out [..., C]`` with ``lse [...]`` each; the union's
+    ``(out, lse)``.
 
     Exact up to float rounding: the softmax over the union weighs each half by
     ``exp(lse_half - lse_union)``. Halves with no rows (``lse = -inf``) contribute nothing; if both
@@ -226,4 +257,26 @@ def merge_attention(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b:
     safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
     weight_a = jnp.where(jnp.isfinite(lse_a), jnp.exp(lse_a - safe), 0.0)
     weight_b = jnp.where(jnp.isfinite(lse_b), jnp.exp(lse_b - safe), 0.0)
-    return out_a * weight_a[..., None] + out_b * weight_b[..., None]
+    return out_a * weight_a[..., None] + out_b * weight_b[..., None], lse
+
+
+def _merge_all(results: list[tuple[jax.Array, jax.Array]]) -> tuple[jax.Array, jax.Array]:
+    out, lse = results[0]
+    for out_b, lse_b in results[1:]:
+        out, lse = merge_attention(out, lse, out_b, lse_b)
+    return out, lse
+
+
+def dual_attention(attend: Callable[[list[RowSource], bool], tuple[jax.Array, jax.Array]], sources: Sources
+                   ) -> tuple[jax.Array, Any]:
+    """Attention over a store's sources (``ess_jax.cache.Sources``): ``attend(sources, ready)`` over the ready
+    ones, then over those in flight, merged exactly (ESS Dual-Attention: the ready half does not wait for
+    the transfer, and reads its rows before the store's writes after it). Returns the output and the
+    store ``sources.settle`` gives back."""
+    out, lse = attend(sources.ready, True)
+    ready = sources.ready
+    if sources.inflight:
+        with jax.named_scope("dual_attention"):
+            out, lse, ready = jax.lax.optimization_barrier((out, lse, ready))  # read before the misses land
+            out, lse = merge_attention(out, lse, *attend(sources.inflight, False))
+    return out, sources.settle(ready)

@@ -52,7 +52,7 @@ import math
 import sys
 from pathlib import Path
 
-from ess_jax import families
+from ess_jax import families, tier
 from ess_jax.cli import Parser
 from ess_jax.config import PRESETS, ConfigError, ModelConfig
 from ess_jax.families import Part
@@ -62,14 +62,8 @@ REAL_PRESETS = ("deepseek-v3.2", "deepseek-v4-flash", "deepseek-v4-pro")
 CACHE_DTYPES = ("bfloat16", "fp8")
 INDEX_DTYPES = ("auto", "bfloat16", "fp8", "fp4")
 ACCOUNTINGS = ("ess_jax", "paper")
-MAP_BYTES = 4  # ess_jax residency map: int32 slot per entry (tier.TieredLatents.resident_slot)
+MAP_BYTES = 4  # ess_jax residency map: int32 slot per entry (tier.LruPool.resident_slot)
 SLOT_TABLE_BYTES = 8  # ess_jax slot tables: int32 slot_entry + int32 slot_order per pool slot
-
-
-def pool_slots(entries: int, ratio: float, topk: int) -> int:
-    """Pool slots per (layer, request); the same rule as ``ess_jax.tier.pool_slots``."""
-    minimum = min(min(topk, entries) + 1, entries)
-    return min(max(math.ceil(ratio * entries), minimum), entries)
 
 
 def cache_parts(cfg: ModelConfig, cache_dtype: str, index_dtype: str = "auto") -> list[Part]:
@@ -101,7 +95,7 @@ def request_bytes(parts: list[Part], context: int, ratio: float, accounting: str
         if p.where != "offloaded":
             continue
         entries = p.entries(context)
-        slots = pool_slots(entries, ratio, p.topk)
+        slots = tier.pool_slots(entries, p.topk, pool_ratio=ratio)
         device += p.layers * slots * p.row_bytes
         if accounting == "ess_jax":
             device += p.layers * (entries * MAP_BYTES + slots * SLOT_TABLE_BYTES)

@@ -15,11 +15,10 @@ Query ``t`` sees entry ``e`` iff ``e < (t + 1) // m`` (the window is closed).
 
 Two forms over the same parameters:
 - ``__call__(x)``: every complete window of a whole sequence (the training / full-forward form);
-- ``step(x, positions, ring_kv, ring_gate, entries)``: appends ``T`` tokens to a request. The per-request
-  state is a ring of the projected ``(a, z + B)`` of the last ``coff * m`` positions (slot ``s % (coff*m)``:
-  the open window's pending tokens and, for CSA, the previous window's first halves); entries whose
-  window closes during the step are written into the growing ``entries`` buffer at their index.
-  ``close`` is its first half: the closed entries without a buffer (the HiSparse tier stores them).
+- ``close(x, positions, ring_kv, ring_gate)``: appends ``T`` tokens to a request. The per-request state is
+  a ring of the projected ``(a, z + B)`` of the last ``coff * m`` positions (slot ``s % (coff*m)``: the open
+  window's pending tokens and, for CSA, the previous window's first halves); it returns the entries whose
+  window closes during the step with their ids (the model writes them to its paged cache).
 Both give the same entries for any split of a sequence into steps.
 
 Axis letters: ess_jax.notation (``U`` pooling slots: m or 2m; ``Y`` projection width: coff * D).
@@ -114,18 +113,18 @@ class Compressor(nnx.Module):
     def close(self, x_BTD: jax.Array, positions_BT: jax.Array, ring_kv_BUY: jax.Array, ring_gate_BUY: jax.Array
               ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
         """Append ``T`` tokens at ``positions_BT`` (consecutive per request, starting at ``p0``) to the
-        rings. Returns the candidate entries ``new [B, E, D]`` with their ids ``entry i32[B, E]`` and
-        ``closes bool[B, E]`` (whether the window closed in this step; E = ceil(T / m)) and the rings."""
+        rings. Returns the candidate entries ``new [B, M, D]`` with their ids ``entry i32[B, M]`` and
+        ``closes bool[B, M]`` (whether the window closed in this step; M = ceil(T / m)) and the rings."""
         b, t, _ = x_BTD.shape
         m, ring = self.rate, self.ring_size
         kv_BTY, gate_BTY = self.project(x_BTD, positions_BT)
         p0_B = positions_BT[:, 0]
         # Entries whose last token lies in [p0, p0 + T): at most ceil(T / m) of them per request.
-        entry_BE = p0_B[:, None] // m + jnp.arange(-(-t // m))[None, :]
-        closes_BE = (entry_BE + 1) * m <= (p0_B + t)[:, None]
-        first_BE = entry_BE * m - (m if self.overlap else 0)
-        src_BEU = first_BE[..., None] + jnp.arange(ring)  # source positions of each entry's slots
-        flat = src_BEU.reshape(b, -1)
+        entry_BM = p0_B[:, None] // m + jnp.arange(-(-t // m))[None, :]
+        closes_BM = (entry_BM + 1) * m <= (p0_B + t)[:, None]
+        first_BM = entry_BM * m - (m if self.overlap else 0)
+        src_BMU = first_BM[..., None] + jnp.arange(ring)  # source positions of each entry's slots
+        flat = src_BMU.reshape(b, -1)
         from_new = flat >= p0_B[:, None]
         new_idx = jnp.clip(flat - p0_B[:, None], 0, t - 1)[..., None]
         ring_idx = (flat % ring)[..., None]
@@ -134,31 +133,15 @@ class Compressor(nnx.Module):
         gate = jnp.where(from_new[..., None], jnp.take_along_axis(gate_BTY, new_idx, axis=1),
                          jnp.take_along_axis(ring_gate_BUY, ring_idx, axis=1))
         before_start = (flat < 0)[..., None]  # the window before entry 0
-        kv = jnp.where(before_start, jnp.zeros_like(kv), kv).reshape(src_BEU.shape + kv.shape[-1:])
-        gate = jnp.where(before_start, -jnp.inf, gate).reshape(src_BEU.shape + gate.shape[-1:])
-        new_BED = self.pool(*self._slots(kv, gate), entry_BE)
+        kv = jnp.where(before_start, jnp.zeros_like(kv), kv).reshape(src_BMU.shape + kv.shape[-1:])
+        gate = jnp.where(before_start, -jnp.inf, gate).reshape(src_BMU.shape + gate.shape[-1:])
+        new_BMD = self.pool(*self._slots(kv, gate), entry_BM)
         # Only the last `ring` new tokens reach the ring (earlier ones would collide on a slot).
         batch_B1 = jnp.arange(b)[:, None]
         slot_BT = jnp.where(jnp.arange(t)[None, :] >= t - ring, positions_BT % ring, ring)
         ring_kv_BUY = ring_kv_BUY.at[batch_B1, slot_BT].set(kv_BTY.astype(ring_kv_BUY.dtype), mode="drop")
         ring_gate_BUY = ring_gate_BUY.at[batch_B1, slot_BT].set(gate_BTY, mode="drop")
-        return new_BED, entry_BE, closes_BE, ring_kv_BUY, ring_gate_BUY
-
-    def step(self, x_BTD: jax.Array, positions_BT: jax.Array, ring_kv_BUY: jax.Array, ring_gate_BUY: jax.Array,
-             entries_BMD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """``close``, then every window that closed written into the entries buffer at its index
-        (windows past the buffer's capacity are dropped). Returns the entries and the rings."""
-        new_BED, entry_BE, closes_BE, ring_kv_BUY, ring_gate_BUY = self.close(x_BTD, positions_BT, ring_kv_BUY,
-                                                                               ring_gate_BUY)
-        entries_BMD = write_entries(entries_BMD, new_BED.astype(entries_BMD.dtype), entry_BE, closes_BE)
-        return entries_BMD, ring_kv_BUY, ring_gate_BUY
-
-
-def write_entries(entries_BMX: jax.Array, new_BEX: jax.Array, entry_BE: jax.Array, closes_BE: jax.Array) -> jax.Array:
-    """Write the closed entries ``new_BEX`` (stored format) at their ids; others and ids past the
-    buffer's capacity are dropped."""
-    write_BE = jnp.where(closes_BE, entry_BE, entries_BMX.shape[1])
-    return entries_BMX.at[jnp.arange(entries_BMX.shape[0])[:, None], write_BE].set(new_BEX, mode="drop")
+        return new_BMD, entry_BM, closes_BM, ring_kv_BUY, ring_gate_BUY
 
 
 class IndexerScorer(nnx.Module):

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ess_jax import ops
-from ess_jax.cache import DeviceLatents, PagedCacheV32, StepMeta, gather_positions, write_slots
+from ess_jax.cache import PagedCacheV32, ResidentPages, StepMeta, request_rows, write_slots
 from ess_jax.config import ModelConfig
 from ess_jax.models.layers import (
     MLP, LayerNorm, Linear, MoE, RMSNorm, Router, apply_rope_half, apply_rope_interleaved, check_stage, index_scores,
@@ -124,8 +124,9 @@ class MLA(nnx.Module):
             kl = indexer_kl(probs_BNTS.sum(1), scores_BTS, mask_BTS)
         return self.o_proj(out_BTNV.reshape(b, t, -1)), kl
 
-    def step(self, x_BTD, cos, sin, meta: StepMeta, layer: int, cache: PagedCacheV32):
-        """Cached forward for ``T`` new tokens per request: ``(out, top-k ids i32[B, T, K], cache)``."""
+    def step(self, x_BTD, cos, sin, meta: StepMeta, layer: int, cache: PagedCacheV32, kernels: str):
+        """Cached forward for ``T`` new tokens per request: ``(out, top-k ids i32[B, T, K], cache)``; the latent
+        store gives the row sources, ``ops`` attends over them (``kernels``: the ops kernel choice)."""
         b, t, _ = x_BTD.shape
         q_nope_BTNH, q_rope_BTNR, q_resid_BTQ, rows_BTW = self._project(x_BTD, cos, sin)
         with jax.named_scope("indexer"):
@@ -135,8 +136,10 @@ class MLA(nnx.Module):
             j = new_keys_BTJ.shape[-1]
             index_keys = cache.index_keys.at[layer, page_BT, offset_BT].set(
                 ops.encode_mla_rows(new_keys_BTJ, cache.index_keys.dtype, latent_dim=j))
-            keys_BSJ = ops.decode_mla_rows(gather_positions(index_keys[layer], meta.page_table), x_BTD.dtype,
-                                           latent_dim=j, rope_dim=0)
+            positions = meta.page_table.shape[1] * cache.page_size
+            keys_BSJ = ops.decode_mla_rows(request_rows(index_keys[layer], meta.page_table, positions,
+                                                        page_size=cache.page_size), x_BTD.dtype, latent_dim=j,
+                                           rope_dim=0)
             visible_BTS = ((jnp.arange(keys_BSJ.shape[1])[None, None, :] <= meta.positions[..., None])
                            & meta.valid[..., None])
             scores_BTS = self.indexer.scores(x_BTD, q_resid_BTQ, keys_BSJ, visible_BTS, cos, sin)
@@ -144,8 +147,11 @@ class MLA(nnx.Module):
         with jax.named_scope("sparse_mla"):
             w_uk_NHC, w_uv_NVC = self._kv_b()
             q_latent_BTNC = jnp.einsum("btnh,nhc->btnc", q_nope_BTNH, w_uk_NHC)
-            out_BTNC, latent = cache.latent.attend(layer, meta, rows_BTW, ids_BTK, q_latent_BTNC, q_rope_BTNR,
-                                                   self.scale)
+            rows_BTW = ops.encode_mla_rows(rows_BTW, cache.latent.dtype, latent_dim=self.kv_rank)
+            sources = cache.latent.read(layer, meta, jnp.where(meta.valid, meta.positions, -1), rows_BTW, ids_BTK)
+            attend = lambda srcs, ready: ops.mla_attention(q_latent_BTNC, q_rope_BTNR, srcs,  # noqa: E731
+                                                           scale=self.scale, kernels=kernels)
+            out_BTNC, latent = ops.dual_attention(attend, sources)
             out_BTNV = jnp.einsum("btnc,nvc->btnv", out_BTNC.astype(x_BTD.dtype), w_uv_NVC)
         return self.o_proj(out_BTNV.reshape(b, t, -1)), ids_BTK, PagedCacheV32(index_keys, latent)
 
@@ -169,8 +175,8 @@ class DecoderLayer(nnx.Module):
         h = h + out
         return h + self.mlp(self.post_attention_layernorm(h)), kl
 
-    def step(self, h, cos, sin, meta: StepMeta, layer: int, cache: PagedCacheV32):
-        out, ids_BTK, cache = self.self_attn.step(self.input_layernorm(h), cos, sin, meta, layer, cache)
+    def step(self, h, cos, sin, meta: StepMeta, layer: int, cache: PagedCacheV32, kernels: str):
+        out, ids_BTK, cache = self.self_attn.step(self.input_layernorm(h), cos, sin, meta, layer, cache, kernels)
         h = h + out
         return h + self.mlp(self.post_attention_layernorm(h)), ids_BTK, cache
 
@@ -207,8 +213,10 @@ class DeepseekV32(nnx.Module):
             kl = kl + layer_kl
         return self.lm_head(self.norm(h)).astype(jnp.float32), kl
 
-    def init_cache(self, num_pages: int, page_size: int, latent_dtype=None) -> PagedCacheV32:
-        """An empty, fully resident paged cache: ``num_pages`` pages (page 0 is the null page).
+    def init_cache(self, rows: int, num_pages: int, page_size: int, latent_dtype=None) -> PagedCacheV32:
+        """An empty, fully resident paged cache: ``num_pages`` pages (page 0 is the null page) of ``page_size``
+        tokens; V3.2 keeps nothing per batch row, so ``rows`` (the batch rows) only fixes the signature both
+        families share.
         ``latent_dtype`` stores the latent rows (default: the model's dtype; uint8 = FP8 rows: 656-byte
         latent rows and 132-byte indexer keys at DeepSeek's shapes; other dtypes keep the keys in the
         model's dtype)."""
@@ -219,17 +227,18 @@ class DeepseekV32(nnx.Module):
         key_width = ops.mla_row_width(cfg.index_head_dim, 0, key_dtype)
         return PagedCacheV32(
             index_keys=jnp.zeros((n, num_pages, page_size, key_width), key_dtype),
-            latent=DeviceLatents(jnp.zeros((n, num_pages, page_size, width), latent_dtype)),
+            latent=ResidentPages(jnp.zeros((n, num_pages, page_size, width), latent_dtype), page_size=page_size, rate=1),
         )
 
-    def step(self, tokens_BT: jax.Array, meta: StepMeta, cache: PagedCacheV32
+    def step(self, tokens_BT: jax.Array, meta: StepMeta, cache: PagedCacheV32, *, kernels: str = "xla"
              ) -> tuple[jax.Array, jax.Array, PagedCacheV32]:
         """Write ``T`` tokens per request into ``cache``. Returns their logits ``f32[B, T, V]``, every
-        layer's top-k positions ``i32[L, B, T, K]`` (-1 = none) and the new cache."""
+        layer's top-k positions ``i32[L, B, T, K]`` (-1 = none) and the new cache. ``kernels``: the ops
+        kernel choice for attention (static)."""
         cos, sin = self._cos_sin(meta.positions)
         h = self.embed_tokens[...][tokens_BT]
         ids = []
         for i, layer in enumerate(self.layers):
-            h, ids_BTK, cache = layer.step(h, cos, sin, meta, i, cache)
+            h, ids_BTK, cache = layer.step(h, cos, sin, meta, i, cache, kernels)
             ids.append(ids_BTK)
         return self.lm_head(self.norm(h)).astype(jnp.float32), jnp.stack(ids), cache

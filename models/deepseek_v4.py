@@ -11,10 +11,12 @@ Two forward forms over the same parameters:
 - ``__call__(tokens)``: the full causal forward (training / reference form): dense masked attention
   over every window key and compressed entry, the indexer's top-k entering as a mask, as in
   transformers.
-- ``step(tokens, cache)``: the cached form for any number of new tokens per request. The window
-  keys, compressor rings and compressed entries live in an explicit ``V4Cache``; each query gathers
-  its window rows and its compressed rows (CSA: top-k ids, HCA: all visible) and attends over just
-  those (``ops.sparse_sink_attention``). Prefill in chunks of any sizes gives the one-shot result.
+- ``step(tokens, meta, cache)``: the cached form for any number of new tokens per request. The window
+  keys and compressor rings live per batch row in an explicit ``ess_jax.cache.V4Cache``, the compressed
+  entries and the CSA indexer keys in pages (one entry per m tokens) through the request's page table;
+  each query attends over its window rows and its compressed rows (CSA: the indexer's top-k, read through
+  the entries' store, resident or the HiSparse tier; HCA: every visible entry) as row sources
+  (``ops.sink_attention``). Prefill in chunks of any sizes gives the one-shot result.
 
 Parameter names mirror transformers' ``DeepseekV4ForCausalLM`` module tree (``checkpoint.hf_name``).
 Axis letters: ess_jax.notation; X = hc streams, G = output groups, O = o-LoRA rank.
@@ -23,81 +25,21 @@ Axis letters: ess_jax.notation; X = hc streams, G = output groups, O = o-LoRA ra
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from ess_jax import ops
-from ess_jax.cache import StepMeta
+from ess_jax.cache import (CsaCache, HcaCache, ResidentPages, RowSource, StepMeta, V4Cache, check_geometry,
+                           entries_per_page, flat_ids, locate, request_rows)
 from ess_jax.config import ModelConfig
 from ess_jax.models import mhc
-from ess_jax.models.compressor import CSACompressor, Compressor, Indexer, TailRope, visible_entries, write_entries
+from ess_jax.models.compressor import CSACompressor, Compressor, Indexer, TailRope, visible_entries
 from ess_jax.models.layers import Linear, MoE, RMSNorm, Router, check_stage, index_topk, indexer_kl, rms_normalize
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
-
-
-# ---- cache -------------------------------------------------------------------------------------
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class V4State:
-    """Fixed-size per-request state: what the next tokens need besides the compressed entries.
-
-    ``n_win`` = sliding_window; ``m`` / ``m'`` the CSA / HCA compress rates; Lc / Lh the number of
-    CSA / HCA layers (in layer order). Position ``s`` lives at ring slot ``s % ring``.
-    """
-
-    window: jax.Array  # [L, B, n_win, H] keys (K = V, kv_norm + RoPE applied) of the last n_win positions
-    csa_kv: jax.Array  # [Lc, B, 2m, 2H] CSA compressor inputs a of the open and the previous window
-    csa_gate: jax.Array  # f32[Lc, B, 2m, 2H] their gate logits + position bias z
-    index_kv: jax.Array  # [Lc, B, 2m, 2J] the same for the indexer's compressor
-    index_gate: jax.Array  # f32[Lc, B, 2m, 2J]
-    hca_kv: jax.Array  # [Lh, B, m', H] HCA compressor inputs of the open window
-    hca_gate: jax.Array  # f32[Lh, B, m', H]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class V4Entries:
-    """Compressed entries, growing by one per closed window; entry ``e`` covers tokens from ``e * m``.
-
-    ``csa`` is resident ``[Lc, B, Mc, H]`` or, with HiSparse offload, an ``ess_jax.tier.TieredLatents``
-    over ``Lc`` layers whose host store holds one page of ``Mc`` entries per batch row (page
-    ``row + 1``; page 0 is the null page) and whose device pool holds each row's working set."""
-
-    csa: Any  # [Lc, B, Mc, H] CSA entries (kv_norm + RoPE at e*m), Mc = capacity // m; or a TieredLatents
-    index_keys: jax.Array  # [Lc, B, Mc, J] the CSA indexer's keys, one per CSA entry
-    hca: jax.Array  # [Lh, B, Mh, H] HCA entries, Mh = capacity // m'
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class V4Cache:
-    state: V4State
-    entries: V4Entries
-    lengths: jax.Array  # i32[B] positions already written per request
-    kernels: str = dataclasses.field(default="xla", metadata=dict(static=True))  # ops kernel choice
-
-    def begin_step(self) -> V4Cache:
-        """Start-of-step work of the HiSparse tier (the backup of the last step's entries);
-        nothing for a resident cache."""
-        if isinstance(self.entries.csa, jax.Array):
-            return self
-        return dataclasses.replace(self, entries=dataclasses.replace(self.entries, csa=self.entries.csa.begin_step()))
-
-
-@dataclasses.dataclass
-class TierLayer:
-    """One CSA layer's view of the HiSparse tier during a decode step (lives only inside a trace)."""
-
-    tier: Any  # ess_jax.tier.TieredLatents over the CSA layers
-    layer: int  # this layer's index among the CSA layers
-    page_table_BX: jax.Array  # i32[B, 1] each request's host page (batch row + 1)
-    active_B: jax.Array  # bool[B] rows that decode
 
 
 # ---- attention ---------------------------------------------------------------------------------
@@ -206,80 +148,85 @@ class Attention(nnx.Module):
             kl = indexer_kl(probs_BTNS[..., t:].sum(2), scores_BTM, visible_BTS[..., t:])
         return self._output(out_BTNH, cos, sin, x_BTD.dtype), kl
 
-    def step(self, x_BTD, positions_BT, window_BSH, comp, kernels: str = "xla"
-             ) -> tuple[jax.Array, jax.Array, tuple, jax.Array | None]:
-        """Cached forward for ``T`` new tokens per request at ``positions_BT``.
+    def step(self, x_BTD, meta: StepMeta, window_BSH, record, index: int, kernels: str):
+        """Cached forward for ``T`` new tokens per request at ``meta.positions``.
 
-        ``window_BSH`` is the request's window ring ``[B, n_win, H]``; ``comp`` this layer's compressor
-        arrays: CSA ``(ring_kv, ring_gate, entries, index_ring_kv, index_ring_gate, index_keys)``,
-        HCA ``(ring_kv, ring_gate, entries)``, sliding ``()``. A CSA layer's entries may be a
-        ``TierLayer`` (HiSparse decode, T = 1). ``kernels``: the ops kernel choice for attention.
-        Returns ``(out, window, comp, ids)`` updated, ``ids``
-        the CSA indexer's picks ``i32[B, T, K]`` (None for other layers or before the first entry).
-        """
+        ``window_BSH`` is the request's window ring ``[B, n_win, H]``; ``record`` the layer kind's cache
+        (``CsaCache`` / ``HcaCache``, rings already this step's batch rows; None for sliding layers) and
+        ``index`` this layer's place in it. Rows that do not run (``meta.valid`` False) write their entries
+        to the null page. ``kernels``: the ops kernel choice. Returns ``(out, window, record, ids)``, ``ids``
+        the CSA indexer's picks ``i32[B, T, K]`` (None for other layers or before the first entry)."""
         b, t, _ = x_BTD.shape
-        n_win = self.window
+        n_win, positions_BT = self.window, meta.positions
+        run_B1 = meta.valid[:, :1]
         cos, sin = self.rope.cos_sin(positions_BT)
         q_BTNH, q_resid_BTQ, kv_BTH = self._project(x_BTD, cos, sin)
         p0_B1 = positions_BT[:, :1]
         # Window rows: key positions t - n_win + 1 .. t, from the ring (before p0) or the new keys.
-        pool_BSH = jnp.concatenate([window_BSH.astype(kv_BTH.dtype), kv_BTH], axis=1)
+        keys_BSH = jnp.concatenate([window_BSH.astype(kv_BTH.dtype), kv_BTH], axis=1)
         key_pos_BTS = positions_BT[..., None] - n_win + 1 + jnp.arange(n_win)
         slot_BTS = jnp.where(key_pos_BTS < p0_B1[..., None], key_pos_BTS % n_win,
                              n_win + key_pos_BTS - p0_B1[..., None])
-        rows = [jax.vmap(lambda pool, ids: pool[ids])(pool_BSH, slot_BTS)]
-        valid = [key_pos_BTS >= 0]
-        ids_BTK, out_BTNH = None, None
+        row_BTS = jnp.arange(b)[:, None, None] * keys_BSH.shape[1] + slot_BTS
+        window = RowSource(keys_BSH.reshape(-1, keys_BSH.shape[-1]), jnp.where(key_pos_BTS >= 0, row_BTS, -1))
+        attend = functools.partial(ops.sink_attention, q_BTNH, scale=self.scale, rope_dim=self.rope.dim,
+                                   kernels=kernels)
+        sinks_N, ids_BTK, out_BTNH = self.sinks[...], None, None
         if self.layer_type == CSA:
-            ring_kv, ring_gate, entries, index_kv, index_gate, keys_BMJ = comp
+            page_size, m = record.entries.page_size, self.compressor.rate
+            geometry = dict(page_size=page_size, rate=m)
             indexer = self.compressor.indexer
-            tiered = isinstance(entries, TierLayer)
-            store_dtype = entries.tier.pool.dtype if tiered else entries.dtype  # uint8: FP8 rows
             with jax.named_scope("compressor"):
-                new_BEH, entry_BE, closes_BE, ring_kv, ring_gate = self.compressor.close(x_BTD, positions_BT, ring_kv,
-                                                                                         ring_gate)
-                new_BEX = ops.encode_v4_rows(new_BEH, store_dtype, rope_dim=self.rope.dim)
-                if not tiered:
-                    entries = write_entries(entries, new_BEX, entry_BE, closes_BE)
+                new_BMH, entry_BM, closes_BM, kv_ring, gate_ring = self.compressor.close(
+                    x_BTD, positions_BT, record.kv_ring[index], record.gate_ring[index])
+                new_ids_BM = jnp.where(closes_BM & run_B1, entry_BM, -1)
+                new_BMW = ops.encode_v4_rows(new_BMH, record.entries.dtype, rope_dim=self.rope.dim)
             with jax.named_scope("indexer"):
-                keys_BMJ, index_kv, index_gate = indexer.step(x_BTD, positions_BT, index_kv, index_gate, keys_BMJ)
-            if keys_BMJ.shape[1] > 0:  # a cache too small for one entry has nothing to select
+                keys_BMJ, key_BM, key_closes_BM, index_kv, index_gate = indexer.close(
+                    x_BTD, positions_BT, record.index_kv_ring[index], record.index_gate_ring[index])
+                key_page_BM, key_offset_BM = locate(meta.page_table, jnp.where(key_closes_BM & run_B1, key_BM, -1),
+                                                    **geometry)
+                index_keys = record.index_keys.at[index, key_page_BM, key_offset_BM].set(
+                    keys_BMJ.astype(record.index_keys.dtype))
+            entries = record.entries
+            count = meta.page_table.shape[1] * page_size // m  # entries a request's page table reaches
+            if count > 0:  # a cache too small for one entry has nothing to select
                 with jax.named_scope("indexer"):
-                    visible_BTM = visible_entries(positions_BT, keys_BMJ.shape[1], self.compressor.rate)
-                    scores_BTM = indexer.scores(x_BTD, q_resid_BTQ, keys_BMJ, visible_BTM, cos, sin)
+                    keys_BMJ = request_rows(index_keys[index], meta.page_table, count, **geometry)
+                    scores_BTM = indexer.scores(x_BTD, q_resid_BTQ, keys_BMJ,
+                                                visible_entries(positions_BT, count, m), cos, sin)
                     ids_BTK = index_topk(scores_BTM, indexer.top_k)
-                if tiered:  # HiSparse: window + resident entries, fetched entries, merged
-                    new_id_B = jnp.where(closes_BE[:, 0] & entries.active_B, entry_BE[:, 0], -1)
-                    with jax.named_scope("sparse_attention"):
-                        out_BTNH, tier = entries.tier.attend_entries(
-                            entries.layer, entries.page_table_BX, entries.active_B, new_BEX[:, 0], new_id_B, ids_BTK,
-                            q_BTNH, rows[0].astype(kv_BTH.dtype), valid[0], self.sinks[...], self.scale,
-                            rope_dim=self.rope.dim)
-                    entries = dataclasses.replace(entries, tier=tier)
-                else:
-                    picked_BTKX = jax.vmap(lambda e, ids: e[ids])(entries, jnp.maximum(ids_BTK, 0))
-                    rows.append(ops.decode_v4_rows(picked_BTKX, kv_BTH.dtype, head_dim=self.head_dim,
-                                                   rope_dim=self.rope.dim))
-                    valid.append(ids_BTK >= 0)
-            comp = (ring_kv, ring_gate, entries, index_kv, index_gate, keys_BMJ)
+                with jax.named_scope("sparse_attention"):  # HiSparse: window + resident entries, fetched entries
+                    sources = entries.read(index, meta, new_ids_BM, new_BMW, ids_BTK)
+                    no_sink_N = jnp.full(sinks_N.shape, -jnp.inf, jnp.float32)
+                    out_BTNH, entries = ops.dual_attention(
+                        lambda srcs, ready: attend(window if ready else None, srcs, sinks_N if ready else no_sink_N),
+                        sources)
+            record = CsaCache(record.kv_ring.at[index].set(kv_ring), record.gate_ring.at[index].set(gate_ring),
+                              record.index_kv_ring.at[index].set(index_kv),
+                              record.index_gate_ring.at[index].set(index_gate), entries, index_keys)
         elif self.layer_type == HCA:
-            ring_kv, ring_gate, entries_BMH = comp
+            geometry = dict(page_size=record.page_size, rate=self.compressor.rate)
             with jax.named_scope("compressor"):
-                entries_BMH, ring_kv, ring_gate = self.compressor.step(x_BTD, positions_BT, ring_kv, ring_gate,
-                                                                       entries_BMH)
-            n = entries_BMH.shape[1]
-            rows.append(jnp.broadcast_to(entries_BMH[:, None], (b, t) + entries_BMH.shape[1:]))
-            valid.append(visible_entries(positions_BT, n, self.compressor.rate))
-            comp = (ring_kv, ring_gate, entries_BMH)
+                new_BMH, entry_BM, closes_BM, kv_ring, gate_ring = self.compressor.close(
+                    x_BTD, positions_BT, record.kv_ring[index], record.gate_ring[index])
+                page_BM, offset_BM = locate(meta.page_table, jnp.where(closes_BM & run_B1, entry_BM, -1), **geometry)
+                entries = record.entries.at[index, page_BM, offset_BM].set(new_BMH.astype(record.entries.dtype))
+            count = meta.page_table.shape[1] * record.page_size // self.compressor.rate
+            ids_BTM = jnp.where(visible_entries(positions_BT, count, self.compressor.rate), jnp.arange(count), -1)
+            _, g, e, h = entries.shape
+            hca = RowSource(entries[index].reshape(g * e, h), flat_ids(meta.page_table, ids_BTM, **geometry))
+            with jax.named_scope("sparse_attention"):
+                out_BTNH, _ = attend(window, [hca], sinks_N)
+            record = HcaCache(record.kv_ring.at[index].set(kv_ring), record.gate_ring.at[index].set(gate_ring),
+                              entries, record.page_size)
         if out_BTNH is None:
             with jax.named_scope("sparse_attention"):
-                rows_BTKH = jnp.concatenate([r.astype(kv_BTH.dtype) for r in rows], axis=2)
-                out_BTNH, _ = ops.sparse_sink_attention(q_BTNH, rows_BTKH, jnp.concatenate(valid, axis=2),
-                                                        self.sinks[...], scale=self.scale, kernels=kernels)
+                out_BTNH, _ = attend(window, [], sinks_N)
         # Only the last n_win new keys reach the ring (earlier ones would collide on a slot).
         write_BT = jnp.where(jnp.arange(t)[None, :] >= t - n_win, positions_BT % n_win, n_win)
         window_BSH = window_BSH.at[jnp.arange(b)[:, None], write_BT].set(kv_BTH.astype(window_BSH.dtype), mode="drop")
-        return self._output(out_BTNH, cos, sin, x_BTD.dtype), window_BSH, comp, ids_BTK
+        return self._output(out_BTNH, cos, sin, x_BTD.dtype), window_BSH, record, ids_BTK
 
 
 # ---- model -------------------------------------------------------------------------------------
@@ -311,12 +258,12 @@ class DecoderLayer(nnx.Module):
         streams_BTXD = mhc.merge(post, comb, out, streams_BTXD)
         return self._ffn(streams_BTXD, tokens_BT), kl
 
-    def step(self, streams_BTXD, tokens_BT, positions_BT, window_BSH, comp, kernels: str = "xla"):
+    def step(self, streams_BTXD, tokens_BT, meta: StepMeta, window_BSH, record, index: int, kernels: str):
         post, comb, x_BTD = self.attn_hc(streams_BTXD)
-        out, window_BSH, comp, ids_BTK = self.self_attn.step(self.input_layernorm(x_BTD), positions_BT, window_BSH,
-                                                             comp, kernels)
+        out, window_BSH, record, ids_BTK = self.self_attn.step(self.input_layernorm(x_BTD), meta, window_BSH, record,
+                                                               index, kernels)
         streams_BTXD = mhc.merge(post, comb, out, streams_BTXD)
-        return self._ffn(streams_BTXD, tokens_BT), window_BSH, comp, ids_BTK
+        return self._ffn(streams_BTXD, tokens_BT), window_BSH, record, ids_BTK
 
 
 class DeepseekV4(nnx.Module):
@@ -362,109 +309,76 @@ class DeepseekV4(nnx.Module):
         types = self.cfg.layer_types
         return [i for i, t in enumerate(types) if t == CSA], [i for i, t in enumerate(types) if t == HCA]
 
-    def init_cache(self, batch: int, capacity: int, csa_dtype=None) -> V4Cache:
-        """An empty cache for ``batch`` requests of up to ``capacity`` positions each. ``csa_dtype``: the
-        CSA entries' storage (default the model dtype; uint8 = FP8 rows, ops.encode_v4_rows)."""
+    def init_cache(self, rows: int, num_pages: int, page_size: int, csa_dtype=None) -> V4Cache:
+        """An empty cache: window and compressor rings for ``rows`` batch rows, compressed entries and indexer
+        keys in ``num_pages`` pages (page 0 is the null page) of ``page_size`` tokens. ``csa_dtype``: the CSA
+        entries' storage (default the model dtype; uint8 = FP8 rows, ops.encode_v4_rows)."""
         cfg, dtype = self.cfg, self.dtype
         csa_dtype = dtype if csa_dtype is None else csa_dtype
         csa, hca = self.layer_groups()
         lc, lh, m, mh = len(csa), len(hca), cfg.compress_rate_csa, cfg.compress_rate_hca
+        for rate in (m, mh):
+            check_geometry(page_size, rate)
         h, j = cfg.head_dim, cfg.index_head_dim
-        zeros = lambda *shape, dt=dtype: jnp.zeros(shape, dt)
-        state = V4State(
-            window=zeros(cfg.num_hidden_layers, batch, cfg.sliding_window, h),
-            csa_kv=zeros(lc, batch, 2 * m, 2 * h), csa_gate=zeros(lc, batch, 2 * m, 2 * h, dt=jnp.float32),
-            index_kv=zeros(lc, batch, 2 * m, 2 * j), index_gate=zeros(lc, batch, 2 * m, 2 * j, dt=jnp.float32),
-            hca_kv=zeros(lh, batch, mh, h), hca_gate=zeros(lh, batch, mh, h, dt=jnp.float32),
-        )
+        zeros = lambda *shape, dt=dtype: jnp.zeros(shape, dt)  # noqa: E731
+        per_csa, per_hca = entries_per_page(page_size, m), entries_per_page(page_size, mh)
         csa_width = ops.v4_row_width(h, cfg.qk_rope_head_dim, csa_dtype)
-        entries = V4Entries(csa=zeros(lc, batch, capacity // m, csa_width, dt=csa_dtype),
-                            index_keys=zeros(lc, batch, capacity // m, j),
-                            hca=zeros(lh, batch, capacity // mh, h))
-        return V4Cache(state, entries, jnp.zeros((batch,), jnp.int32))
+        return V4Cache(
+            window=zeros(cfg.num_hidden_layers, rows, cfg.sliding_window, h),
+            csa=CsaCache(kv_ring=zeros(lc, rows, 2 * m, 2 * h), gate_ring=zeros(lc, rows, 2 * m, 2 * h, dt=jnp.float32),
+                         index_kv_ring=zeros(lc, rows, 2 * m, 2 * j),
+                         index_gate_ring=zeros(lc, rows, 2 * m, 2 * j, dt=jnp.float32),
+                         entries=ResidentPages(zeros(lc, num_pages, per_csa, csa_width, dt=csa_dtype),
+                                               page_size=page_size, rate=m),
+                         index_keys=zeros(lc, num_pages, per_csa, j)),
+            hca=HcaCache(kv_ring=zeros(lh, rows, mh, h), gate_ring=zeros(lh, rows, mh, h, dt=jnp.float32),
+                         entries=zeros(lh, num_pages, per_hca, h), page_size=page_size))
 
-    def step(self, tokens_BT: jax.Array, meta: StepMeta, cache: V4Cache) -> tuple[jax.Array, jax.Array, V4Cache]:
+    def step(self, tokens_BT: jax.Array, meta: StepMeta, cache: V4Cache, *, kernels: str = "xla"
+             ) -> tuple[jax.Array, jax.Array, V4Cache]:
         """The engine's step: ``T`` tokens for the requests in batch rows ``meta.rows`` of ``cache``.
 
-        A row whose first position is 0 starts a new request: its state is cleared first. Every token
-        must be real (no padding: the compressors would pool it); inactive rows (``meta.valid`` False)
-        run but leave their rows unchanged, so a row whose prompt is mid-prefill survives decode steps.
-        With the HiSparse tier in ``cache.entries.csa`` the step is a decode step over every batch row
-        (``meta.rows`` = 0..B-1, T = 1) and inactive rows leave the tier alone. Returns logits ``f32[B, T, V]``, the CSA indexer's top-k entry ids
-        ``i32[Lc, B, T, K]`` (-1 = none; ``K = 0`` before the cache holds an entry) and the cache.
+        A row whose first position is 0 starts a new request: its window and rings are cleared first. Every
+        token must be real (no padding: the compressors would pool it); rows that do not run (``meta.valid``
+        False) leave their rows and pages unchanged, so a row whose prompt is mid-prefill survives decode
+        steps. With the HiSparse tier as the CSA entries' store the step is a decode step over every batch
+        row (``meta.rows`` = 0..B-1, T = 1). ``kernels``: the ops kernel choice (static). Returns logits
+        ``f32[B, T, V]``, the CSA indexer's top-k entry ids ``i32[Lc, B, T, K]`` (-1 = none; ``K = 0`` before
+        the cache holds an entry) and the cache.
         """
-        rows_B, start_B = meta.rows, meta.positions[:, 0]
-        fresh_B = start_B == 0
+        b, t = tokens_BT.shape
+        rows_B, run_B = meta.rows, meta.valid[:, 0]
+        fresh_B = meta.positions[:, 0] == 0
 
-        def take(x):  # [layers, batch, ...] -> this step's rows, cleared for new requests
+        def take(x):  # [layers, batch rows, ...] -> this step's rows, cleared for new requests
             sub = x[:, rows_B]
             return jnp.where(fresh_B.reshape((1, -1) + (1,) * (sub.ndim - 2)), jnp.zeros_like(sub), sub)
 
-        run_B = meta.valid[:, 0]  # rows that run; the others keep their rows (a prompt mid-prefill among them)
-
-        def put(x, new):
+        def put(x, new):  # the rows that ran back into their batch rows
             keep = run_B.reshape((1, -1) + (1,) * (new.ndim - 2))
             return x.at[:, rows_B].set(jnp.where(keep, new, x[:, rows_B]))
 
-        en = cache.entries
-        tiered = not isinstance(en.csa, jax.Array)
-        csa = en.csa if tiered else take(en.csa)
-        tier_meta = ((rows_B + 1)[:, None], meta.valid[:, 0]) if tiered else None
-        sub = V4Cache(jax.tree.map(take, cache.state), V4Entries(csa, take(en.index_keys), take(en.hca)), start_B,
-                      cache.kernels)
-        logits, ids_LBTK, sub = self._step_rows(tokens_BT, sub, tier_meta)
-        entries = V4Entries(sub.entries.csa if tiered else put(en.csa, sub.entries.csa),
-                            put(en.index_keys, sub.entries.index_keys), put(en.hca, sub.entries.hca))
-        lengths = cache.lengths.at[rows_B].set(jnp.where(run_B, sub.lengths, cache.lengths[rows_B]))
-        cache = V4Cache(jax.tree.map(put, cache.state, sub.state), entries, lengths, cache.kernels)
-        return logits, ids_LBTK, cache
-
-    def step_contiguous(self, tokens_BT: jax.Array, cache: V4Cache) -> tuple[jax.Array, V4Cache]:
-        """Append ``T`` tokens per request to a resident ``cache`` (batch row b = request b); logits
-        ``f32[B, T, V]`` and the new cache."""
-        logits_BTV, _, cache = self._step_rows(tokens_BT, cache, None)
-        return logits_BTV, cache
-
-    def _step_rows(self, tokens_BT: jax.Array, cache: V4Cache, tier_meta) -> tuple[jax.Array, jax.Array, V4Cache]:
-        """``step_contiguous`` plus the CSA top-k ids ``i32[Lc, B, T, K]``; ``tier_meta =
-        (page_table_BX, active_B)`` when ``cache.entries.csa`` is the HiSparse tier, else None."""
-        b, t = tokens_BT.shape
-        positions_BT = cache.lengths[:, None] + jnp.arange(t)[None, :]
-        st, en = cache.state, cache.entries
-        csa, hca = self.layer_groups()
-        tier = en.csa if tier_meta is not None else None
-        windows, csa_out, hca_out, csa_ids = [], [], [], []
+        rings = lambda r: {k: getattr(r, k) for k in r.ROW_STATE}  # noqa: E731
+        csa = dataclasses.replace(cache.csa, **jax.tree.map(take, rings(cache.csa)))
+        hca = dataclasses.replace(cache.hca, **jax.tree.map(take, rings(cache.hca)))
+        window_LBSH = take(cache.window)
+        csa_layers, hca_layers = self.layer_groups()
+        windows, csa_ids = [], []
         streams_BTXD = self._embed(tokens_BT)
         for i, layer in enumerate(self.layers):
-            if i in csa:
-                c = csa.index(i)
-                entries = en.csa[c] if tier is None else TierLayer(tier, c, *tier_meta)
-                comp = (st.csa_kv[c], st.csa_gate[c], entries, st.index_kv[c], st.index_gate[c], en.index_keys[c])
-            elif i in hca:
-                c = hca.index(i)
-                comp = (st.hca_kv[c], st.hca_gate[c], en.hca[c])
-            else:
-                comp = ()
-            streams_BTXD, window_BSH, comp, ids_BTK = layer.step(streams_BTXD, tokens_BT, positions_BT, st.window[i],
-                                                                 comp, cache.kernels)
-            windows.append(window_BSH)
-            if i in csa:
-                if tier is not None:
-                    tier = comp[2].tier
-                    comp = comp[:2] + (None,) + comp[3:]
-                csa_out.append(comp)
+            if i in csa_layers:
+                streams_BTXD, window_BSH, csa, ids_BTK = layer.step(streams_BTXD, tokens_BT, meta, window_LBSH[i], csa,
+                                                                    csa_layers.index(i), kernels)
                 csa_ids.append(jnp.zeros((b, t, 0), jnp.int32) if ids_BTK is None else ids_BTK)
-            elif i in hca:
-                hca_out.append(comp)
-
-        def stack(group, k, old):
-            return jnp.stack([g[k] for g in group]) if group else old
-
-        state = V4State(window=jnp.stack(windows),
-                        csa_kv=stack(csa_out, 0, st.csa_kv), csa_gate=stack(csa_out, 1, st.csa_gate),
-                        index_kv=stack(csa_out, 3, st.index_kv), index_gate=stack(csa_out, 4, st.index_gate),
-                        hca_kv=stack(hca_out, 0, st.hca_kv), hca_gate=stack(hca_out, 1, st.hca_gate))
-        entries = V4Entries(csa=tier if tier is not None else stack(csa_out, 2, en.csa),
-                            index_keys=stack(csa_out, 5, en.index_keys), hca=stack(hca_out, 2, en.hca))
+            elif i in hca_layers:
+                streams_BTXD, window_BSH, hca, _ = layer.step(streams_BTXD, tokens_BT, meta, window_LBSH[i], hca,
+                                                              hca_layers.index(i), kernels)
+            else:
+                streams_BTXD, window_BSH, _, _ = layer.step(streams_BTXD, tokens_BT, meta, window_LBSH[i], None, 0,
+                                                            kernels)
+            windows.append(window_BSH)
+        cache = V4Cache(window=put(cache.window, jnp.stack(windows)),
+                        csa=dataclasses.replace(csa, **jax.tree.map(put, rings(cache.csa), rings(csa))),
+                        hca=dataclasses.replace(hca, **jax.tree.map(put, rings(cache.hca), rings(hca))))
         ids_LBTK = jnp.stack(csa_ids) if csa_ids else jnp.zeros((0, b, t, 0), jnp.int32)
-        return self._head(streams_BTXD), ids_LBTK, V4Cache(state, entries, cache.lengths + t, cache.kernels)
+        return self._head(streams_BTXD), ids_LBTK, cache

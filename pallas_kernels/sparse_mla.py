@@ -15,7 +15,7 @@ with an online softmax in float32, ``block_k`` rows at a time (ess_jax.pallas_ke
 reshape away:
   - the tier's pool ``[R, P, W]`` of one layer -> ``pool.reshape(R * P, W)``, ids ``b * P + slot``;
   - the resident pages ``[G, Z, W]`` of one layer -> ``pages.reshape(G * Z, W)``, ids
-    ``page_table[b, pos // Z] * Z + pos % Z`` (``ess_jax.ops.paged_row_ids``).
+    ``page_table[b, pos // Z] * Z + pos % Z`` (``ess_jax.cache.flat_ids``).
 
 **Sentinels.** An id ``< 0`` means "no row": it is skipped, whatever the pool holds at any row it
 could alias (unused rows may be NaN). A query with no valid id returns ``out = 0`` and

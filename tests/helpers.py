@@ -75,23 +75,25 @@ def lively_v32(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32) -> DeepseekV3
 
 
 # One jitted step for every PagedRun: runs over equal modules and shapes share the compiled executable.
-_STEP = jax.jit(lambda graphdef, p, x, m, c: nnx.merge(graphdef, p).step(x, m, c), static_argnums=0, donate_argnums=4)
+_STEP = jax.jit(lambda graphdef, kernels, p, x, m, c: nnx.merge(graphdef, p).step(x, m, c, kernels=kernels),
+                static_argnums=(0, 1), donate_argnums=5)
 
 
 class PagedRun:
-    """Drive a model's paged ``step`` directly: ``batch`` requests with fragmented (interleaved,
-    reversed) page tables, so page arithmetic errors cannot hide behind contiguous layouts."""
+    """Drive a model's paged ``step`` directly (either family): ``batch`` requests in batch rows 0..B-1 with
+    fragmented (interleaved, reversed) page tables, so page arithmetic errors cannot hide behind contiguous
+    layouts. ``kernels``: the ops kernel choice of the step."""
 
-    def __init__(self, module, batch: int, capacity: int, page_size: int = 4):
+    def __init__(self, module, batch: int, capacity: int, page_size: int = 4, kernels: str = "xla"):
         self.page_size = page_size
         pages = -(-capacity // page_size)
-        self.cache = module.init_cache(batch * pages + 1, page_size)
+        self.cache = module.init_cache(batch, batch * pages + 1, page_size)
         # request b owns pages b+1, b+1+batch, ... in reverse order
         self.page_table = np.stack([np.arange(b + 1, batch * pages + 1, batch)[::-1] for b in range(batch)])
         self.page_table = self.page_table.astype(np.int32)
         self.lengths = np.zeros(batch, np.int32)
         graphdef, self.params = nnx.split(module)
-        self._step = functools.partial(_STEP, graphdef)
+        self._step = functools.partial(_STEP, graphdef, kernels)
 
     def __call__(self, tokens_BT, valid_BT=None) -> np.ndarray:
         tokens_BT = np.asarray(tokens_BT, np.int32)

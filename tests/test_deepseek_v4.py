@@ -20,6 +20,7 @@ from safetensors.numpy import save_file
 
 import ess_jax
 from ess_jax import ops
+from ess_jax.cache import StepMeta
 from ess_jax.checkpoint import CheckpointError, SafetensorsFile, hf_name, release_to_hf_name
 from ess_jax.config import ConfigError, ModelConfig, RopeConfig
 from ess_jax.models.compressor import Compressor, TailRope
@@ -28,6 +29,9 @@ from ess_jax.models.layers import Buffer
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf-v4-a"
 CAPACITY = 336  # >= 300-token prompt + 24 new tokens; one cache shape for every step test
+PAGE = 16  # tokens per page: 4 CSA entries (4:1), 1 HCA entry (16:1)
+PAGES = CAPACITY // PAGE
+TABLE = np.arange(PAGES, 0, -1, dtype=np.int32)[None]  # the request's pages, reversed: page arithmetic must hold
 
 
 def _close(got, want, what, rel=1e-4):
@@ -37,12 +41,27 @@ def _close(got, want, what, rel=1e-4):
     assert err <= rel * scale, f"{what}: max abs err {err:.3g} vs scale {scale:.3g}"
 
 
+def _empty_cache(model):
+    return model.module.init_cache(1, PAGES + 1, PAGE)
+
+
 @pytest.fixture(scope="module")
 def hf():
-    """The fixture model and its jitted full forward / step (params as arguments, cache donated)."""
+    """The fixture model and ``step(tokens, cache, start) -> (logits, cache)``: one request in batch row 0
+    with the pages of ``TABLE``, its tokens from position ``start`` (params as arguments, cache donated)."""
     model = ess_jax.load_model(FIXTURE)
     graphdef = model.graphdef
-    step = jax.jit(lambda p, tokens, cache: nnx.merge(graphdef, p).step_contiguous(tokens, cache), donate_argnums=2)
+    jitted = jax.jit(lambda p, tokens, meta, cache: nnx.merge(graphdef, p).step(tokens, meta, cache),
+                     donate_argnums=3)
+
+    def step(tokens, cache, start):
+        tokens = np.asarray(tokens, np.int32)
+        t = tokens.shape[1]
+        meta = StepMeta(jnp.arange(start, start + t, dtype=jnp.int32)[None], jnp.ones((1, t), bool),
+                        jnp.asarray(TABLE), jnp.zeros(1, jnp.int32))
+        logits, _, cache = jitted(model.params, jnp.asarray(tokens, jnp.int32), meta, cache)
+        return logits, cache
+
     ref = np.load(FIXTURE / "reference.npz")
     refs = [(ref[f"prompt_{i}"], ref[f"logits_{i}"], ref[f"generate_{i}"]) for i in range(2)]
     return model, step, refs
@@ -53,7 +72,7 @@ def one_shot(hf):
     """The 300-token prompt prefilled in one step (batch 1): its logits and cache."""
     model, step, refs = hf
     prompt = refs[1][0]
-    logits, cache = step(model.params, jnp.asarray(prompt[None], jnp.int32), model.module.init_cache(1, CAPACITY))
+    logits, cache = step(prompt[None], _empty_cache(model), 0)
     return np.asarray(logits[0]), jax.tree.map(np.asarray, cache)
 
 
@@ -68,10 +87,10 @@ def test_logits_match_transformers(hf):
         np.testing.assert_array_equal(got.argmax(-1), logits.argmax(-1))
 
 
-def _greedy(model, step, logits_BTV, cache, new_tokens):
+def _greedy(step, logits_BTV, cache, start, new_tokens):
     out = [int(jnp.argmax(logits_BTV[0, -1]))]
-    for _ in range(new_tokens - 1):
-        logits_BTV, cache = step(model.params, jnp.asarray([[out[-1]]], jnp.int32), cache)
+    for i in range(new_tokens - 1):
+        logits_BTV, cache = step([[out[-1]]], cache, start + i)
         out.append(int(jnp.argmax(logits_BTV[0, -1])))
     return out
 
@@ -80,13 +99,13 @@ def test_token_by_token_decode_matches_full_forward_and_generate(hf):
     """Short prompt fed one token per step: every row equals transformers' no-cache logits, then greedy."""
     model, step, refs = hf
     prompt, logits, full = refs[0]
-    cache = model.module.init_cache(1, CAPACITY)
+    cache = _empty_cache(model)
     rows = []
-    for token in prompt:
-        row, cache = step(model.params, jnp.asarray([[token]], jnp.int32), cache)
+    for start, token in enumerate(prompt):
+        row, cache = step([[token]], cache, start)
         rows.append(np.asarray(row[0, 0]))
     _close(np.stack(rows), logits, "decode rows vs transformers' full forward")
-    assert _greedy(model, step, row, cache, len(full) - len(prompt)) == full[len(prompt):].tolist()
+    assert _greedy(step, row, cache, len(prompt), len(full) - len(prompt)) == full[len(prompt):].tolist()
 
 
 def test_one_shot_prefill_then_greedy_matches_generate(hf, one_shot):
@@ -95,27 +114,31 @@ def test_one_shot_prefill_then_greedy_matches_generate(hf, one_shot):
     got, cache = one_shot
     _close(got, logits, "T=300 one-shot prefill vs transformers")
     cache = jax.tree.map(jnp.asarray, cache)
-    assert _greedy(model, step, jnp.asarray(got[None]), cache, len(full) - len(prompt)) == full[len(prompt):].tolist()
+    assert _greedy(step, jnp.asarray(got[None]), cache, len(prompt), len(full) - len(prompt)) == full[len(prompt):].tolist()
 
 
 def test_chunked_prefill_matches_one_shot(hf, one_shot):
     """Chunks of 1, 3, 7 tokens (crossing every compression, window and top-k boundary) give the
-    one-shot prefill's logits and exactly its cache (window ring, compressor rings, entries)."""
+    one-shot prefill's logits and exactly its cache (window ring, compressor rings, the entries in the
+    request's pages; the null page takes the writes of windows still open, so it is left out)."""
     model, step, refs = hf
     prompt = refs[1][0]
     want_logits, want_cache = one_shot
-    cache = model.module.init_cache(1, CAPACITY)
+    cache = _empty_cache(model)
     rows, start, sizes = [], 0, [1, 3, 7]
     while start < len(prompt):
         size = min(sizes[len(rows) % 3], len(prompt) - start)
         if size not in sizes:  # keep to the three compiled chunk shapes
             size = max(s for s in sizes if s <= size)
-        chunk, cache = step(model.params, jnp.asarray(prompt[None, start:start + size], jnp.int32), cache)
+        chunk, cache = step(prompt[None, start:start + size], cache, start)
         rows.append(np.asarray(chunk[0]))
         start += size
     _close(np.concatenate(rows), want_logits, "chunked vs one-shot logits", rel=1e-5)
+    paged = {id(x) for x in (cache.csa.entries.pages, cache.csa.index_keys, cache.hca.entries)}
     for path, got in jax.tree_util.tree_leaves_with_path(cache):
         want = dict(jax.tree_util.tree_leaves_with_path(want_cache))[path]
+        if id(got) in paged:
+            got, want = got[:, 1:], want[:, 1:]
         if np.issubdtype(np.asarray(want).dtype, np.floating):
             _close(np.where(np.isfinite(want), got, 0), np.where(np.isfinite(want), want, 0),
                    f"cache field {jax.tree_util.keystr(path)}", rel=1e-5)
@@ -124,20 +147,25 @@ def test_chunked_prefill_matches_one_shot(hf, one_shot):
 
 
 def test_cache_layout(hf, one_shot):
-    """Per-request state is fixed-size; entries grow with capacity; every closed window was written."""
+    """Window and rings are fixed-size per batch row; entries and indexer keys live in the request's pages,
+    in entry order through its page table; every closed window was written, and no entry past them."""
     model, _, refs = hf
     cfg = model.cfg
     _, cache = one_shot
-    st, en = cache.state, cache.entries
-    assert st.window.shape == (4, 1, cfg.sliding_window, cfg.head_dim)
-    assert st.csa_kv.shape == (2, 1, 2 * 4, 2 * cfg.head_dim) and st.hca_kv.shape == (1, 1, 16, cfg.head_dim)
-    assert st.index_kv.shape == (2, 1, 8, 2 * cfg.index_head_dim)
-    assert en.csa.shape == (2, 1, CAPACITY // 4, cfg.head_dim) and en.hca.shape == (1, 1, CAPACITY // 16, cfg.head_dim)
-    assert int(cache.lengths[0]) == 300
-    assert np.all(np.abs(en.csa[:, :, :75]).sum(-1) > 0) and np.all(en.csa[:, :, 75:] == 0)
-    assert np.all(np.abs(en.hca[:, :, :18]).sum(-1) > 0) and np.all(en.hca[:, :, 18:] == 0)
-    bigger = model.module.init_cache(1, 2 * CAPACITY)
-    assert jax.tree.map(jnp.shape, bigger.state) == jax.tree.map(jnp.shape, jax.tree.map(jnp.asarray, st))
+    h, j = cfg.head_dim, cfg.index_head_dim
+    assert cache.window.shape == (4, 1, cfg.sliding_window, h)
+    assert cache.csa.kv_ring.shape == (2, 1, 2 * 4, 2 * h) and cache.hca.kv_ring.shape == (1, 1, 16, h)
+    assert cache.csa.index_kv_ring.shape == (2, 1, 8, 2 * j)
+    assert cache.csa.entries.pages.shape == (2, PAGES + 1, PAGE // 4, h)
+    assert cache.csa.index_keys.shape == (2, PAGES + 1, PAGE // 4, j)
+    assert cache.hca.entries.shape == (1, PAGES + 1, 1, h)
+    for pages, written in ((cache.csa.entries.pages, 300 // 4), (cache.csa.index_keys, 300 // 4),
+                           (cache.hca.entries, 300 // 16)):
+        in_order = pages[:, TABLE[0]].reshape(pages.shape[0], -1, pages.shape[-1])  # entry e at e
+        assert np.all(np.abs(in_order[:, :written]).sum(-1) > 0) and np.all(in_order[:, written:] == 0)
+    bigger = model.module.init_cache(1, 2 * PAGES + 1, PAGE)
+    rows = lambda c: [c.window.shape, c.csa.kv_ring.shape, c.csa.index_gate_ring.shape, c.hca.gate_ring.shape]  # noqa: E731
+    assert rows(bigger) == rows(cache)
 
 
 # ---- compressor step form ----------------------------------------------------------------------
@@ -162,7 +190,8 @@ def test_compressor_step_matches_whole_sequence(overlap):
         entries, start = jnp.zeros((2, 8, 6)), 0
         for size in [1, 2, 3, 9, 1, 4, 5, 6]:  # boundaries m-1, m, m+1, chunks longer than the ring
             positions = jnp.broadcast_to(jnp.arange(start, start + size), (2, size))
-            entries, ring_kv, ring_gate = comp.step(x[:, start:start + size], positions, ring_kv, ring_gate, entries)
+            new, ids, closes, ring_kv, ring_gate = comp.close(x[:, start:start + size], positions, ring_kv, ring_gate)
+            entries = entries.at[jnp.arange(2)[:, None], jnp.where(closes, ids, 8)].set(new, mode="drop")
             start += size
         assert start == 31
         return comp(x), entries

@@ -4,7 +4,6 @@ and the lookups (module class, checkpoint renames, unknown model types)."""
 
 import functools
 
-import numpy as np
 import jax
 import jax.numpy as jnp
 import pytest
@@ -69,7 +68,7 @@ def test_sparse_layers_and_stored_formats():
     # V3.2 keeps FP8 indexer keys beside FP8 latent rows; V4 keeps its keys in the model's dtype
     assert v32.stored_formats("fp8", "bfloat16").index == "fp8"
     assert v32.stored_formats("float32", "bfloat16").index == "bfloat16"
-    assert v4.stored_formats("fp8", "bfloat16") == Formats("fp8", "bfloat16", "bfloat16", "bfloat16", "int32")
+    assert v4.stored_formats("fp8", "bfloat16") == Formats("fp8", "bfloat16", "bfloat16", "bfloat16")
 
 
 @pytest.mark.parametrize("cache", ["fp8", "bfloat16", "float32"])
@@ -80,24 +79,15 @@ def test_stored_parts_are_the_init_cache_arrays(cfg, cache):
     module = abstract_module(cfg)
     dtype = {"fp8": jnp.uint8, "bfloat16": jnp.bfloat16, "float32": jnp.float32}[cache]
     size = families.CacheSize(rows=3, pages=9, page_size=64, max_seq_len=520)
-    shapes = jax.eval_shape(lambda: family.resident_cache(module, size, dtype, "xla"))
+    shapes = jax.eval_shape(lambda: family.resident_cache(module, size, dtype))
     arrays = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
     stored = family.cache_parts(cfg, family.stored_formats(cache, "bfloat16"))
-    if cfg is V32:  # pages x page size tokens
-        assert family.resident_bytes(stored, size, 9 * 64) == arrays
-    else:  # rows x max_seq_len
-        assert family.resident_bytes(stored, size, 0) == arrays
+    # every page of the pool, every batch row's fixed parts
+    assert families.resident_bytes(stored, size, 9) == arrays
     offloaded = next(p for p in stored if p.where == "offloaded")
-    rows = family.offloaded_rows(shapes)
+    rows = family.store_of(shapes).pages
     assert rows.shape[0] == offloaded.layers and rows.shape[-1] * rows.dtype.itemsize == offloaded.row_bytes
-
-
-def test_host_pages():
-    pages_X, table_X = np.asarray([4, 7, 0], np.int32), np.asarray([1, 2, 0], np.int32)
-    scratch_X, host_X = families.get("deepseek_v32").host_pages(2, pages_X, table_X)
-    assert scratch_X is table_X and host_X is pages_X  # the request's own pages
-    scratch_X, host_X = families.get("deepseek_v4").host_pages(2, pages_X, table_X)
-    assert scratch_X.tolist() == [0] and host_X.tolist() == [3]  # batch row 2 -> host page 3 (0: the null page)
+    assert rows.shape[1] * rows.shape[2] * rows.shape[3] * rows.dtype.itemsize * rows.shape[0] == 9 * offloaded.page_bytes(64)
 
 
 def test_lookups():

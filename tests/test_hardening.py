@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import ess_jax
+from ess_jax import families
 from ess_jax.checkpoint import CheckpointError
 from ess_jax.config import ConfigError, ModelConfig
 from ess_jax.engine import Engine, EngineConfig, cache_layout
@@ -428,6 +429,6 @@ def test_engine_forgets_finished_requests_and_its_figures_stay_bounded(model):
         assert not engine.requests and not engine._reserved and engine.stats["reserved_pages"] == 0
         engine._pending.clear()  # what the next step would hand out
     report = engine.cache_bytes()
-    page = engine.family.resident_bytes(engine.parts, engine.size, 16)  # one page of latent rows and keys
+    page = families.resident_bytes(engine.parts, engine.size, 1)  # one page of latent rows and keys
     assert report["resident_device_bytes_now"] == 0
     assert report["resident_device_bytes"] == 40 * page  # the peak of one wave, not the sum of three

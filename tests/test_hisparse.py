@@ -6,6 +6,7 @@ third joins when the first leaves. Every offloaded run must give the resident ru
 logits, and its counters must add up.
 """
 
+import jax
 import numpy as np
 import pytest
 
@@ -72,22 +73,24 @@ def test_offloaded_equals_resident_and_counts_add_up(model, resident, pool, fetc
     if pool == "every entry":
         assert metrics["misses"] == 0
 
-    # the CSA entries left the device: host = (rows + null page) x entries, device = resident - entries + pool
+    # the CSA entries left the device: host = the cache's pages (17 per row and the null page) of 16 entries,
+    # device = resident - the entries' pages + pool
     got_bytes, ref_bytes = engine.cache_bytes(), ref_engine.cache_bytes()
-    lc, b = len(CSA_LAYERS), 2
-    assert got_bytes["host_bytes"] == lc * (b + 1) * entries * row_bytes
-    assert got_bytes["resident_device_bytes"] == ref_bytes["device_bytes"]
-    tier_device = lc * b * slots * (row_bytes + 4 + 4) + lc * (b + 1) * entries * 4 + lc * b * row_bytes + 2 * b * 4
+    lc, b, pages, per_page = len(CSA_LAYERS), 2, 2 * 17 + 1, 64 // 4
+    assert got_bytes["host_bytes"] == lc * pages * per_page * row_bytes
+    assert got_bytes["resident_device_bytes"] == ref_bytes["device_bytes"]  # the three requests reserve every page
+    tier_device = lc * b * slots * (row_bytes + 4 + 4) + lc * pages * per_page * 4 + lc * b * row_bytes + 2 * b * 4
     tier_device += lc * 4 * 4  # counters
-    assert got_bytes["device_bytes"] == ref_bytes["device_bytes"] - lc * b * entries * row_bytes + tier_device
+    assert got_bytes["device_bytes"] == ref_bytes["device_bytes"] - lc * pages * per_page * row_bytes + tier_device
 
 
 def test_bad_pool_and_host_budget_are_named(model):
     k = model.cfg.index_topk
     with pytest.raises(ValueError, match=rf"--pool-size {k} is below the minimum {k + 1}"):
         Engine(model, EngineConfig(max_batch=2, max_seq_len=MAX_SEQ_LEN, offload="ess", pool_size=k))
-    need_mib = len(CSA_LAYERS) * 3 * (MAX_SEQ_LEN // 4) * model.cfg.head_dim * 4 / 2**20
-    with pytest.raises(ValueError, match=rf"--host-cache-mb 0.01 is below the CSA entry store .* \({need_mib:.2f} MiB\)"):
+    page_mib = len(CSA_LAYERS) * 16 * model.cfg.head_dim * 4 / 2**20  # a page: 16 entries per CSA layer
+    with pytest.raises(ValueError, match=rf"--host-cache-mb 0.01 holds 0 pages of {page_mib:.3f} MiB; the longest "
+                                         "request needs 17: raise it to at least 1"):
         Engine(model, EngineConfig(max_batch=2, max_seq_len=MAX_SEQ_LEN, offload="ess", host_cache_mb=0.01))
     with pytest.raises(ValueError, match="too short for one entry"):
         Engine(model, EngineConfig(max_batch=2, max_seq_len=3, offload="ess"))
@@ -125,9 +128,35 @@ def test_fp8_entries_bounded_exact_through_the_tier_and_counted(model):
     assert 0 < np.abs(runs["fp8"][1] - runs["f32"][1]).max() <= 2e-3 * scale
     np.testing.assert_allclose(runs["fp8 tier"][1], runs["fp8"][1], rtol=0, atol=1e-5 * scale)
     engine = runs["fp8 tier"][0]
-    metrics, entries = engine.offload_metrics(), 530 // 4
+    metrics = engine.offload_metrics()
     assert engine.row_bytes == 88 and metrics["misses"] > 0
     assert metrics["h2d_bytes"] == metrics["misses"] * 88
-    assert engine.cache_bytes()["host_bytes"] == len(CSA_LAYERS) * 2 * entries * 88
+    pages = 530 // 64 + 2  # 9 pages of 16 entries and the null page
+    assert engine.cache_bytes()["host_bytes"] == len(CSA_LAYERS) * pages * 16 * 88
     resident_fp8, resident_f32 = runs["fp8"][0].cache_bytes(), runs["f32"][0].cache_bytes()
-    assert resident_f32["device_bytes"] - resident_fp8["device_bytes"] == len(CSA_LAYERS) * entries * (256 - 88)
+    assert resident_f32["device_bytes"] - resident_fp8["device_bytes"] == len(CSA_LAYERS) * pages * 16 * (256 - 88)
+
+
+@pytest.mark.parametrize("offload", ["none", "ess"])
+def test_a_short_request_occupies_its_pages_not_a_whole_row(model, offload):
+    """An engine built for 16K-token requests; a 300-token request with 32 new tokens reserves the pages of
+    332 tokens (6 pages of 64) and occupies that share of every paged array: the resident parts on the
+    device (offload none) and the CSA entries in the host store (ess), measured from the arrays, are the
+    cache parts' bytes for 332 tokens up to the last page's rounding, not those of a 16K-token row."""
+    engine = Engine(model, EngineConfig(max_batch=2, max_seq_len=16384, prefill_chunk=300, offload=offload,
+                                        pool_size=model.cfg.index_topk + 1))
+    engine.add_request(np.random.default_rng(3).integers(0, model.cfg.vocab_size, 300).tolist(), 32)
+    engine.step()  # admitted, prefilled in one piece
+    pages, total = engine.usage()["pages_in_use"], engine.size.pages
+    assert pages == 6
+    if offload == "none":  # every paged part on the device: CSA entries and indexer keys, HCA entries
+        paged = [p for p in engine.parts if p.tokens_per_row]
+        arrays = [x for x in jax.tree.leaves(engine.cache) if x.ndim == 4 and x.shape[1] == total]
+    else:  # the CSA entries in the host store
+        paged = [engine.offloaded_part]
+        arrays = [engine.cache.csa.entries.host.array]
+    assert len(arrays) == len(paged)
+    occupied = sum(x.nbytes * pages // total for x in arrays)  # the request's pages of each paged array
+    assert occupied == sum(p.page_bytes(64) * pages for p in paged)
+    wanted = sum(p.bytes(332) for p in paged)
+    assert wanted <= occupied <= 1.25 * wanted < 0.05 * sum(p.bytes(16384) for p in paged)

@@ -123,7 +123,7 @@ def test_abort_frees_everything_at_once_and_disturbs_nobody(family, mode, abort_
             assert held["pages_in_use"] - after["pages_in_use"] == -(-(specs[victim][0] + specs[victim][2]) // 16)
             if "pool_slots_in_use" in after:
                 assert after["pool_slots_in_use"] < held["pool_slots_in_use"] or held["pool_slots_in_use"] == 0
-                host = -(-(specs[victim][0] + specs[victim][2]) // 16) if family == "v32" else 1  # V4: its row's page
+                host = -(-(specs[victim][0] + specs[victim][2]) // 16)  # the host store has the cache's pages
                 assert held["host_pages_in_use"] - after["host_pages_in_use"] == host
         ids["d"] = eng.add_request(prompt(*specs["d"][:2]), specs["d"][2])  # takes the freed row if one is
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from ess_jax import plan, tier
+from ess_jax import plan
 from ess_jax.config import ModelConfig
 
 V32 = ModelConfig.from_preset("deepseek-v3.2")
@@ -91,12 +91,6 @@ def test_v4_bytes_per_token_match_domain(capsys):
     # a 131072-token request: 32768 CSA entries per CSA layer, pool 0.2 of them
     row = result["rows"][0]
     assert row["pool_slots"] == math.ceil(0.2 * 32768)
-
-
-@pytest.mark.parametrize("entries,ratio,topk", [(32768, 0.2, 2048), (100, 0.5, 64), (50, 0.1, 64), (8224, 0.1, 64)])
-def test_pool_slots_follow_the_tier(entries, ratio, topk):
-    assert plan.pool_slots(entries, ratio, topk) == tier.pool_slots(pool_size=None, pool_ratio=ratio,
-                                                                    max_seq_len=entries, index_topk=topk)
 
 
 def test_weights_per_gpu_from_the_release_formats():

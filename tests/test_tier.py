@@ -97,14 +97,15 @@ def test_device_bytes_are_the_real_arrays(model, offloaded):
     engine, _ = offloaded("ratio 0.1", "inline")
     cache, cfg = engine.cache, model.cfg
     latent = cache.latent
-    expected = (cache.index_keys.nbytes + latent.pool.nbytes + latent.slot_entry.nbytes + latent.slot_order.nbytes
-                + latent.resident_slot.nbytes + latent.staged.nbytes + latent.staged_page.nbytes
+    lru = latent.lru
+    expected = (cache.index_keys.nbytes + latent.pool.nbytes + lru.slot_entry.nbytes + lru.slot_order.nbytes
+                + lru.resident_slot.nbytes + latent.staged.nbytes + latent.staged_page.nbytes
                 + latent.staged_offset.nbytes + latent.counters.nbytes)
     report = engine.cache_bytes()
     assert report["device_bytes"] == expected
-    assert report["host_bytes"] == latent.host.nbytes == cfg.num_hidden_layers * engine.allocator.num_pages * 16 * \
+    assert report["host_bytes"] == latent.host.array.nbytes == cfg.num_hidden_layers * engine.allocator.num_pages * 16 * \
         cfg.latent_dim * 4
-    assert latent.host.sharding.memory_kind == "pinned_host"
+    assert latent.host.array.sharding.memory_kind == "pinned_host"
     # the pool holds a fraction of what the resident latent pages would
     assert latent.pool.nbytes < 0.5 * report["resident_device_bytes"]
 
@@ -144,7 +145,7 @@ def test_bad_offload_settings_are_refused(model):
 
 # ---- LRU resolution invariants --------------------------------------------------------------
 
-RESOLVE = jax.jit(tier._resolve)
+RESOLVE = jax.jit(tier.resolve)
 
 
 @settings(max_examples=30, deadline=None)
@@ -180,7 +181,7 @@ def test_lru_resolution_invariants(data):
         free = sorted(set(range(slots)) - set(known[hits].tolist()), key=lambda s: (stamp[s], s))
         takers = free[: has_new + misses.sum()]
         assert ([int(res.new_slot)] if has_new else []) + res.slot_K[misses].tolist() == takers
-        assert res.taker_J.tolist() == takers + [slots] * (k + 1 - len(takers))  # so no hit is evicted
+        assert res.taker_K1.tolist() == takers + [slots] * (k + 1 - len(takers))  # so no hit is evicted
         for s in takers:  # their entries are evicted
             if entry[s] >= 0:
                 del resident[int(entry[s])]
@@ -224,7 +225,7 @@ def test_fp8_cache_error_is_bounded_and_bytes_shrink(tiny):
     for engine in (bf16, fp8):
         metrics, cache = engine.offload_metrics(), engine.cache_bytes()
         assert metrics["h2d_bytes"] == metrics["misses"] * engine.row_bytes
-        assert cache["host_bytes"] == engine.cache.latent.host.nbytes
+        assert cache["host_bytes"] == engine.cache.latent.host.array.nbytes
     assert fp8.cache_bytes()["host_bytes"] * 160 == bf16.cache_bytes()["host_bytes"] * 100
 
 

@@ -88,10 +88,9 @@ def bench_fetch(*, sizes, host_rows: int, warmup: int, iters: int):
     num_pages = host_rows // page_size
     rows = []
     for backend in tier.FETCH_BACKENDS:
-        store = tier.init_tiered(layers=1, batch=1, slots=1, num_pages=num_pages, page_size=page_size, width=width,
-                                 dtype=jnp.uint8, fetch=backend)
-        # the tier's own fetch (a private method: this measures exactly what a decode step runs)
-        fetch = jax.jit(lambda t, p, o: t._fetch(0, p, o))
+        store = tier.host.host_store(backend, (1, num_pages, page_size, width), jnp.uint8)
+        # the host store's fetch: exactly what a decode step runs
+        fetch = jax.jit(lambda t, p, o: t.fetch(0, p, o))
         for n in sizes:
             rng = np.random.default_rng(n)
             flat = rng.choice(host_rows, size=n, replace=False)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ess_jax import ops
-from ess_jax.cache import rows_at
+from ess_jax.cache import flat_ids
 from ess_jax.pallas_kernels.sparse_v4_attention import sparse_v4_attention_reference
 from kernel_testing import assert_close, permuted_ids, random_array, valid_counts
 
@@ -69,8 +69,9 @@ def test_split_halves_merge_to_the_whole():
     run = functools.partial(ops.sparse_mla_pool, q_latent, q_rope, pool, scale=0.3, kernels="pallas")
     (out_a, lse_a), (out_b, lse_b) = run(jnp.where(half, ids, -1)), run(jnp.where(half, -1, ids))
     out, lse = run(ids)
-    assert_close(ops.merge_attention(out_a, lse_a, out_b, lse_b), out, jnp.float32, "merged out")
-    assert_close(jnp.logaddexp(lse_a, lse_b), lse, jnp.float32, "merged lse")
+    merged, merged_lse = ops.merge_attention(out_a, lse_a, out_b, lse_b)
+    assert_close(merged, out, jnp.float32, "merged out")
+    assert_close(merged_lse, lse, jnp.float32, "merged lse")
 
 
 def test_sparse_sink_attention_pallas_equals_xla():
@@ -94,40 +95,22 @@ def test_sparse_sink_attention_pallas_equals_xla():
         assert_close(got[1], xla[1], jnp.float32, f"lse ({name})")
 
 
-def test_paged_row_ids_address_the_flattened_pages():
+@pytest.mark.parametrize("page_size,rate", [(4, 1), (16, 4), (4, 16)])
+def test_flat_ids_address_the_flattened_pages(page_size, rate):
+    """Entry e of a part with one entry per ``rate`` tokens lives in the page holding token e * rate, in
+    pages of max(1, page_size / rate) entries: the flat ids read exactly the rows a per-entry NumPy walk of
+    the page table finds."""
     rng = np.random.default_rng(4)
-    g, z, w = 9, 4, 6
-    pages = random_array(rng, (g, z, w), jnp.float32)
-    table = jnp.asarray([[3, 7, 1], [8, 2, 5]], jnp.int32)
-    ids = jnp.asarray(permuted_ids(rng, valid_counts(2, 1, 5), 5, 12), jnp.int32)
-    flat = pages.reshape(g * z, w)
-    row_ids = ops.paged_row_ids(table, ids, z)
-    assert np.all((np.asarray(row_ids) < 0) == (np.asarray(ids) < 0))
-    got = np.asarray(flat[jnp.maximum(row_ids, 0)])
-    want = np.asarray(rows_at(pages, table, ids))
-    valid = np.asarray(ids) >= 0
-    np.testing.assert_array_equal(got[valid], want[valid])
-
-
-def test_row_formats():
-    rows = random_array(np.random.default_rng(5), (3, C + R), jnp.float32)
-    assert ops.mla_row_width(512, 64, jnp.uint8) == 656 and ops.mla_row_width(512, 64, jnp.bfloat16) == 576
-    assert ops.encode_mla_rows(rows, jnp.bfloat16, latent_dim=C).dtype == jnp.bfloat16
-    stored = ops.encode_mla_rows(rows, jnp.uint8, latent_dim=C)
-    assert stored.shape == (3, ops.mla_row_width(C, R, jnp.uint8))
-    back = ops.decode_mla_rows(stored, jnp.float32, latent_dim=C, rope_dim=R)
-    np.testing.assert_allclose(np.asarray(back), np.asarray(rows), rtol=2**-4, atol=1e-2)
-
-
-def test_empty_selections():
-    """K = 0: nothing to attend (the pallas path never launches a kernel on an empty pool)."""
-    q_latent, q_rope = jnp.ones((B, 1, N, C)), jnp.ones((B, 1, N, R))
-    for kernels in ("xla", "pallas"):
-        out, lse = ops.sparse_mla(q_latent, q_rope, jnp.zeros((B, 1, 0, C + R)), jnp.zeros((B, 1, 0), bool),
-                                  scale=1.0, kernels=kernels)
-        assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(np.asarray(lse)))
-        sinks = jnp.arange(N, dtype=jnp.float32)
-        out, lse = ops.sparse_sink_attention(jnp.ones((B, 1, N, C)), jnp.zeros((B, 1, 0, C)),
-                                             jnp.zeros((B, 1, 0), bool), sinks, scale=1.0, kernels=kernels)
-        assert np.all(np.asarray(out) == 0)
-        np.testing.assert_array_equal(np.asarray(lse), np.broadcast_to(np.asarray(sinks), (B, 1, N)))
+    per_page, g, w = max(1, page_size // rate), 17, 6
+    pages = random_array(rng, (g, per_page, w), jnp.float32)
+    table = np.stack([rng.permutation(np.arange(1, g))[:8] for _ in range(2)]).astype(np.int32)
+    entries = table.shape[1] * page_size // rate  # what a request's table reaches
+    ids = rng.integers(-1, entries, size=(2, 3, 5)).astype(np.int32)  # -1: none
+    got = np.asarray(pages.reshape(g * per_page, w)[jnp.maximum(flat_ids(jnp.asarray(table), jnp.asarray(ids),
+                                                                         page_size=page_size, rate=rate), 0)])
+    for b, t, k in zip(*np.nonzero(ids >= 0)):
+        token = ids[b, t, k] * rate
+        want = np.asarray(pages)[table[b, token // page_size], (token % page_size) // rate if rate <= page_size else 0]
+        np.testing.assert_array_equal(got[b, t, k], want)
+    row_ids = np.asarray(flat_ids(jnp.asarray(table), jnp.asarray(ids), page_size=page_size, rate=rate))
+    assert np.all((row_ids < 0) == (ids < 0))

@@ -1,0 +1,10 @@
+"""The offloaded tier (ESS for DeepSeek-V3.2's latent rows, HiSparse for DeepSeek-V4's CSA entries):
+``lru`` (slot tables, recency order, residency map), ``host`` (the pinned-host and NumPy host stores
+behind one contract), ``store`` (the tier as a cache store: ``read`` -> row sources)."""
+
+from ess_jax.tier.host import FETCH_BACKENDS, NumpyHostStore, PinnedHostStore
+from ess_jax.tier.lru import WARMUP_QUERIES, LruPool, pool_slots, resolve, warm_layer
+from ess_jax.tier.store import Tier, init_tier
+
+__all__ = ["FETCH_BACKENDS", "NumpyHostStore", "PinnedHostStore", "WARMUP_QUERIES", "LruPool", "pool_slots",
+           "resolve", "warm_layer", "Tier", "init_tier"]

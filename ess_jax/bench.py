@@ -390,6 +390,7 @@ class Trace:
     new_S: np.ndarray  # i32[S] the entry each decode step writes (V4: the CSA window it closes; -1: none)
     prompt_entries: int  # entries the prompt holds (V3.2: its tokens; V4: its closed CSA windows)
     entries: int  # entries of the whole request, prompt + S + 1 tokens (the pool ratio's base)
+    ids: str = "positions"  # what the ids name: "positions" (one entry per token) or "compressed entries"
 
     @property
     def last_LK(self) -> np.ndarray:
@@ -454,7 +455,8 @@ def topk_trace(model, prompt: list[int], steps: int, *, chunk: int, page_size: i
         token = int(jnp.argmax(logits_BTV[0, 0]))
     ids_LSK = np.stack(ids, axis=1) if ids else np.zeros(warm_LQK.shape[:1] + (0,) + warm_LQK.shape[2:], np.int32)
     return Trace(family.sparse_layers(cfg), part.topk, warm_LQK, ids_LSK, np.asarray(new, np.int32),
-                 part.entries(len(prompt)), part.entries(max_seq_len))
+                 part.entries(len(prompt)), part.entries(max_seq_len),
+                 "positions" if part.tokens_per_row == 1 else "compressed entries")
 
 
 def trace_overlaps(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
@@ -551,7 +553,7 @@ def locality_pass(model, prompts: dict[int, list[int]], args, log) -> dict:
                          "shifted_overlap_mean": shifted_LS.mean(1).tolist(),
                          "lru": pool_sweep(trace, args.pool_sweep)})
     return {"steps": args.locality_steps, "layers": trace.layers, "top_k": trace.top_k,
-            "ids": "CSA entries" if model.cfg.family == "deepseek_v4" else "positions", "contexts": contexts}
+            "ids": trace.ids, "contexts": contexts}
 
 
 # ---- the transformers peer ---------------------------------------------------------------------

@@ -120,15 +120,12 @@ def check_value(name: str, value: Any, kind: Any) -> None:
         raise AssertionError(kind)
 
 
-def check_raw(raw: dict[str, Any], family: str) -> None:
-    """The values of a config.json that ``family``'s parser reads (those present and not null), by kind."""
-    skip = _V4_ONLY_KEYS | V4_ONLY_FIELDS if family == "deepseek_v32" else _V32_ONLY_KEYS
+def check_raw(raw: dict[str, Any], skip: frozenset[str]) -> None:
+    """The values of a config.json that a family's parser reads (those present and not null, but the
+    other family's keys ``skip``), by kind."""
     for key, kind in _KINDS.items():
         if key not in skip and raw.get(key) is not None:
             check_value(key, raw[key], kind)
-    if family == "deepseek_v4" and raw.get("compress_rates") is not None:
-        for key, value in raw["compress_rates"].items():
-            check_value(f"compress_rates.{key}", value, ("int", 1))
     weight_block_size(raw)
 
 
@@ -390,7 +387,7 @@ def preset_dict(name: str) -> dict[str, Any]:
 
 def v32_from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
     """A ``DeepseekV32Config`` config.json -> ModelConfig."""
-    check_raw(raw, "deepseek_v32")
+    check_raw(raw, _V4_ONLY_KEYS | V4_ONLY_FIELDS)
     names = {f.name for f in dataclasses.fields(cls)} - {"rope", "eos_token_id", "mlp_layer_types"} - V4_ONLY_FIELDS
     kwargs = {k: raw[k] for k in names if raw.get(k) is not None}
     if raw.get("num_experts") is not None:
@@ -463,7 +460,9 @@ _V4_HF_DEFAULTS: dict[str, Any] = dict(
 
 def v4_from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
     """A ``DeepseekV4Config`` config.json (modern or legacy keys) -> ModelConfig, as transformers 5.23 reads it."""
-    check_raw(raw, "deepseek_v4")
+    check_raw(raw, _V32_ONLY_KEYS)
+    for key, value in (raw.get("compress_rates") or {}).items():
+        check_value(f"compress_rates.{key}", value, ("int", 1))
     kwargs = dict(_V4_HF_DEFAULTS)
     kwargs.update({k: raw[k] for k in _V4_HF_DEFAULTS if raw.get(k) is not None})
     if raw.get("moe_intermediate_size") is None and raw.get("intermediate_size") is not None:

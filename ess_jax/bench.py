@@ -385,7 +385,7 @@ class Trace:
 
     layers: list[int]
     top_k: int
-    warm_LQK: np.ndarray  # i32[L, Q, K] the last prompt positions' ids, as the engine's warm-up reads them
+    warm_LTK: np.ndarray  # i32[L, T, K] the last prompt positions' ids, as the engine's warm-up reads them
     ids_LSK: np.ndarray  # i32[L, S, K] each decode step's ids
     new_S: np.ndarray  # i32[S] the entry each decode step writes (V4: the CSA window it closes; -1: none)
     prompt_entries: int  # entries the prompt holds (V3.2: its tokens; V4: its closed CSA windows)
@@ -395,7 +395,7 @@ class Trace:
     @property
     def last_LK(self) -> np.ndarray:
         """The last prompt position's ids (the last warm-up query)."""
-        return self.warm_LQK[:, -1]
+        return self.warm_LTK[:, -1]
 
 
 @functools.cache
@@ -437,12 +437,12 @@ def topk_trace(model, prompt: list[int], steps: int, *, chunk: int, page_size: i
         real = max(b for b in buckets if b <= len(prompt) - start)
         meta = StepMeta(jnp.asarray(start + np.arange(real, dtype=np.int32))[None], jnp.ones((1, real), bool),
                         table_BX, row_B)
-        token, _, ids_LBQK, cache = engine_lib._PREFILL(model.graphdef, kernels, model.params,
+        token, _, ids_LBTK, cache = engine_lib._PREFILL(model.graphdef, kernels, model.params,
                                                         jnp.asarray([prompt[start:start + real]], jnp.int32), meta,
                                                         cache, jnp.asarray([real - 1], jnp.int32), greedy)
-        windows = windows[-1:] + [(real, ids_LBQK[:, 0])]
+        windows = windows[-1:] + [(real, ids_LBTK[:, 0])]
         start += real
-    warm_LQK = np.asarray(engine_lib._last_queries(windows))
+    warm_LTK = np.asarray(engine_lib._last_queries(windows))
     token, m = int(token[0]), part.tokens_per_row
     ids, new = [], []
     for t in range(steps):
@@ -453,8 +453,8 @@ def topk_trace(model, prompt: list[int], steps: int, *, chunk: int, page_size: i
         ids.append(np.asarray(ids_LBTK[:, 0, 0]))
         new.append((position + 1) // m - 1 if (position + 1) % m == 0 else -1)  # the entry this token completes
         token = int(jnp.argmax(logits_BTV[0, 0]))
-    ids_LSK = np.stack(ids, axis=1) if ids else np.zeros(warm_LQK.shape[:1] + (0,) + warm_LQK.shape[2:], np.int32)
-    return Trace(family.sparse_layers(cfg), part.topk, warm_LQK, ids_LSK, np.asarray(new, np.int32),
+    ids_LSK = np.stack(ids, axis=1) if ids else np.zeros(warm_LTK.shape[:1] + (0,) + warm_LTK.shape[2:], np.int32)
+    return Trace(family.sparse_layers(cfg), part.topk, warm_LTK, ids_LSK, np.asarray(new, np.int32),
                  part.entries(len(prompt)), part.entries(max_seq_len),
                  "positions" if part.tokens_per_row == 1 else "compressed entries")
 
@@ -472,7 +472,7 @@ def trace_overlaps(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
     return raw_LS, shifted_LS
 
 
-def warm_pool(warm_QK: np.ndarray, prompt_entries: int, slots: int) -> tuple[np.ndarray, np.ndarray]:
+def warm_pool(warm_TK: np.ndarray, prompt_entries: int, slots: int) -> tuple[np.ndarray, np.ndarray]:
     """One layer's pool after the warm-up (``tier.warm_layer``): the whole prompt if it fits, else the
     ``slots`` ids last selected by the warm-up queries (stamp: the last index in their flattened ids).
     Slot i holds the i-th most recent; the recency order lists the empty slots first (by slot), then the
@@ -480,7 +480,7 @@ def warm_pool(warm_QK: np.ndarray, prompt_entries: int, slots: int) -> tuple[np.
     if prompt_entries <= slots:
         stamps = {e: e for e in range(prompt_entries)}
     else:
-        stamps = {int(e): i for i, e in enumerate(warm_QK.reshape(-1)) if e >= 0}  # the last occurrence wins
+        stamps = {int(e): i for i, e in enumerate(warm_TK.reshape(-1)) if e >= 0}  # the last occurrence wins
     held = sorted(stamps, key=stamps.get, reverse=True)[:slots]
     entry_P = np.full(slots, -1, np.int64)
     entry_P[:len(held)] = held
@@ -497,8 +497,8 @@ def simulate_lru(trace: Trace, slots: int) -> np.ndarray:
     becomes the most recent, in slot order, the others keeping their order. (The tier looks for the
     takers among the first top-k + 1 slots of its order only; they always lie there.)"""
     counts = np.zeros((trace.ids_LSK.shape[0], 3), np.int64)
-    for layer, (warm_QK, ids_SK) in enumerate(zip(trace.warm_LQK, trace.ids_LSK)):
-        entry_P, order_P = warm_pool(warm_QK, trace.prompt_entries, slots)
+    for layer, (warm_TK, ids_SK) in enumerate(zip(trace.warm_LTK, trace.ids_LSK)):
+        entry_P, order_P = warm_pool(warm_TK, trace.prompt_entries, slots)
         slot_of = np.full(trace.entries, -1, np.int64)  # the residency map: entry -> slot
         held = entry_P >= 0
         slot_of[entry_P[held]] = np.flatnonzero(held)

@@ -244,14 +244,14 @@ def check_memory(layout: CacheLayout, weights_bytes: int = 0) -> None:
 
 def _prefill(graphdef, kernels: str, params, tokens_BT, meta: StepMeta, cache, last_B, sampling):
     """One prefill chunk. Returns the token sampled after each row's last real token ``i32[B]``, the
-    top-k ids of the chunk's last ``WARMUP_QUERIES`` real tokens ``i32[L, B, Q, K]`` (-1 before the
+    top-k ids of the chunk's last ``WARMUP_QUERIES`` real tokens ``i32[L, B, T, K]`` (-1 before the
     chunk) and the cache."""
     logits_BTV, ids_LBTK, cache = nnx.merge(graphdef, params).step(tokens_BT, meta, cache, kernels=kernels)
     logits_BV = jnp.take_along_axis(logits_BTV, last_B[:, None, None], axis=1)[:, 0]
-    window_BQ = last_B[:, None] - tier.WARMUP_QUERIES + 1 + jnp.arange(tier.WARMUP_QUERIES)
-    ids_LBQK = jnp.take_along_axis(ids_LBTK, jnp.maximum(window_BQ, 0)[None, :, :, None], axis=2)
-    ids_LBQK = jnp.where((window_BQ >= 0)[None, :, :, None], ids_LBQK, -1)
-    return sample(logits_BV, *sampling), logits_BV, ids_LBQK, cache
+    window_BT = last_B[:, None] - tier.WARMUP_QUERIES + 1 + jnp.arange(tier.WARMUP_QUERIES)
+    ids_LBTK = jnp.take_along_axis(ids_LBTK, jnp.maximum(window_BT, 0)[None, :, :, None], axis=2)
+    ids_LBTK = jnp.where((window_BT >= 0)[None, :, :, None], ids_LBTK, -1)
+    return sample(logits_BV, *sampling), logits_BV, ids_LBTK, cache
 
 
 def _decode(graphdef, kernels: str, params, tokens_BT, meta: StepMeta, cache, sampling):
@@ -532,14 +532,14 @@ class Engine:
         start_time, start = time.perf_counter(), request.prefilled
         meta = StepMeta(jnp.asarray((start + np.arange(real, dtype=np.int32))[None]), jnp.ones((1, real), bool),
                         jnp.asarray((table_X if offloaded else pages_X)[None]), jnp.asarray([row], jnp.int32))
-        token, logits_BV, ids_LBQK, cache = _PREFILL(self.model.graphdef, self.kernels, self.model.params,
+        token, logits_BV, ids_LBTK, cache = _PREFILL(self.model.graphdef, self.kernels, self.model.params,
                                                      jnp.asarray(prompt[None, start:start + real]), meta, cache,
                                                      jnp.asarray([real - 1], jnp.int32),
                                                      self._sampling_arrays([request]))
         token.block_until_ready()  # stats["prefill_s"] times the piece, not its dispatch
         if offloaded:
             self.scratch = cache
-            request.windows = request.windows[-1:] + [(real, ids_LBQK[:, 0])]  # the warm-up reads the last two
+            request.windows = request.windows[-1:] + [(real, ids_LBTK[:, 0])]  # the warm-up reads the last two
         else:
             self.cache = cache
         request.prefilled += real
@@ -680,7 +680,7 @@ def _token_logprob(token: int, logits_V: np.ndarray, top: int) -> TokenLogprob:
 
 
 def _last_queries(windows: list[tuple[int, jax.Array]]) -> jax.Array:
-    """The top-k ids ``i32[L, Q, K]`` of the prompt's last ``WARMUP_QUERIES`` positions, from the
+    """The top-k ids ``i32[L, T, K]`` of the prompt's last ``WARMUP_QUERIES`` positions, from the
     per-chunk windows (each chunk's last Q real tokens, -1 before the chunk)."""
     q = tier.WARMUP_QUERIES
     real, ids = windows[-1]

@@ -217,14 +217,14 @@ class Family:
         resident = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), self.with_store(shapes, None))
         return self.with_store(resident, tiered)
 
-    def handoff(self, cache, scratch, table_X, pages_X, row, entries, ids_LQK):
+    def handoff(self, cache, scratch, table_X, pages_X, row, entries, ids_LTK):
         """After an offloaded prefill on ``scratch`` (the prompt in its pages ``table_X``): the prompt's resident
         parts into batch row ``row`` and pages ``pages_X`` of the decode cache, its offloaded rows into the host
         store's ``pages_X`` and the row's pools warmed with its ``entries`` entries."""
         rows = self.store_of(scratch).pages
         # pending rows first: a finished request's last row must not land on reused pages
         tiered = self.store_of(cache).begin_step().store_prompt(rows, table_X, pages_X)
-        tiered = tiered.warm(rows, table_X, pages_X, row, entries, ids_LQK)
+        tiered = tiered.warm(rows, table_X, pages_X, row, entries, ids_LTK)
         return self.with_store(self.admit_resident(cache, scratch, table_X, pages_X, row), tiered)
 
 

@@ -88,11 +88,11 @@ def resolve(ids_K, known_K, new_id, active, slot_entry_P, order_P) -> Resolution
     return Resolution(slot_K, hit_K, miss_K, is_new_K, new_slot, taker_K1, entries, order)
 
 
-def warm_layer(ids_QK, count, slots: int, capacity: int):
+def warm_layer(ids_TK, count, slots: int, capacity: int):
     """Pool contents for one layer after prefill: the ``slots`` most recently selected entries of the last
-    prompt queries (their top-k ids in order, ``ids_QK``), or all ``count`` entries if they fit.
+    prompt queries (their top-k ids in order, ``ids_TK``), or all ``count`` entries if they fit.
     Returns ``slot_entry i32[P]`` (-1 empty) and the recency order ``i32[P]`` (empty slots first)."""
-    flat = ids_QK.reshape(-1)
+    flat = ids_TK.reshape(-1)
     order = jnp.arange(flat.shape[0], dtype=jnp.int32)
     seen = jnp.full((capacity,), -1, jnp.int32).at[jnp.where(flat >= 0, flat, capacity)].max(order, mode="drop")
     every = jnp.where(jnp.arange(capacity) < count, jnp.arange(capacity, dtype=jnp.int32), -1)

@@ -113,11 +113,11 @@ class Tier:
         ``pages_X`` (whole pages; unused columns copy to the null page)."""
         return dataclasses.replace(self, host=self.host.store_prompt(scratch_pages_LGEW[:, scratch_table_X], pages_X))
 
-    def warm(self, scratch_pages_LGEW, scratch_table_X, pages_X, row, count, ids_LQK) -> Tier:
+    def warm(self, scratch_pages_LGEW, scratch_table_X, pages_X, row, count, ids_LTK) -> Tier:
         """Fill batch row ``row``'s pools (every layer) from the prefill scratch: ESS LRU-Warmup with the top-k
         ids of the last prompt queries, or all ``count`` entries of the prompt when they fit."""
         capacity = pages_X.shape[0] * entries_per_page(self.page_size, self.rate)
-        entry_LP, order_LP = jax.vmap(lru.warm_layer, in_axes=(0, None, None, None))(ids_LQK, count, self.lru.slots,
+        entry_LP, order_LP = jax.vmap(lru.warm_layer, in_axes=(0, None, None, None))(ids_LTK, count, self.lru.slots,
                                                                                     capacity)
         scratch_page_LP, offset_LP = self._locate(scratch_table_X[None], entry_LP.reshape(1, -1))
         scratch_page_LP, offset_LP = scratch_page_LP.reshape(entry_LP.shape), offset_LP.reshape(entry_LP.shape)

@@ -26,6 +26,7 @@ from ess_jax.config import ConfigError, ModelConfig, RopeConfig
 from ess_jax.models.compressor import Compressor, TailRope
 from ess_jax.models.deepseek_v4 import DeepseekV4
 from ess_jax.models.layers import Buffer
+from helpers import v4_release_name
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf-v4-a"
 CAPACITY = 336  # >= 300-token prompt + 24 new tokens; one cache shape for every step test
@@ -365,33 +366,6 @@ def test_transformers_names_are_fixed_points_of_the_release_rename(hf):
     assert release_to_hf_name("layers.0.attn.wo_b.scale") == "model.layers.0.self_attn.o_b_proj.weight_scale_inv"
 
 
-def _to_release(name: str) -> str:
-    """transformers name -> DeepSeek-V4 release name (DOMAIN.md 2.8), written independently of the loader."""
-    top = {"model.embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
-           "model.norm.weight": "norm.weight", "model.hc_head.hc_fn": "hc_head_fn",
-           "model.hc_head.hc_base": "hc_head_base", "model.hc_head.hc_scale": "hc_head_scale"}
-    if name in top:
-        return top[name]
-    name = name.removeprefix("model.")
-    for old, new in [
-        (".input_layernorm.", ".attn_norm."), (".post_attention_layernorm.", ".ffn_norm."),
-        (".attn_hc.", ".hc_attn_"), (".ffn_hc.", ".hc_ffn_"),
-        (".self_attn.compressor.indexer.scorer.weights_proj.", ".attn.indexer.weights_proj."),
-        (".self_attn.compressor.indexer.q_b_proj.", ".attn.indexer.wq_b."),
-        (".self_attn.compressor.indexer.", ".attn.indexer.compressor."),
-        (".self_attn.compressor.", ".attn.compressor."), (".self_attn.", ".attn."), (".mlp.", ".ffn."),
-        ("compressor.kv_proj.", "compressor.wkv."), ("compressor.gate_proj.", "compressor.wgate."),
-        ("compressor.position_bias", "compressor.ape"), ("compressor.kv_norm.", "compressor.norm."),
-        (".q_a_proj.", ".wq_a."), (".q_a_norm.", ".q_norm."), (".q_b_proj.", ".wq_b."), (".kv_proj.", ".wkv."),
-        (".o_a_proj.", ".wo_a."), (".o_b_proj.", ".wo_b."), (".sinks", ".attn_sink"),
-        (".gate.e_score_correction_bias", ".gate.bias"),
-        (".shared_experts.gate_proj.", ".shared_experts.w1."), (".shared_experts.up_proj.", ".shared_experts.w3."),
-        (".shared_experts.down_proj.", ".shared_experts.w2."),
-    ]:
-        name = name.replace(old, new)
-    return name
-
-
 def _fp8_e8m0(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Block FP8 with power-of-two (ue8m0) scales: (w8, scale e8m0, dequantized float32)."""
     out, inp = w.shape
@@ -428,13 +402,13 @@ def test_release_format_fp8_e8m0_sharded_with_mtp(hf, tmp_path):
     fp8 = (".wq_a.", ".wq_b.", ".wkv.", ".wo_a.", ".wo_b.", ".w1.", ".w2.", ".w3.")
     for name, value in params.items():
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            prefix = _to_release(name).rsplit(".", 1)[0]  # layers.N.ffn.experts
+            prefix = v4_release_name(name).rsplit(".", 1)[0]  # layers.N.ffn.experts
             for e, w in enumerate(value):
                 parts = {"w1": w[: w.shape[0] // 2], "w3": w[w.shape[0] // 2:]} if "gate_up" in name else {"w2": w}
                 for part, weight in parts.items():
                     release[f"{prefix}.{e}.{part}.weight"] = weight.astype(np.float32)
         else:
-            release[_to_release(name)] = value.astype(np.int64 if name.endswith("tid2eid") else value.dtype)
+            release[v4_release_name(name)] = value.astype(np.int64 if name.endswith("tid2eid") else value.dtype)
     quantized = {}
     for name, value in release.items():
         if name.startswith("layers.") and name.endswith(".weight") and any(p in name for p in fp8) \

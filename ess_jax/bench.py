@@ -61,6 +61,10 @@ context, mean over the steps (step 0 compares the first decode step with the las
   steps (V3.2 and V4). An offloaded engine picks the same ids as this resident pass unless the float
   rounding of its split attention flips a near-tie of index scores.
 
+``--depth-sweep 4,16,61``: instead of the above, the decode and prefill steps' compile time and the decode
+step's time and dispatch against depth (``depth_sweep``): the model's config at each layer count, random
+weights, resident and ESS, without the persistent compilation cache.
+
 ``--peer hf`` times transformers' ``generate`` on the same weights (saved as a HuggingFace
 checkpoint under ``--out``) and prompts, greedy, on this machine, in this Python if torch and
 transformers import, else with ``--peer-python`` (another interpreter that has them).
@@ -163,6 +167,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stall-steps", type=int, default=24,
                    help="decode steps of the prefill-stall pass (a --context-token prompt admitted while --batch "
                         "requests decode, resident); 0 skips it (default 24)")
+    p.add_argument("--depth-sweep", type=_ints, default=None, metavar="L,L,...",
+                   help="instead of the runs above: the decode and prefill steps' compile time and the decode step's "
+                        "time against depth, the model's config (random weights) at each layer count, resident "
+                        "and ESS (the first --ratios and --fetch), compiled without the persistent cache "
+                        "(e.g. 4,16,61)")
     serve = p.add_argument_group("HTTP load test (ess_jax.loadgen): instead of the engines above, load running servers")
     serve.add_argument("--serve", action="append", default=None, metavar="URL",
                        help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (repeat for side-by-side)")
@@ -231,17 +240,39 @@ def _timed_engine_class():
     from ess_jax.engine import Engine
 
     class TimedEngine(Engine):
-        """An Engine whose decode steps are timed one by one; ``steps`` holds (seconds, rows decoded) of each."""
+        """An Engine whose decode steps are timed one by one; ``steps`` holds (seconds, rows decoded) of each,
+        ``dispatch_s`` the seconds each call of the compiled decode step took to return (the host's part:
+        arguments in, the step enqueued), ``pieces_s`` the seconds of each prefill piece (its compile included
+        when it is the first of its size)."""
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.steps: list[tuple[float, int]] = []
+            self.dispatch_s: list[float] = []
+            self.pieces_s: list[float] = []
+
+        def _compile_decode(self):
+            super()._compile_decode()
+            compiled = self._decode
+
+            def dispatch(*args):
+                start = time.perf_counter()
+                out = compiled(*args)
+                self.dispatch_s.append(time.perf_counter() - start)
+                return out
+
+            self._decode = dispatch
 
         def _decode_step(self, new) -> int:
             start = time.perf_counter()
             served = super()._decode_step(new)
             self.steps.append((time.perf_counter() - start, served))
             return served
+
+        def _prefill_piece(self, *args):
+            start = time.perf_counter()
+            super()._prefill_piece(*args)
+            self.pieces_s.append(time.perf_counter() - start)
 
     return TimedEngine
 
@@ -364,6 +395,80 @@ def prefill_stall(model, prompts: list[list[int]], args, log) -> dict:
     return {"decode_step_ms": statistics.median(decode_ms), "prefill_step_ms": statistics.median(prefill_ms),
             "prefill_step_ms_max": max(prefill_ms), "prefill_piece_ms": statistics.median(piece_ms),
             "pieces": len(prefill_ms), "prefill_chunk": args.prefill_chunk, "context": args.context}
+
+
+def depth_sweep(args, log) -> dict:
+    """``--depth-sweep``: the model's config with ``num_hidden_layers`` set to each given count (random weights
+    from ``--weights-seed``), served resident and with ESS (the first ``--ratios`` and ``--fetch``): ``--batch``
+    prompts of ``--context`` tokens (``prompt_source``), ``--new-tokens`` each. Per depth and mode:
+    - decode compile s: ``Engine._compile_decode`` (lowering and compiling the decode step);
+    - prefill compile s: the first prefill piece's time less the median of the later ones of the same size
+      (every prompt is cut into the same pieces; with ESS the first handoff's compile is in it too);
+    - ms per decode step: the median ``Engine._decode_step`` of the whole batch, the first one dropped;
+    - dispatch ms: the median time a call of the compiled decode step takes to return (the host's part).
+    The persistent compilation cache is off for the sweep, so every compile is measured."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from ess_jax.api import Model
+    from ess_jax.cli import use_compile_cache
+    from ess_jax.config import CHECKPOINTS, PRESETS, ModelConfig, preset_dict, shipped_checkpoint
+    from ess_jax.engine import EngineConfig
+    from ess_jax.families import get as family_of
+    from ess_jax.tokenizer import load_tokenizer
+
+    use_compile_cache("none")
+    if args.model in PRESETS:
+        raw = preset_dict(args.model)
+    else:
+        path = shipped_checkpoint(args.model) if args.model in CHECKPOINTS else Path(args.model)
+        raw = json.loads((path / "config.json").read_text())
+    TimedEngine = _timed_engine_class()
+    rows = []
+    for layers in args.depth_sweep:
+        cfg = ModelConfig.from_hf_dict(dict(raw, num_hidden_layers=layers))
+        module = family_of(cfg.family).module_cls(cfg, dtype=getattr(jnp, args.dtype), rngs=nnx.Rngs(args.weights_seed))
+        model = Model(f"{args.model} x {layers} layers", module, load_tokenizer(None, cfg))
+        prompts = prompt_source(argparse.Namespace(**dict(vars(args), locality_steps=0)), cfg, model.tokenizer)[0]
+        for offload in ("none", "ess"):
+            config = EngineConfig(max_batch=len(prompts), max_seq_len=args.context + args.new_tokens,
+                                  prefill_chunk=args.prefill_chunk, offload=offload, pool_ratio=args.ratios[0],
+                                  fetch=args.fetch[0], kernels=args.kernels, cache_dtype=args.cache_dtype)
+            engine = TimedEngine(model, config)
+            engine._compile_decode()
+            for prompt in prompts:
+                engine.add_request(prompt, args.new_tokens, ignore_eos=True)
+            engine.run()
+            pieces = len(engine.pieces_s) // len(prompts)  # each prompt's pieces, the same sizes in the same order
+            later = [engine.pieces_s[i * pieces] for i in range(1, len(prompts))]
+            steps = [t for t, served in engine.steps if served == len(prompts)][1:]
+            dispatch = engine.dispatch_s[-len(steps):] if steps else []
+            row = {"layers": layers, "offload": offload, "decode_compile_s": engine.stats["compile_s"],
+                   "prefill_compile_s": engine.pieces_s[0] - statistics.median(later) if later else None,
+                   "decode_step_ms": 1e3 * statistics.median(steps) if steps else None,
+                   "dispatch_ms": 1e3 * statistics.median(dispatch) if dispatch else None,
+                   "measured_steps": len(steps)}
+            rows.append(row)
+            log(f"depth {layers:3d} {offload:<4}: decode compile {row['decode_compile_s']:.1f} s, "
+                f"step {row['decode_step_ms'] or 0:.1f} ms")
+            del engine
+    return {"setup": {"model": args.model, "batch": args.batch, "context": args.context, "new_tokens": args.new_tokens,
+                      "prefill_chunk": args.prefill_chunk, "pool_ratio": args.ratios[0], "fetch": args.fetch[0],
+                      "dtype": args.dtype, "machine": _machine()},
+            "depth": rows}
+
+
+def render_depth(result: dict) -> str:
+    s = result["setup"]
+    fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
+    rows = [[str(r["layers"]), "resident" if r["offload"] == "none" else f"ess {s['pool_ratio']:g} {s['fetch']}",
+             fmt(r["decode_compile_s"], ".1f"), fmt(r["prefill_compile_s"], ".1f"), fmt(r["decode_step_ms"], ".1f"),
+             fmt(r["dispatch_ms"], ".2f")] for r in result["depth"]]
+    return "\n".join([f"{s['model']} at each depth (random weights): {s['batch']} x {s['context']}-token prompts, "
+                      f"{s['new_tokens']} new tokens, prefill chunk {s['prefill_chunk']}, no persistent compilation "
+                      f"cache; {s['machine']}",
+                      _table(["layers", "mode", "decode compile s", "prefill compile s", "ms/step", "dispatch ms"],
+                             rows)])
 
 
 # ---- temporal locality -------------------------------------------------------------------------
@@ -910,11 +1015,11 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(result) if args.json else loadgen.render(result))
             return 0
         _check(args)
-        result = bench(args, log)
+        result = depth_sweep(args, log) if args.depth_sweep else bench(args, log)
     except (ValueError, OSError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(result) if args.json else render(result))
+    print(json.dumps(result) if args.json else render_depth(result) if args.depth_sweep else render(result))
     return 0
 
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ess_jax import checkpoint, families
+from ess_jax import checkpoint, families, mesh
 from ess_jax.config import CHECKPOINTS, PRESETS, ConfigError, ModelConfig, shipped_checkpoint
 from ess_jax.models.deepseek_v32 import DeepseekV32
 from ess_jax.models.deepseek_v4 import DeepseekV4
@@ -130,9 +130,11 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
     per_prompt = [sampling] * len(encoded) if isinstance(sampling, SamplingParams) else list(sampling)
     if len(per_prompt) != len(encoded):
         raise ValueError(f"{len(per_prompt)} sampling parameter sets for {len(encoded)} prompts")
-    # Size the engine to this workload: no batch rows or page-table columns beyond what it can use.
+    # Size the engine to this workload: no batch rows or page-table columns beyond what it can use (the rows a
+    # multiple of the mesh's data shards).
     longest = max(len(p) for p in encoded) + max_new_tokens
-    engine = dataclasses.replace(engine, max_batch=min(engine.max_batch, len(encoded)),
+    shards = mesh.parse(engine.mesh).data if engine.mesh else 1
+    engine = dataclasses.replace(engine, max_batch=min(engine.max_batch, -(-len(encoded) // shards) * shards),
                                  max_seq_len=engine.max_seq_len or min(longest, model.cfg.max_position_embeddings))
     start = time.perf_counter()
     server = Engine(model, engine, progress=progress)

@@ -127,6 +127,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "ue8m0 scale per 64 values + bf16 rope, 584 bytes); V4's indexer keys, window and HCA "
                         "entries stay in --dtype")
     p.add_argument("--weights-seed", type=int, default=0, help="seed of a preset's random weights (default 0)")
+    p.add_argument("--mesh", default=None, metavar="data=D,expert=E",
+                   help="a device mesh over every device jax sees (D x E of them): the routed experts sharded over "
+                        "'expert', the batch rows' cache state (ESS pools and slot tables, V4's window and rings) "
+                        "over 'data' (--max-batch a multiple of D); attention weights, page pools and the host "
+                        "store replicated. Same tokens as one device (default: one device)")
 
 
 def engine_config(args: argparse.Namespace, **overrides):
@@ -144,8 +149,8 @@ def engine_config(args: argparse.Namespace, **overrides):
     config = EngineConfig(**dict(dict(
         max_batch=args.max_batch, page_size=args.page_size, num_pages=args.num_pages, max_seq_len=args.max_seq_len,
         prefill_chunk=args.prefill_chunk, offload=args.offload, pool_size=args.pool_size, pool_ratio=args.pool_ratio,
-        fetch=args.fetch, host_cache_mb=args.host_cache_mb, kernels=args.kernels, cache_dtype=args.cache_dtype),
-        **overrides))
+        fetch=args.fetch, host_cache_mb=args.host_cache_mb, kernels=args.kernels, cache_dtype=args.cache_dtype,
+        mesh=args.mesh), **overrides))
     check_before_load(args, config)
     return config
 
@@ -213,8 +218,12 @@ def check_before_load(args: argparse.Namespace, config) -> None:
     (``generate`` cuts the batch to its prompts and ``eval`` to its windows, and both size requests to them:
     so the rows of the prompts, or one, and ``--max-seq-len``, or the new tokens + 1). ``Engine`` checks the
     sizes it gets again, exactly, before it allocates."""
+    from ess_jax import mesh
     from ess_jax.config import PRESETS
     from ess_jax.engine import cache_layout, check_memory
+
+    if config.mesh:
+        mesh.check_devices(mesh.parse(config.mesh))
 
     model = getattr(args, "model", None)
     if getattr(args, "weights", None) == "release" and str(model) in PRESETS:

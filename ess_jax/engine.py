@@ -18,6 +18,7 @@ prompt is cut into the same pieces, and it samples from its own seed."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -33,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 from tqdm import tqdm
 
-from ess_jax import families, ops, tier
+from ess_jax import families, mesh, ops, tier
 from ess_jax.allocator import Admission, PageAllocator
 from ess_jax.cache import StepMeta, check_geometry
 from ess_jax.sampling import SamplingParams, sample
@@ -99,6 +100,7 @@ class EngineConfig:
     kernels: str = "xla"  # attention kernels: "xla", "pallas", "auto" (Pallas on GPU, XLA elsewhere)
     cache_dtype: str | None = None  # V3.2 latent rows / V4 CSA entries: None = the model's dtype, or "bfloat16",
     # "float32", "fp8" (656-byte V3.2 rows, 584-byte V4 rows at the real shapes; ess_jax.pallas_kernels.fp8_rows)
+    mesh: str | None = None  # "data=D,expert=E": a device mesh over every device (ess_jax.mesh); None: one device
 
     def __post_init__(self):
         for name in ("max_batch", "page_size", "prefill_chunk", "num_pages", "max_seq_len", "pool_size"):
@@ -127,6 +129,8 @@ class EngineConfig:
         if self.fetch not in tier.FETCH_BACKENDS:
             raise ValueError(f"--fetch {self.fetch!r} is not a fetch backend; use one of "
                              f"{', '.join(tier.FETCH_BACKENDS)}")
+        if self.mesh is not None:
+            mesh.check_rows(mesh.parse(self.mesh), self.max_batch)
         # The ESS-only fields are ignored with offload "none" (one config serves both paths through
         # dataclasses.replace); the CLIs refuse ESS-only flags given with --offload none (cli.engine_config).
 
@@ -242,39 +246,49 @@ def check_memory(layout: CacheLayout, weights_bytes: int = 0) -> None:
                          f"{host_limit / GiB:.2f} GiB: {fix}, or set --host-cache-mb")
 
 
-def _prefill(graphdef, kernels: str, params, tokens_BT, meta: StepMeta, cache, last_B, sampling):
+def _placed(layout: mesh.Layout | None, cache):
+    """``cache`` in the shardings of ``layout`` (the engine's mesh; None: one device, as it is)."""
+    return layout.constrain(cache) if layout else cache
+
+
+def _prefill(graphdef, kernels: str, params, tokens_BT, meta: StepMeta, cache, last_B, sampling, layout=None):
     """One prefill chunk. Returns the token sampled after each row's last real token ``i32[B]``, the
     top-k ids of the chunk's last ``WARMUP_QUERIES`` real tokens ``i32[L, B, T, K]`` (-1 before the
-    chunk) and the cache."""
+    chunk) and the cache (in ``layout``'s shardings, as every step returns its cache)."""
     logits_BTV, ids_LBTK, cache = nnx.merge(graphdef, params).step(tokens_BT, meta, cache, kernels=kernels)
     logits_BV = jnp.take_along_axis(logits_BTV, last_B[:, None, None], axis=1)[:, 0]
     window_BT = last_B[:, None] - tier.WARMUP_QUERIES + 1 + jnp.arange(tier.WARMUP_QUERIES)
     ids_LBTK = jnp.take_along_axis(ids_LBTK, jnp.maximum(window_BT, 0)[None, :, :, None], axis=2)
     ids_LBTK = jnp.where((window_BT >= 0)[None, :, :, None], ids_LBTK, -1)
-    return sample(logits_BV, *sampling), logits_BV, ids_LBTK, cache
+    return sample(logits_BV, *sampling), logits_BV, ids_LBTK, _placed(layout, cache)
 
 
-def _decode(graphdef, kernels: str, params, tokens_BT, meta: StepMeta, cache, sampling):
+def _decode(graphdef, kernels: str, params, tokens_BT, meta: StepMeta, cache, sampling, layout=None):
     """One decode step for every batch row; the sampled tokens ``i32[B]``."""
     logits_BTV, _, cache = nnx.merge(graphdef, params).step(tokens_BT, meta, cache.begin_step(), kernels=kernels)
-    return sample(logits_BTV[:, -1], *sampling), logits_BTV[:, -1], cache
+    return sample(logits_BTV[:, -1], *sampling), logits_BTV[:, -1], _placed(layout, cache)
 
 
-def _flush(family: families.Family, cache):
-    return family.with_store(cache, family.store_of(cache).begin_step())
+def _handoff(family: families.Family, cache, scratch, table_X, pages_X, row, entries, ids_LTK, layout=None):
+    return _placed(layout, family.handoff(cache, scratch, table_X, pages_X, row, entries, ids_LTK))
 
 
-def _release(family: families.Family, cache, row, pages_X):
-    return family.with_store(cache, family.store_of(cache).release(row, pages_X))
+def _flush(family: families.Family, cache, layout=None):
+    return _placed(layout, family.with_store(cache, family.store_of(cache).begin_step()))
+
+
+def _release(family: families.Family, cache, row, pages_X, layout=None):
+    return _placed(layout, family.with_store(cache, family.store_of(cache).release(row, pages_X)))
 
 
 # Module-level jits: engines over the same model and shapes share compiled executables (the split backend's
-# NumPy store is part of the step's static identity: its engine's own).
-_PREFILL = jax.jit(_prefill, static_argnums=(0, 1), donate_argnums=5)
-_DECODE = jax.jit(_decode, static_argnums=(0, 1), donate_argnums=5)
-_HANDOFF = jax.jit(families.Family.handoff, static_argnums=0, donate_argnums=1)
-_FLUSH = jax.jit(_flush, static_argnums=0, donate_argnums=1)
-_RELEASE = jax.jit(_release, static_argnums=0, donate_argnums=1)
+# NumPy store is part of the step's static identity: its engine's own). ``layout``: static, the caches'
+# shardings on the engine's mesh.
+_PREFILL = jax.jit(_prefill, static_argnums=(0, 1), static_argnames="layout", donate_argnums=5)
+_DECODE = jax.jit(_decode, static_argnums=(0, 1), static_argnames="layout", donate_argnums=5)
+_HANDOFF = jax.jit(_handoff, static_argnums=0, static_argnames="layout", donate_argnums=1)
+_FLUSH = jax.jit(_flush, static_argnums=0, static_argnames="layout", donate_argnums=1)
+_RELEASE = jax.jit(_release, static_argnums=0, static_argnames="layout", donate_argnums=1)
 
 
 def _buckets(chunk: int) -> tuple[int, ...]:
@@ -300,14 +314,25 @@ class Engine:
         self.offloaded_part, self.row_bytes = part, part.row_bytes  # the tier's part with ess
         self.scratch = None
         self.kernels = config.kernels  # static in the compiled steps
-        if config.offload == "ess":
-            self.cache = self.family.offloaded_cache(module, size, part, self.latent_dtype, slots=self.pool_slots,
-                                                     fetch=config.fetch)
-            # prefill computes on a device scratch for one prompt (a prefill node's view), then hands off
-            self.scratch = self.family.resident_cache(
-                module, dataclasses.replace(size, rows=1, pages=self.pages_per_row + 1), self.latent_dtype)
-        else:
-            self.cache = self.family.resident_cache(module, size, self.latent_dtype)
+        # a mesh: the parameters placed by ess_jax.mesh's rules (a copy unless the model's already are)
+        self.mesh = mesh.make(mesh.parse(config.mesh)) if config.mesh else None
+        self.layout = self.scratch_layout = None  # the caches' shardings on the mesh (mesh.Layout)
+        self.params = mesh.place_params(model.params, self.mesh) if self.mesh else model.params
+        with self.on_mesh():
+            self.cache = self._decode_cache(module, size)
+            if config.offload == "ess":
+                # prefill computes on a device scratch for one prompt (a prefill node's view), then hands off
+                self.scratch = self.family.resident_cache(
+                    module, dataclasses.replace(size, rows=1, pages=self.pages_per_row + 1), self.latent_dtype)
+            if self.mesh:
+                axes = mesh.row_axes(lambda rows: self._decode_cache(module, dataclasses.replace(size, rows=rows,
+                                                                                                   pages=2)))
+                shardings = mesh.cache_shardings(self.cache, axes, self.mesh)
+                self.cache, self.layout = jax.device_put(self.cache, shardings), mesh.Layout.of(shardings)
+                if self.scratch is not None:
+                    shardings = mesh.replicated(self.scratch, self.mesh)
+                    self.scratch = jax.device_put(self.scratch, shardings)
+                    self.scratch_layout = mesh.Layout.of(shardings)
         self.size = size
         self.allocator = PageAllocator(size.pages, config.page_size)
         self.admission = Admission(self.allocator, max_batch=config.max_batch,
@@ -330,6 +355,16 @@ class Engine:
         self._inbox_lock = threading.Lock()  # guards requests, _inbox, _aborts, _next_id across threads
         self._step_lock = threading.Lock()  # held while the engine's state changes (step, abort)
         self._decode = None  # compiled on the first step
+
+    def _decode_cache(self, module, size: families.CacheSize):
+        if self.config.offload == "ess":
+            return self.family.offloaded_cache(module, size, self.offloaded_part, self.latent_dtype,
+                                               slots=self.pool_slots, fetch=self.config.fetch)
+        return self.family.resident_cache(module, size, self.latent_dtype)
+
+    def on_mesh(self):
+        """The context the engine's arrays are made and its steps run in: ``jax.set_mesh`` of its mesh."""
+        return jax.set_mesh(self.mesh) if self.mesh else contextlib.nullcontext()
 
     # ---- the online API ------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
@@ -409,7 +444,8 @@ class Engine:
             self._aborts.add(request_id)
         if self._step_lock.acquire(blocking=False):
             try:
-                self._take_inbox()
+                with self.on_mesh():
+                    self._take_inbox()
             finally:
                 self._step_lock.release()
 
@@ -421,7 +457,7 @@ class Engine:
         """Admit what fits, run prefill pieces of up to ``prefill_chunk`` tokens in all (the running
         requests wait for at most one chunk), then one decode step for every request past its prefill.
         One output per request that produced tokens, finished or was aborted."""
-        with self._step_lock:
+        with self._step_lock, self.on_mesh():
             if self._decode is None:  # one shape: compile ahead, so decode timings never include compilation
                 self._compile_decode()
             self._take_inbox()
@@ -444,7 +480,8 @@ class Engine:
         while self.has_unfinished():
             bar.update(sum(len(out.new_token_ids) for out in self.step()))
         if self.scratch is not None:
-            self.cache = _FLUSH(self.family, self.cache)  # the last step's rows reach the host store too
+            with self.on_mesh():  # the last step's rows reach the host store too
+                self.cache = _FLUSH(self.family, self.cache, layout=self.layout)
         bar.close()
         return [requests[i] for i in sorted(requests)]
 
@@ -488,8 +525,9 @@ class Engine:
     def _compile_decode(self):
         b, start = self.config.max_batch, time.perf_counter()
         self._decode = _DECODE.lower(
-            self.model.graphdef, self.kernels, self.model.params, jnp.zeros((b, 1), jnp.int32),
-            self._decode_meta(np.zeros(b, bool)), self.cache, self._sampling_arrays([None] * b)).compile()
+            self.model.graphdef, self.kernels, self.params, jnp.zeros((b, 1), jnp.int32),
+            self._decode_meta(np.zeros(b, bool)), self.cache, self._sampling_arrays([None] * b),
+            layout=self.layout).compile()
         self.stats["compile_s"] = time.perf_counter() - start
 
     def _sampling_arrays(self, requests: list[Request | None]):
@@ -527,15 +565,15 @@ class Engine:
         prompt = np.asarray(request.prompt_ids, np.int32)
         pages_X, table_X = self._tables(pages)
         offloaded = self.scratch is not None
-        cache = self.scratch if offloaded else self.cache
+        cache, layout = (self.scratch, self.scratch_layout) if offloaded else (self.cache, self.layout)
         row = 0 if offloaded else slot  # an offloaded prompt fills the scratch's first row (V4's one row)
         start_time, start = time.perf_counter(), request.prefilled
         meta = StepMeta(jnp.asarray((start + np.arange(real, dtype=np.int32))[None]), jnp.ones((1, real), bool),
                         jnp.asarray((table_X if offloaded else pages_X)[None]), jnp.asarray([row], jnp.int32))
-        token, logits_BV, ids_LBTK, cache = _PREFILL(self.model.graphdef, self.kernels, self.model.params,
+        token, logits_BV, ids_LBTK, cache = _PREFILL(self.model.graphdef, self.kernels, self.params,
                                                      jnp.asarray(prompt[None, start:start + real]), meta, cache,
                                                      jnp.asarray([real - 1], jnp.int32),
-                                                     self._sampling_arrays([request]))
+                                                     self._sampling_arrays([request]), layout=layout)
         token.block_until_ready()  # stats["prefill_s"] times the piece, not its dispatch
         if offloaded:
             self.scratch = cache
@@ -551,7 +589,7 @@ class Engine:
         if offloaded:
             entries = self.offloaded_part.entries(len(prompt))
             self.cache = _HANDOFF(self.family, self.cache, self.scratch, jnp.asarray(table_X), jnp.asarray(pages_X),
-                                  slot, entries, _last_queries(request.windows))
+                                  slot, entries, _last_queries(request.windows), layout=self.layout)
             self.stats["prompt_rows_to_host"] += entries * self.offloaded_part.layers
         request.windows = []
         self.stats["prefill_s"] += time.perf_counter() - start_time
@@ -566,7 +604,7 @@ class Engine:
         active = np.array([r is not None for r in rows])
         meta = self._decode_meta(active)
         start = time.perf_counter()
-        tokens, logits_BV, self.cache = self._decode(self.model.params, jnp.asarray(self._last[:, None]), meta,
+        tokens, logits_BV, self.cache = self._decode(self.params, jnp.asarray(self._last[:, None]), meta,
                                                      self.cache, self._sampling_arrays(rows))
         tokens = np.asarray(tokens)
         self.stats["decode_s"] += time.perf_counter() - start
@@ -610,7 +648,8 @@ class Engine:
         elif request_id in self.admission.running:
             _, slot, pages = self.admission.running[request_id]
             if self.scratch is not None:
-                self.cache = _RELEASE(self.family, self.cache, slot, jnp.asarray(self._tables(pages)[0]))
+                self.cache = _RELEASE(self.family, self.cache, slot, jnp.asarray(self._tables(pages)[0]),
+                                      layout=self.layout)
             self.admission.finish(request_id)
             self._decoding.pop(request_id, None)
             self._prefilling = deque(e for e in self._prefilling if e.request_id != request_id)

@@ -1,0 +1,170 @@
+"""The device mesh (``--mesh data=D,expert=E``) and the sharding rules, in one place.
+
+- ``parse`` reads the flag; ``make`` builds the ``jax.sharding.Mesh`` over the devices jax sees (their count
+  must equal the mesh's size). Its axis types are given explicitly as ``Auto``: the partitioner propagates
+  the parameters' and caches' shardings through the step. (``Explicit`` axes would need every op of the
+  models to have an explicit-sharding rule, and ``ragged_dot_general``, the routed experts' matmul, has none
+  in jax 0.11 without an ``out_sharding``.) The engine runs its steps under ``jax.set_mesh``.
+- Parameters (``param_spec``): the routed experts' stacked weights (``experts.gate_up_proj [..., E, 2F, D]``,
+  ``experts.down_proj [..., E, D, F]``, and the values and scales of their release formats, expert axis
+  third from last) over ``expert``; everything else (attention, indexer, router, shared experts,
+  embeddings) replicated.
+- Caches (``cache_shardings``): every array with a batch-row axis (V3.2 and V4 ESS pools, slot tables and
+  staged rows; V4's window and compressor rings) over ``data`` on that axis; the page pools, the residency
+  map, the host store (in its own memory kind) and the prefill scratch replicated.
+
+The model is exact on any mesh: sharding moves data, never changes what a row computes, so greedy tokens
+equal one device's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import jax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+AXES = ("data", "expert")  # mesh axes in mesh order
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshShape:
+    """Devices along each mesh axis."""
+
+    data: int = 1
+    expert: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.data * self.expert
+
+    def __str__(self) -> str:
+        return ",".join(f"{name}={getattr(self, name)}" for name in AXES)
+
+
+def parse(text: str) -> MeshShape:
+    """``"data=D,expert=E"`` (either may be left out: 1) -> MeshShape; ValueError naming the fix."""
+    if not isinstance(text, str):
+        raise ValueError(f"mesh={text!r} must be a string such as 'data=2,expert=4'")
+    sizes: dict[str, int] = {}
+    for item in text.split(","):
+        name, sep, value = item.strip().partition("=")
+        name = name.strip()
+        if not sep:
+            raise ValueError(f"--mesh {text!r}: {item.strip()!r} is not AXIS=SIZE; write e.g. data=2,expert=4")
+        if name == "tensor":
+            raise ValueError(f"--mesh {text!r}: tensor parallelism is not served yet; use data and expert axes")
+        if name not in AXES:
+            raise ValueError(f"--mesh {text!r}: unknown axis {name!r}; the axes are {', '.join(AXES)}")
+        if name in sizes:
+            raise ValueError(f"--mesh {text!r}: axis {name!r} is given twice")
+        try:
+            size = int(value)
+        except ValueError:
+            size = 0
+        if size < 1 or str(size) != value.strip():
+            raise ValueError(f"--mesh {text!r}: {name}={value.strip()!r} must be a positive integer")
+        sizes[name] = size
+    return MeshShape(**sizes)
+
+
+def check_devices(shape: MeshShape) -> None:
+    """ValueError unless jax sees exactly the mesh's number of devices."""
+    devices = jax.devices()
+    if shape.size != len(devices):
+        raise ValueError(
+            f"--mesh {shape} has {shape.size} devices but jax sees {len(devices)} ({devices[0].platform}): give "
+            f"axis sizes whose product is {len(devices)}, or on CPU simulate {shape.size} devices with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={shape.size} set before jax starts")
+
+
+def make(shape: MeshShape) -> jax.sharding.Mesh:
+    """The mesh of ``shape`` over every device jax sees (``check_devices``)."""
+    check_devices(shape)
+    sizes = tuple(getattr(shape, name) for name in AXES)
+    return jax.make_mesh(sizes, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=jax.devices())
+
+
+def path_names(path) -> list[str]:
+    """A pytree key path as names: ``['layers', '1', 'mlp', 'experts', 'down_proj', 'value']``."""
+    return [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+
+
+def param_spec(names: list[str], shape: tuple[int, ...]) -> PartitionSpec:
+    """The sharding rule of the parameter at state path ``names``: the routed experts' weights over
+    ``expert`` on their expert axis (third from last: ``[..., E, out, in]``), everything else replicated."""
+    if "experts" in names and len(shape) >= 3:
+        axes = [None] * len(shape)
+        axes[len(shape) - 3] = "expert"
+        return PartitionSpec(*axes)
+    return PartitionSpec()
+
+
+def place_params(params, mesh: jax.sharding.Mesh):
+    """``params`` (an NNX state) on ``mesh`` by ``param_spec``; ValueError when the experts do not divide
+    over the ``expert`` axis. Parameters already placed so are not copied."""
+    experts = mesh.shape["expert"]
+
+    def place(path, x):
+        spec = param_spec(path_names(path), x.shape)
+        if spec and x.shape[len(x.shape) - 3] % experts:
+            raise ValueError(f"--mesh expert={experts} does not divide the model's {x.shape[len(x.shape) - 3]} "
+                             f"routed experts ({'.'.join(path_names(path))}): use an expert size that divides it")
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    return jax.tree_util.tree_map_with_path(place, params)
+
+
+def row_axes(build: Callable[[int], object]) -> list[int | None]:
+    """Each array's batch-row axis (None: it has none) in the cache ``build(rows)`` makes, in leaf order: the
+    axis whose size is the row count, at 2 rows and at 3 (shapes only: nothing is allocated but leafless
+    parts, such as the split backend's NumPy store)."""
+    two, three = (jax.tree.leaves(jax.eval_shape(lambda: build(rows))) for rows in (2, 3))
+    return [next((i for i, sizes in enumerate(zip(a.shape, b.shape)) if sizes == (2, 3)), None)
+            for a, b in zip(two, three, strict=True)]
+
+
+def cache_shardings(cache, axes: list[int | None], mesh: jax.sharding.Mesh):
+    """Shardings of ``cache``'s arrays (a pytree like it): the batch-row axis ``axes`` gives (``row_axes``) over
+    ``data``, the rest replicated, each array kept in its memory kind (device, or the host store's
+    pinned_host)."""
+    def sharding(x, axis):
+        spec = [None] * x.ndim
+        if axis is not None:
+            spec[axis] = "data"
+        return NamedSharding(mesh, PartitionSpec(*spec), memory_kind=x.sharding.memory_kind)
+
+    leaves, treedef = jax.tree.flatten(cache)
+    return jax.tree.unflatten(treedef, [sharding(x, axis) for x, axis in zip(leaves, axes, strict=True)])
+
+
+def replicated(cache, mesh: jax.sharding.Mesh):
+    """Shardings replicating every array of ``cache`` over ``mesh``, each in its memory kind."""
+    return jax.tree.map(lambda x: NamedSharding(mesh, PartitionSpec(), memory_kind=x.sharding.memory_kind), cache)
+
+
+def check_rows(shape: MeshShape, max_batch: int) -> None:
+    if max_batch % shape.data:
+        raise ValueError(f"--max-batch {max_batch} does not divide over --mesh data={shape.data}: use a multiple "
+                         f"of {shape.data} (e.g. {math.ceil(max_batch / shape.data) * shape.data})")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The shardings of a cache's arrays, hashable: a static argument of the compiled steps, which constrain
+    the cache they return to them (so every step gets the cache in the shardings it was compiled for)."""
+
+    treedef: jax.tree_util.PyTreeDef
+    shardings: tuple[NamedSharding, ...]
+
+    @classmethod
+    def of(cls, shardings) -> Layout:
+        leaves, treedef = jax.tree.flatten(shardings)
+        return cls(treedef, tuple(leaves))
+
+    def constrain(self, cache):
+        leaves = jax.tree.leaves(cache)
+        return jax.tree.unflatten(self.treedef, [jax.lax.with_sharding_constraint(x, s)
+                                                 for x, s in zip(leaves, self.shardings, strict=True)])

@@ -1,0 +1,159 @@
+"""The device mesh (ess_jax.mesh): ``--mesh`` parsing and its errors, and on 8 simulated CPU devices (a
+subprocess: the device count is fixed before jax starts) greedy tokens identical to the single-device
+engine for both families, resident and ESS, with requests joining and leaving."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ess_jax import mesh
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+# Runs in a subprocess with 8 CPU devices: argv = checkpoint, then runs as OFFLOAD:FETCH:MESH. Serves the same
+# requests (three prompts on two batch rows per data shard: one waits and joins when a row frees, and they leave
+# at different steps) on one device, resident (the reference), and in each run; prints the tokens and shardings.
+SCRIPT = r"""
+import dataclasses, json, sys
+import jax, numpy as np
+import ess_jax
+from ess_jax.engine import Engine, EngineConfig
+
+model = ess_jax.load_model(sys.argv[1])
+rng = np.random.default_rng(0)
+requests = [(rng.integers(0, 256, n).tolist(), new) for n, new in ((16, 6), (32, 10), (16, 4))]
+base = EngineConfig(max_batch=2, page_size=8, prefill_chunk=16, max_seq_len=48)
+out = {}
+for run in ["none:inline:", *sys.argv[2:]]:
+    offload, fetch, spec = run.split(":")
+    rows = 2 * (int(spec.split("data=")[1].split(",")[0]) if "data=" in spec else 1)
+    engine = Engine(model, dataclasses.replace(base, offload=offload, fetch=fetch, mesh=spec or None, max_batch=rows))
+    for prompt, new in requests:
+        engine.add_request(prompt, new)
+    tokens = [r.output_ids for r in engine.run()]
+    experts = next(x for p, x in jax.tree_util.tree_leaves_with_path(engine.params)
+                   if "['experts']" in jax.tree_util.keystr(p))
+    out[run] = {"tokens": tokens, "pool_slots": engine.pool_slots,
+                "expert_shard": list(experts.addressable_shards[0].data.shape), "expert_shape": list(experts.shape),
+                "cache_specs": sorted({str(x.sharding.spec) for x in jax.tree.leaves(engine.cache)
+                                       if hasattr(x.sharding, "spec")})}
+print(json.dumps(out))
+"""
+
+
+def _run(checkpoint: str, runs: list[str]) -> dict:
+    # 8 CPU devices; LLVM's cheaper passes halve the compile time (the reference compiles with them too)
+    flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 " \
+            "--xla_llvm_disable_expensive_passes=true"
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", SCRIPT, checkpoint, *runs], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("family, runs, experts, entries", [
+    # one latent row per token; 8 routed experts
+    ("v32", ["none:inline:expert=8", "ess:inline:data=2,expert=4"], 8, 48),
+    # one CSA entry per 4 tokens; 4 routed experts
+    ("v4", ["none:inline:data=2,expert=4", "ess:split:data=8"], 4, 12),
+])
+def test_mesh_tokens_equal_one_device(family, runs, experts, entries):
+    """Resident and ESS (both fetch backends) on meshes sharding the experts, the batch rows or both: the
+    single-device resident engine's greedy tokens."""
+    out = _run(str(FIXTURES / f"hf-{family}-a"), runs)
+    alone = out["none:inline:"]
+    assert [len(t) for t in alone["tokens"]] == [6, 10, 4]
+    assert alone["expert_shard"] == alone["expert_shape"] and alone["cache_specs"] == []  # one device
+    for run in runs:
+        offload, _, spec = run.split(":")
+        got = out[run]
+        assert got["tokens"] == alone["tokens"], run
+        shape = mesh.parse(spec)
+        assert got["expert_shard"][0] == experts // shape.expert  # the routed experts are sharded
+        if offload == "ess":
+            assert got["pool_slots"] < entries  # the pools evict: the tier is exercised, not a resident copy
+        # V3.2's resident cache has no batch-row arrays (its pages are global); its tier and V4's caches have
+        row_sharded = any("'data'" in s for s in got["cache_specs"])
+        assert row_sharded == (shape.data > 1 and (offload == "ess" or family == "v4")), got["cache_specs"]
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("expert={more}", "error: --mesh data=1,expert={more} has {more} devices but jax sees {n}"),
+    ("data=2,expert=x", "error: --mesh 'data=2,expert=x': expert='x' must be a positive integer"),
+])
+def test_bad_mesh_flags_are_refused_before_the_model_loads(monkeypatch, capsys, flag, message):
+    """A mesh of more devices than jax sees, or one that does not parse: one error line naming the numbers and
+    the fix (the simulated device count), before any load."""
+    import importlib
+    import jax
+
+    generate_cli = importlib.import_module("ess_jax.generate")  # ess_jax.generate is also the API function
+
+    def not_loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(generate_cli, "load_model", not_loaded)
+    n = jax.device_count()
+    flag, message = flag.format(more=n + 1), message.format(more=n + 1, n=n)
+    assert generate_cli.main(["--model", "tiny-v32", "--prompt", "a", "--mesh", flag]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(message) and len(err.splitlines()) == 1, err
+    if "devices" in message:
+        assert f"XLA_FLAGS=--xla_force_host_platform_device_count={n + 1}" in err
+
+
+def test_param_rules_shard_the_routed_experts_on_their_expert_axis():
+    """Release-format weights (FP8 values and block scales): each routed expert tensor over ``expert`` on its
+    axis of n_routed_experts, every other parameter replicated."""
+    import jax
+    from jax.sharding import PartitionSpec
+
+    import ess_jax
+
+    model = ess_jax.load_model(FIXTURES / "hf-v32-fp8", weights="release")
+    routed = 0
+    for path, x in jax.tree_util.tree_leaves_with_path(model.params):
+        names, spec = mesh.path_names(path), mesh.param_spec(mesh.path_names(path), x.shape)
+        if "experts" in names:  # values and scales of layers 1 and 2's gate_up_proj and down_proj
+            routed += 1
+            assert spec.index("expert") == x.ndim - 3 and x.shape[x.ndim - 3] == model.cfg.n_routed_experts
+        else:
+            assert spec == PartitionSpec(), names
+    assert routed == 8
+
+
+def test_parse():
+    assert mesh.parse("data=2,expert=4") == mesh.MeshShape(data=2, expert=4)
+    assert mesh.parse(" expert=8 ") == mesh.MeshShape(expert=8)
+    assert str(mesh.parse("data=8")) == "data=8,expert=1"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("data=2,expert", "is not AXIS=SIZE"),
+    ("data=0", "must be a positive integer"),
+    ("data=-1", "must be a positive integer"),
+    ("data=two", "must be a positive integer"),
+    ("data=1.5", "must be a positive integer"),
+    ("pipeline=2", "unknown axis 'pipeline'; the axes are data, expert"),
+    ("data=2,data=2", "given twice"),
+    ("tensor=2", "tensor parallelism is not served yet"),
+])
+def test_parse_errors(text, message):
+    with pytest.raises(ValueError, match=message):
+        mesh.parse(text)
+
+
+def test_engine_config_checks_the_mesh():
+    from ess_jax.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="unknown axis"):
+        EngineConfig(mesh="model=2")
+    with pytest.raises(ValueError, match="--max-batch 3 does not divide over --mesh data=2"):
+        EngineConfig(max_batch=3, mesh="data=2")
+    with pytest.raises(ValueError, match="must be a string"):
+        EngineConfig(mesh=8)

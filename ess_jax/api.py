@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ess_jax import checkpoint, families, mesh
+from ess_jax import checkpoint, families
+from ess_jax import mesh as device_mesh
 from ess_jax.config import CHECKPOINTS, PRESETS, ConfigError, ModelConfig, shipped_checkpoint
 from ess_jax.models.deepseek_v32 import DeepseekV32
 from ess_jax.models.deepseek_v4 import DeepseekV4
@@ -74,14 +75,22 @@ class Model:
 
 
 def load_model(name_or_dir: str | Path, dtype: str = "float32", *, seed: int = 0,
-               weights: str = "dequantized") -> Model:
+               weights: str = "dequantized", mesh: str | None = None) -> Model:
     """A shipped checkpoint (``config.CHECKPOINTS``: trained tiny models), a preset name (random weights
     from ``seed``) or a HuggingFace checkpoint directory.
 
     A checkpoint's quantized weights (FP8 with block scales, V4's packed FP4 experts) are dequantized to
     ``dtype`` at load (``weights="dequantized"``), or kept on the device in their stored bytes and
     dequantized inside each step where a layer reads them (``weights="release"``: the device holds the
-    release's bytes, not the dequantized model's)."""
+    release's bytes, not the dequantized model's). ``mesh`` (``"data=D,expert=E"``): the parameters placed
+    on that device mesh by ``ess_jax.mesh``'s rules, so an engine on the same mesh uses them as they are."""
+    model = _load(name_or_dir, dtype, seed, weights)
+    if mesh:
+        model.params = device_mesh.place_params(model.params, device_mesh.make(device_mesh.parse(mesh)))
+    return model
+
+
+def _load(name_or_dir: str | Path, dtype: str, seed: int, weights: str) -> Model:
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; use one of {', '.join(DTYPES)}")
     if weights not in checkpoint.WEIGHTS:
@@ -133,7 +142,7 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
     # Size the engine to this workload: no batch rows or page-table columns beyond what it can use (the rows a
     # multiple of the mesh's data shards).
     longest = max(len(p) for p in encoded) + max_new_tokens
-    shards = mesh.parse(engine.mesh).data if engine.mesh else 1
+    shards = device_mesh.parse(engine.mesh).data if engine.mesh else 1
     engine = dataclasses.replace(engine, max_batch=min(engine.max_batch, -(-len(encoded) // shards) * shards),
                                  max_seq_len=engine.max_seq_len or min(longest, model.cfg.max_position_embeddings))
     start = time.perf_counter()

@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         sampling = [SamplingParams(args.temperature, args.top_k, args.top_p, args.seed + i)
                     for i in range(len(prompts))]
         engine = engine_config(args)
-        model = load_model(args.model, args.dtype, seed=args.weights_seed, weights=args.weights)
+        model = load_model(args.model, args.dtype, seed=args.weights_seed, weights=args.weights,
+                           mesh=args.mesh)
         result = generate(model, prompts, args.max_new_tokens, sampling=sampling, engine=engine,
                           progress=not args.json)
     except (ValueError, OSError) as e:

@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         from ess_jax.engine import Engine
         from ess_jax.server import create_app
 
-        model = load_model(args.model, args.dtype, seed=args.weights_seed, weights=args.weights)
+        model = load_model(args.model, args.dtype, seed=args.weights_seed, weights=args.weights,
+                           mesh=args.mesh)
         config = engine_config(args, max_seq_len=args.max_seq_len or min(DEFAULT_MAX_SEQ_LEN,
                                                                           model.cfg.max_position_embeddings))
         engine = Engine(model, config)

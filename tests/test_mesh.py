@@ -27,11 +27,17 @@ model = ess_jax.load_model(sys.argv[1])
 rng = np.random.default_rng(0)
 requests = [(rng.integers(0, 256, n).tolist(), new) for n, new in ((16, 6), (32, 10), (16, 4))]
 base = EngineConfig(max_batch=2, page_size=8, prefill_chunk=16, max_seq_len=48)
-out = {}
-for run in ["none:inline:", *sys.argv[2:]]:
+
+
+def config(run):
     offload, fetch, spec = run.split(":")
     rows = 2 * (int(spec.split("data=")[1].split(",")[0]) if "data=" in spec else 1)
-    engine = Engine(model, dataclasses.replace(base, offload=offload, fetch=fetch, mesh=spec or None, max_batch=rows))
+    return dataclasses.replace(base, offload=offload, fetch=fetch, mesh=spec or None, max_batch=rows)
+
+
+out = {}
+for run in ["none:inline:", *sys.argv[2:]]:
+    engine = Engine(model, config(run))
     for prompt, new in requests:
         engine.add_request(prompt, new)
     tokens = [r.output_ids for r in engine.run()]
@@ -41,6 +47,10 @@ for run in ["none:inline:", *sys.argv[2:]]:
                 "expert_shard": list(experts.addressable_shards[0].data.shape), "expert_shape": list(experts.shape),
                 "cache_specs": sorted({str(x.sharding.spec) for x in jax.tree.leaves(engine.cache)
                                        if hasattr(x.sharding, "spec")})}
+# a model loaded onto the mesh: the engine takes its parameters as they are, no second copy
+placed = ess_jax.load_model(sys.argv[1], mesh=config(sys.argv[2]).mesh)
+engine = Engine(placed, config(sys.argv[2]))
+out["placed once"] = all(a is b for a, b in zip(jax.tree.leaves(placed.params), jax.tree.leaves(engine.params)))
 print(json.dumps(out))
 """
 
@@ -67,6 +77,7 @@ def test_mesh_tokens_equal_one_device(family, runs, experts, entries):
     single-device resident engine's greedy tokens."""
     out = _run(str(FIXTURES / f"hf-{family}-a"), runs)
     alone = out["none:inline:"]
+    assert out["placed once"]
     assert [len(t) for t in alone["tokens"]] == [6, 10, 4]
     assert alone["expert_shard"] == alone["expert_shape"] and alone["cache_specs"] == []  # one device
     for run in runs:

@@ -74,12 +74,13 @@ def write_slots(meta: StepMeta, page_size: int) -> tuple[jax.Array, jax.Array]:
     return locate(meta.page_table, jnp.where(meta.valid, meta.positions, -1), page_size=page_size)
 
 
-def request_rows(pages_GEX: jax.Array, page_table_BX: jax.Array, count: int, *, page_size: int, rate: int = 1
-                 ) -> jax.Array:
-    """Each request's first ``count`` rows in order: pages ``[G, Z, ...]`` -> ``[B, count, ...]``."""
+def request_rows(pages_LGEX: jax.Array, layer, page_table_BX: jax.Array, count: int, *, page_size: int,
+                 rate: int = 1) -> jax.Array:
+    """Each request's first ``count`` rows of layer ``layer`` (an int, or i32[] inside a scan over layers) in
+    order: pages ``[L, G, Z, ...]`` -> ``[B, count, ...]``, gathered from the whole array (no layer copy)."""
     ids_BM = jnp.broadcast_to(jnp.arange(count, dtype=jnp.int32), (page_table_BX.shape[0], count))
     page, offset = locate(page_table_BX, ids_BM, page_size=page_size, rate=rate)
-    return pages_GEX[page, offset]
+    return pages_LGEX[layer, page, offset]
 
 
 @jax.tree_util.register_dataclass
@@ -116,15 +117,17 @@ class ResidentPages:
     def dtype(self):
         return self.pages.dtype
 
-    def read(self, layer: int, meta: StepMeta, new_ids_BM: jax.Array, new_rows_BMW: jax.Array,
+    def read(self, layer, meta: StepMeta, new_ids_BM: jax.Array, new_rows_BMW: jax.Array,
              ids_BTK: jax.Array) -> Sources:
-        """Store the step's new rows at their ids (-1 = none), then one source: the layer's pages and the
-        rows at ``ids_BTK``."""
+        """Store the step's new rows of layer ``layer`` (an int, or i32[] inside a scan over layers) at their
+        ids (-1 = none), then one source: every layer's pages as one row array (row ``(layer * G + page) * Z +
+        offset``) and the rows at ``ids_BTK``."""
         geometry = dict(page_size=self.page_size, rate=self.rate)
         page_BM, offset_BM = locate(meta.page_table, new_ids_BM, **geometry)
         pages = self.pages.at[layer, page_BM, offset_BM].set(new_rows_BMW)
-        _, g, e, w = pages.shape
-        source = RowSource(pages[layer].reshape(g * e, w), flat_ids(meta.page_table, ids_BTK, **geometry))
+        n, g, e, w = pages.shape
+        ids_BTK = flat_ids(meta.page_table, ids_BTK, **geometry)
+        source = RowSource(pages.reshape(n * g * e, w), jnp.where(ids_BTK >= 0, layer * g * e + ids_BTK, -1))
         return Sources([source], [], lambda ready: dataclasses.replace(self, pages=pages))
 
     def begin_step(self) -> ResidentPages:

@@ -124,9 +124,10 @@ class MLA(nnx.Module):
             kl = indexer_kl(probs_BNTS.sum(1), scores_BTS, mask_BTS)
         return self.o_proj(out_BTNV.reshape(b, t, -1)), kl
 
-    def step(self, x_BTD, cos, sin, meta: StepMeta, layer: int, cache: PagedCacheV32, kernels: str):
-        """Cached forward for ``T`` new tokens per request: ``(out, top-k ids i32[B, T, K], cache)``; the latent
-        store gives the row sources, ``ops`` attends over them (``kernels``: the ops kernel choice)."""
+    def step(self, x_BTD, cos, sin, meta: StepMeta, layer: jax.Array, cache: PagedCacheV32, kernels: str):
+        """Cached forward for ``T`` new tokens per request: ``(out, top-k ids i32[B, T, K], cache)``; ``layer``
+        (i32[], traced in the scan over layers) indexes the cache's ``[L, ...]`` arrays, the latent store gives
+        the row sources, ``ops`` attends over them (``kernels``: the ops kernel choice)."""
         b, t, _ = x_BTD.shape
         q_nope_BTNH, q_rope_BTNR, q_resid_BTQ, rows_BTW = self._project(x_BTD, cos, sin)
         with jax.named_scope("indexer"):
@@ -137,7 +138,7 @@ class MLA(nnx.Module):
             index_keys = cache.index_keys.at[layer, page_BT, offset_BT].set(
                 ops.encode_mla_rows(new_keys_BTJ, cache.index_keys.dtype, latent_dim=j))
             positions = meta.page_table.shape[1] * cache.page_size
-            keys_BSJ = ops.decode_mla_rows(request_rows(index_keys[layer], meta.page_table, positions,
+            keys_BSJ = ops.decode_mla_rows(request_rows(index_keys, layer, meta.page_table, positions,
                                                         page_size=cache.page_size), x_BTD.dtype, latent_dim=j,
                                            rope_dim=0)
             visible_BTS = ((jnp.arange(keys_BSJ.shape[1])[None, None, :] <= meta.positions[..., None])
@@ -175,7 +176,7 @@ class DecoderLayer(nnx.Module):
         h = h + out
         return h + self.mlp(self.post_attention_layernorm(h)), kl
 
-    def step(self, h, cos, sin, meta: StepMeta, layer: int, cache: PagedCacheV32, kernels: str):
+    def step(self, h, cos, sin, meta: StepMeta, layer: jax.Array, cache: PagedCacheV32, kernels: str):
         out, ids_BTK, cache = self.self_attn.step(self.input_layernorm(h), cos, sin, meta, layer, cache, kernels)
         h = h + out
         return h + self.mlp(self.post_attention_layernorm(h)), ids_BTK, cache
@@ -234,11 +235,43 @@ class DeepseekV32(nnx.Module):
              ) -> tuple[jax.Array, jax.Array, PagedCacheV32]:
         """Write ``T`` tokens per request into ``cache``. Returns their logits ``f32[B, T, V]``, every
         layer's top-k positions ``i32[L, B, T, K]`` (-1 = none) and the new cache. ``kernels``: the ops
-        kernel choice for attention (static)."""
+        kernel choice for attention (static).
+
+        The layers run as one ``jax.lax.scan`` per run of identical layers (``layer_runs``: the dense-MLP
+        layers, then the MoE ones), over their parameters stacked here and the layer index; the cache's
+        ``[L, ...]`` arrays are carried whole and read and written at that index, so the compiled step does
+        not grow with depth."""
         cos, sin = self._cos_sin(meta.positions)
         h = self.embed_tokens[...][tokens_BT]
         ids = []
-        for i, layer in enumerate(self.layers):
-            h, ids_BTK, cache = layer.step(h, cos, sin, meta, i, cache, kernels)
-            ids.append(ids_BTK)
-        return self.lm_head(self.norm(h)).astype(jnp.float32), jnp.stack(ids), cache
+        for start, stop in layer_runs(self.layers):
+            graphdef = nnx.graphdef(self.layers[start])
+            stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(nnx.state(layer) for layer in self.layers[start:stop]))
+
+            def body(carry, xs, graphdef=graphdef):
+                h, cache = carry
+                params, index = xs
+                h, ids_BTK, cache = nnx.merge(graphdef, params).step(h, cos, sin, meta, index, cache, kernels)
+                return (h, cache), ids_BTK
+
+            (h, cache), ids_LBTK = jax.lax.scan(body, (h, cache), (stacked, jnp.arange(start, stop, dtype=jnp.int32)))
+            ids.append(ids_LBTK)
+        return self.lm_head(self.norm(h)).astype(jnp.float32), jnp.concatenate(ids), cache
+
+
+def layer_runs(layers) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each run of consecutive layers that one scan body serves: the same module graph
+    and parameters of the same shapes and dtypes (V3.2: the first_k_dense_replace dense-MLP layers, then
+    the MoE layers)."""
+    def kind(layer):
+        graphdef, state = nnx.split(layer)
+        return graphdef, jax.tree.structure(state), [(x.shape, x.dtype) for x in jax.tree.leaves(state)]
+
+    kinds = [kind(layer) for layer in layers]
+    runs = []
+    for i, k in enumerate(kinds):
+        if runs and kinds[runs[-1][0]] == k:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    return [tuple(r) for r in runs]

@@ -192,7 +192,7 @@ class Attention(nnx.Module):
             count = meta.page_table.shape[1] * page_size // m  # entries a request's page table reaches
             if count > 0:  # a cache too small for one entry has nothing to select
                 with jax.named_scope("indexer"):
-                    keys_BMJ = request_rows(index_keys[index], meta.page_table, count, **geometry)
+                    keys_BMJ = request_rows(index_keys, index, meta.page_table, count, **geometry)
                     scores_BTM = indexer.scores(x_BTD, q_resid_BTQ, keys_BMJ,
                                                 visible_entries(positions_BT, count, m), cos, sin)
                     ids_BTK = index_topk(scores_BTM, indexer.top_k)

@@ -42,8 +42,9 @@ class PinnedHostStore:
         """Every row, on the host (tests, figures)."""
         return np.asarray(self.array)
 
-    def fetch(self, layer: int, page_BK: jax.Array, offset_BK: jax.Array) -> jax.Array:
-        """Rows at (page, offset) ``[B, K, W]`` on the device."""
+    def fetch(self, layer, page_BK: jax.Array, offset_BK: jax.Array) -> jax.Array:
+        """Rows of layer ``layer`` (an int or i32[], traced inside a scan over layers) at (page, offset)
+        ``[B, K, W]`` on the device."""
         # every operand of a host computation must live in host memory, the layer index included
         index = jax.device_put((jnp.full_like(page_BK, layer), page_BK, offset_BK), jax.memory.Space.Host)
         rows = _ON_HOST(lambda store, l, p, o: store[l, p, o])(self.array, *index)
@@ -78,10 +79,10 @@ class NumpyHostStore:
     def rows(self) -> np.ndarray:
         return self.array
 
-    def fetch(self, layer: int, page_BK: jax.Array, offset_BK: jax.Array) -> jax.Array:
+    def fetch(self, layer, page_BK: jax.Array, offset_BK: jax.Array) -> jax.Array:
         shape = jax.ShapeDtypeStruct(page_BK.shape + self.array.shape[-1:], self.array.dtype)
-        return jax.pure_callback(lambda p, o: self.array[layer, np.asarray(p), np.asarray(o)], shape, page_BK,
-                                 offset_BK)
+        return jax.pure_callback(lambda l, p, o: self.array[int(l), np.asarray(p), np.asarray(o)], shape,
+                                 jnp.asarray(layer, jnp.int32), page_BK, offset_BK)
 
     def backup(self, page_B: jax.Array, offset_B: jax.Array, rows_LBW: jax.Array) -> NumpyHostStore:
         def write(p, o, rows):

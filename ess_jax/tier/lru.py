@@ -124,16 +124,16 @@ class LruPool:
     def slots(self) -> int:
         return self.slot_entry.shape[2]
 
-    def lookup(self, layer: int, page_BK, offset_BK, ids_BK, new_id_B, active_B) -> tuple[Resolution, jax.Array]:
-        """Resolve the step's ids: the resolution per row and the entries leaving the taken slots
-        ``i32[B, K + 1]`` (-1: the slot was empty, or no taker)."""
+    def lookup(self, layer, page_BK, offset_BK, ids_BK, new_id_B, active_B) -> tuple[Resolution, jax.Array]:
+        """Resolve layer ``layer``'s ids (an int, or i32[] inside a scan over layers): the resolution per row
+        and the entries leaving the taken slots ``i32[B, K + 1]`` (-1: the slot was empty, or no taker)."""
         known_BK = jnp.where(ids_BK >= 0, self.resident_slot[layer, page_BK, offset_BK], -1)
         res = jax.vmap(resolve)(ids_BK, known_BK, new_id_B, active_B, self.slot_entry[layer], self.slot_order[layer])
         p = self.slots
         held_BK1 = jnp.take_along_axis(self.slot_entry[layer], jnp.minimum(res.taker_K1, p - 1), axis=1)
         return res, jnp.where(res.taker_K1 < p, held_BK1, -1)
 
-    def commit(self, layer: int, res: Resolution, ids_BK, new_id_B, evicted_BK1, locate: Locate) -> LruPool:
+    def commit(self, layer, res: Resolution, ids_BK, new_id_B, evicted_BK1, locate: Locate) -> LruPool:
         """Residency (evicted entries leave first, then the new entry and the misses arrive) and the slot
         tables after the step."""
         p, g = self.slots, self.resident_slot.shape[1]

@@ -53,11 +53,11 @@ class Tier:
     def _locate(self, page_table_BX, ids):
         return locate(page_table_BX, ids, page_size=self.page_size, rate=self.rate)
 
-    def read(self, layer: int, meta: StepMeta, new_ids_BM: jax.Array, new_rows_BMW: jax.Array,
+    def read(self, layer, meta: StepMeta, new_ids_BM: jax.Array, new_rows_BMW: jax.Array,
              ids_BTK: jax.Array) -> Sources:
-        """One decode token per row (T = 1, at most one new entry: M = 1): the new entry into a slot no hit
-        holds, the misses fetched; sources: the pool with the hits and the new entry (ready) and the fetched
-        rows (in flight)."""
+        """One decode token per row (T = 1, at most one new entry: M = 1) of sparse layer ``layer`` (an int, or
+        i32[] inside a scan over layers): the new entry into a slot no hit holds, the misses fetched; sources:
+        the pool with the hits and the new entry (ready) and the fetched rows (in flight)."""
         if ids_BTK.shape[1] != 1 or new_ids_BM.shape[1] != 1:
             raise ValueError(f"the tier serves decode steps of one token per request, got T={ids_BTK.shape[1]}")
         ids_BK, new_id_B, new_row_BW = ids_BTK[:, 0], new_ids_BM[:, 0], new_rows_BMW[:, 0]

@@ -10,7 +10,7 @@ demo: venv
 		--temperature 0.7 --top-p 0.9 --seed 0
 
 test: venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile
 
 # Regenerates tests/fixtures/ from transformers (needs torch + transformers, see tools/requirements-fixtures.txt).
 fixtures:

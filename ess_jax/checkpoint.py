@@ -333,9 +333,23 @@ def fp4_values(packed: np.ndarray, scale: np.ndarray, name: str) -> quant.Fp4Val
 
 
 def hf_name(path: tuple) -> str:
-    """transformers' parameter name of an NNX state path."""
+    """transformers' parameter name of an NNX state path of one layer's (or no layer's) parameter."""
     name = ".".join(str(p) for p in path)
     return name if name.startswith("lm_head.") else "model." + name + (".weight" if path == ("embed_tokens",) else "")
+
+
+def stacked(path: tuple) -> bool:
+    """Whether the parameter at NNX state path ``path`` is a run of layers stacked on a leading axis
+    (``models.layers.stack_runs``: path ``("runs", "<first layer>", ...)``)."""
+    return path[0] == "runs"
+
+
+def hf_names(path: tuple, shape: tuple[int, ...]) -> list[str]:
+    """transformers' names of the parameter at NNX state path ``path`` of ``shape``: its one name, or for a
+    stacked run (``stacked``) the name of each layer in it, in the order of the leading axis."""
+    if stacked(path):
+        return [hf_name(("layers", int(path[1]) + i, *path[2:])) for i in range(shape[0])]
+    return [hf_name(path)]
 
 
 def _read_param(ckpt: Checkpoint, cfg: ModelConfig, name: str, shape: tuple[int, ...], kind: str) -> np.ndarray:
@@ -444,28 +458,33 @@ def load_into(model_fn, cfg: ModelConfig, directory: Path, dtype, weights: str =
     ckpt = Checkpoint(directory, families.get(cfg.family).hf_rename)
     abstract = nnx.eval_shape(model_fn)
     graphdef, state = nnx.split(abstract)
-    flat = nnx.to_flat_state(state)
-    expected_names = {hf_name(p) for p, _ in flat}
+    # (path, variable, its names, one name's shape): a stacked run's tensors are each one layer's
+    flat = [(path, variable, hf_names(path, variable.shape), tuple(variable.shape)[stacked(path):])
+            for path, variable in nnx.to_flat_state(state)]
+    expected_names = {name for _, _, names, _ in flat for name in names}
     unknown = [ckpt.stored[k] for k in ckpt.where if not _ignorable(k, cfg, expected_names)]
     if unknown:
         raise CheckpointError(f"checkpoint {directory} has tensors this model does not use: {unknown[:5]}"
                               f"{' ...' if len(unknown) > 5 else ''} (a checkpoint of another model or config.json?)")
     kinds = {}
-    for path, variable in flat:
-        name = hf_name(path)
-        kinds[name] = "int" if jnp.issubdtype(variable.dtype, jnp.integer) else "float"
-        if name in ckpt:
-            ckpt.check_dtype(name, kinds[name])
-            _check_shape(ckpt, name, ckpt.shape(name), tuple(variable.shape))
+    for _, variable, names, expected in flat:
+        for name in names:
+            kinds[name] = "int" if jnp.issubdtype(variable.dtype, jnp.integer) else "float"
+            if name in ckpt:
+                ckpt.check_dtype(name, kinds[name])
+                _check_shape(ckpt, name, ckpt.shape(name), expected)
     loaded = []
-    for path, variable in flat:
-        name = hf_name(path)
-        expected = tuple(variable.shape)
-        array = _read_param(ckpt, cfg, name, expected, kinds[name])
-        _check_shape(ckpt, name, array.shape, expected)
-        if name.endswith(".tid2eid") and array.size and (array.min() < 0 or array.max() >= cfg.n_routed_experts):
-            raise CheckpointError(f"{ckpt.describe(name)} has expert ids in [{array.min()}, {array.max()}], "
-                                  f"outside [0, n_routed_experts={cfg.n_routed_experts})")
+    for path, variable, names, expected in flat:
+        arrays = []
+        for name in names:
+            array = _read_param(ckpt, cfg, name, expected, kinds[name])
+            _check_shape(ckpt, name, array.shape, expected)
+            if name.endswith(".tid2eid") and array.size and (array.min() < 0 or array.max() >= cfg.n_routed_experts):
+                raise CheckpointError(f"{ckpt.describe(name)} has expert ids in [{array.min()}, {array.max()}], "
+                                      f"outside [0, n_routed_experts={cfg.n_routed_experts})")
+            arrays.append(array)
+        array = _join(arrays, np.stack, names) if stacked(path) else arrays[0]
+        del arrays
         loaded.append((path, variable.replace(_device_value(array, variable.dtype, weights))))
         del array
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
@@ -490,6 +509,16 @@ def _check_shape(ckpt: Checkpoint, name: str, shape: tuple[int, ...], expected: 
                               "checkpoint does not match its config.json")
 
 
+def hf_tensors(params: nnx.State) -> dict[str, np.ndarray]:
+    """A parameter state's values (dequantized) by transformers name, each stacked run's layers apart."""
+    tensors = {}
+    for path, variable in nnx.to_flat_state(params):
+        value = np.asarray(variable[...])
+        for i, name in enumerate(hf_names(path, value.shape)):
+            tensors[name] = np.ascontiguousarray(value[i] if stacked(path) else value)
+    return tensors
+
+
 def save(params: nnx.State, raw_config: dict, directory: Path) -> Path:
     """Write a model's parameter state as a transformers 5 checkpoint in ``directory``:
     ``model.safetensors`` (transformers' names, experts packed as ``gate_up_proj`` / ``down_proj``,
@@ -499,10 +528,8 @@ def save(params: nnx.State, raw_config: dict, directory: Path) -> Path:
     from safetensors.numpy import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for path, variable in nnx.to_flat_state(params):
-        value = np.asarray(variable[...])
-        tensors[hf_name(path)] = np.ascontiguousarray(value if value.dtype.kind in "iub" else value.astype(np.float32))
+    tensors = {name: value if value.dtype.kind in "iub" else value.astype(np.float32)
+               for name, value in hf_tensors(params).items()}
     tmp = directory / "model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     tmp.chmod(0o644)

@@ -246,8 +246,8 @@ class _DeepseekV32(Family):
     def release_bytes(self, names, routed, shape):
         leaf = names[-2] if names[-1] == "weight" else names[-1]
         if leaf == "gate_up_proj":  # each expert's gate and up: two matrices, each with its own block scales
-            experts, rows, cols = shape
-            return 2 * _fp8_block_bytes((experts, rows // 2, cols), 4)
+            *lead, rows, cols = shape  # [(L,) E, 2F, D]
+            return 2 * _fp8_block_bytes((*lead, rows // 2, cols), 4)
         if routed or (names[-1] == "weight" and leaf in _V32_FP8):
             return _fp8_block_bytes(shape, 4)  # e4m3 + fp32 block scales
         return None

@@ -88,7 +88,7 @@ def make(shape: MeshShape) -> jax.sharding.Mesh:
 
 
 def path_names(path) -> list[str]:
-    """A pytree key path as names: ``['layers', '1', 'mlp', 'experts', 'down_proj', 'value']``."""
+    """A pytree key path as names: ``['runs', '1', 'mlp', 'experts', 'down_proj', 'value']``."""
     return [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
 
 

@@ -22,8 +22,8 @@ from ess_jax import ops
 from ess_jax.cache import PagedCacheV32, ResidentPages, StepMeta, request_rows, write_slots
 from ess_jax.config import ModelConfig
 from ess_jax.models.layers import (
-    MLP, LayerNorm, Linear, MoE, RMSNorm, Router, apply_rope_half, apply_rope_interleaved, check_stage, index_scores,
-    index_topk, indexer_kl, rope_cos_sin, rope_inv_freq)
+    MLP, LayerNorm, Linear, MoE, RMSNorm, Router, apply_rope_half, apply_rope_interleaved, check_stage,
+    index_scores, index_topk, indexer_kl, rope_cos_sin, rope_inv_freq, scan_runs, stack_runs)
 
 
 class Indexer(nnx.Module):
@@ -183,13 +183,14 @@ class DecoderLayer(nnx.Module):
 
 
 class DeepseekV32(nnx.Module):
-    """``DeepseekV32ForCausalLM``: parameter names mirror transformers' module tree."""
+    """``DeepseekV32ForCausalLM``: parameter names mirror transformers' module tree, the decoder layers held as
+    stacked runs (``layers.stack_runs``: the dense-MLP layers, then the MoE ones)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg = cfg
         self.dtype = dtype
         self.embed_tokens = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size)).astype(dtype))
-        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+        self.runs = stack_runs([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
 
@@ -208,10 +209,13 @@ class DeepseekV32(nnx.Module):
         b, t = tokens_BT.shape
         cos, sin = self._cos_sin(jnp.broadcast_to(jnp.arange(t), (b, t)))
         h = self.embed_tokens[...][tokens_BT]
-        kl = jnp.zeros((), jnp.float32)
-        for layer in self.layers:
+
+        def body(layer, index, carry):
+            h, kl = carry
             h, layer_kl = layer(h, cos, sin, stage)
-            kl = kl + layer_kl
+            return (h, kl + layer_kl), None
+
+        (h, kl), _ = scan_runs(self.runs, body, (h, jnp.zeros((), jnp.float32)))
         return self.lm_head(self.norm(h)).astype(jnp.float32), kl
 
     def init_cache(self, rows: int, num_pages: int, page_size: int, latent_dtype=None) -> PagedCacheV32:
@@ -221,7 +225,7 @@ class DeepseekV32(nnx.Module):
         ``latent_dtype`` stores the latent rows (default: the model's dtype; uint8 = FP8 rows: 656-byte
         latent rows and 132-byte indexer keys at DeepSeek's shapes; other dtypes keep the keys in the
         model's dtype)."""
-        cfg, n = self.cfg, len(self.layers)
+        cfg, n = self.cfg, self.cfg.num_hidden_layers
         latent_dtype = latent_dtype or self.dtype
         width = ops.mla_row_width(cfg.kv_lora_rank, cfg.qk_rope_head_dim, latent_dtype)
         key_dtype = latent_dtype if jnp.dtype(latent_dtype) == jnp.uint8 else self.dtype
@@ -237,41 +241,15 @@ class DeepseekV32(nnx.Module):
         layer's top-k positions ``i32[L, B, T, K]`` (-1 = none) and the new cache. ``kernels``: the ops
         kernel choice for attention (static).
 
-        The layers run as one ``jax.lax.scan`` per run of identical layers (``layer_runs``: the dense-MLP
-        layers, then the MoE ones), over their parameters stacked here and the layer index; the cache's
-        ``[L, ...]`` arrays are carried whole and read and written at that index, so the compiled step does
-        not grow with depth."""
+        The layers run as one ``jax.lax.scan`` per stacked run (``layers.scan_runs``); the cache's ``[L, ...]``
+        arrays are carried whole and read and written at the layer index, so the compiled step does not grow
+        with depth."""
         cos, sin = self._cos_sin(meta.positions)
-        h = self.embed_tokens[...][tokens_BT]
-        ids = []
-        for start, stop in layer_runs(self.layers):
-            graphdef = nnx.graphdef(self.layers[start])
-            stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(nnx.state(layer) for layer in self.layers[start:stop]))
 
-            def body(carry, xs, graphdef=graphdef):
-                h, cache = carry
-                params, index = xs
-                h, ids_BTK, cache = nnx.merge(graphdef, params).step(h, cos, sin, meta, index, cache, kernels)
-                return (h, cache), ids_BTK
+        def body(layer, index, carry):
+            h, cache = carry
+            h, ids_BTK, cache = layer.step(h, cos, sin, meta, index, cache, kernels)
+            return (h, cache), ids_BTK
 
-            (h, cache), ids_LBTK = jax.lax.scan(body, (h, cache), (stacked, jnp.arange(start, stop, dtype=jnp.int32)))
-            ids.append(ids_LBTK)
-        return self.lm_head(self.norm(h)).astype(jnp.float32), jnp.concatenate(ids), cache
-
-
-def layer_runs(layers) -> list[tuple[int, int]]:
-    """``[start, stop)`` of each run of consecutive layers that one scan body serves: the same module graph
-    and parameters of the same shapes and dtypes (V3.2: the first_k_dense_replace dense-MLP layers, then
-    the MoE layers)."""
-    def kind(layer):
-        graphdef, state = nnx.split(layer)
-        return graphdef, jax.tree.structure(state), [(x.shape, x.dtype) for x in jax.tree.leaves(state)]
-
-    kinds = [kind(layer) for layer in layers]
-    runs = []
-    for i, k in enumerate(kinds):
-        if runs and kinds[runs[-1][0]] == k:
-            runs[-1][1] = i + 1
-        else:
-            runs.append([i, i + 1])
-    return [tuple(r) for r in runs]
+        (h, cache), ids_LBTK = scan_runs(self.runs, body, (self.embed_tokens[...][tokens_BT], cache))
+        return self.lm_head(self.norm(h)).astype(jnp.float32), ids_LBTK, cache

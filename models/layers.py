@@ -4,6 +4,13 @@
 Weights keep HuggingFace's layout (``Linear.weight`` is ``[out, in]``, packed experts are
 ``gate_up_proj [E, 2F, D]`` and ``down_proj [E, D, F]``), so checkpoint loading is a name mapping with
 no transposes. Axis letters: ess_jax.notation.
+
+Decoder layers of one kind are held stacked (``stack_runs``): each run of consecutive layers with the same
+module graph and parameter shapes is one module whose parameters carry a leading layer axis, and the
+forward passes scan over it (``scan_runs``), so a compiled step does not grow with depth and never stacks
+parameters itself. A model holds them as ``self.runs``, a run's parameters at state path
+``("runs", "<first layer>", ...)``; the checkpoint names of its slice i are layer ``first + i``'s
+(``ess_jax.checkpoint.hf_names``).
 """
 
 from __future__ import annotations
@@ -299,3 +306,50 @@ def indexer_kl(attention_BTS: jax.Array, scores_BTS: jax.Array, support_BTS: jax
     kl_BT = jnp.sum(jnp.where(p_BTS > 0, p_BTS * (jnp.log(jnp.maximum(p_BTS, 1e-30)) - log_q_BTS), 0.0), axis=-1)
     counted_BT = total_BT1[..., 0] > 0
     return jnp.sum(jnp.where(counted_BT, kl_BT, 0.0)) / jnp.maximum(counted_BT.sum(), 1)
+
+
+def layer_runs(layers: list[nnx.Module]) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each run of consecutive layers one scan body serves: the same module graph and
+    parameters of the same shapes and dtypes (V3.2: the first_k_dense_replace dense-MLP layers, then the MoE
+    layers)."""
+    def kind(layer):
+        graphdef, state = nnx.split(layer)
+        return graphdef, jax.tree.structure(state), [(x.shape, x.dtype) for x in jax.tree.leaves(state)]
+
+    kinds = [kind(layer) for layer in layers]
+    runs: list[list[int]] = []
+    for i, k in enumerate(kinds):
+        if runs and kinds[runs[-1][0]] == k:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    return [(start, stop) for start, stop in runs]
+
+
+def stack_runs(layers: list[nnx.Module]) -> nnx.Dict:
+    """``layers`` as their runs (``layer_runs``), each one module of the run's graph whose every parameter is
+    the run's layers' stacked on a leading axis; keyed by the run's first layer index (as a string)."""
+    runs = {}
+    for start, stop in layer_runs(layers):
+        graphdef = nnx.graphdef(layers[start])
+        states = [nnx.state(layer) for layer in layers[start:stop]]
+        runs[str(start)] = nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+    return nnx.Dict(runs)
+
+
+def scan_runs(runs: nnx.Dict, body, carry):
+    """``body(layer, index, carry) -> (carry, out)`` over every layer of ``runs`` (``stack_runs``) in order,
+    one ``jax.lax.scan`` per run, the layer index ``i32[]`` traced; the final carry and the outs stacked on
+    a leading layer axis."""
+    outs = []
+    for start in sorted(runs, key=int):
+        graphdef, params = nnx.split(runs[start])
+        count = jax.tree.leaves(params)[0].shape[0]
+
+        def step(carry, xs, graphdef=graphdef):
+            layer_params, index = xs
+            return body(nnx.merge(graphdef, layer_params), index, carry)
+
+        carry, out = jax.lax.scan(step, carry, (params, int(start) + jnp.arange(count, dtype=jnp.int32)))
+        outs.append(out)
+    return carry, jax.tree.map(lambda *xs: jnp.concatenate(xs), *outs)

@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from ess_jax.cache import StepMeta
+from ess_jax.checkpoint import stacked
 from ess_jax.config import ModelConfig
 from ess_jax.engine import EngineConfig
 from ess_jax.models.deepseek_v32 import DeepseekV32
@@ -33,7 +34,7 @@ def randomize(module: nnx.Module, seed: int) -> nnx.Module:
         value = var[...]
         noise = jax.random.normal(key, value.shape, jnp.float32)
         name = path[-1]
-        if value.ndim >= 2:
+        if value.ndim - stacked(path) >= 2:  # a matrix (of every layer in a stacked run)
             new = noise * (1.5 / np.sqrt(value.shape[-1]))
         elif name == "bias" or name == "e_score_correction_bias":
             new = 0.1 * noise

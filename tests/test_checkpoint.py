@@ -13,7 +13,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 import ess_jax
-from ess_jax.checkpoint import CheckpointError, fp8_blocks, hf_name
+from ess_jax.checkpoint import CheckpointError, fp8_blocks, hf_tensors
 from ess_jax.config import ConfigError
 from helpers import lively_v32, small_v32, small_v32_json
 
@@ -25,7 +25,7 @@ def saved(tmp_path_factory):
     """A small lively model written as a transformers-named checkpoint, and its tensors."""
     cfg = small_v32()
     model = lively_v32(cfg, seed=4)
-    tensors = {hf_name(path): np.asarray(var[...]) for path, var in nnx.to_flat_state(nnx.state(model))}
+    tensors = hf_tensors(nnx.state(model))
     directory = tmp_path_factory.mktemp("ckpt")
     (directory / "config.json").write_text(json.dumps(small_v32_json()))
     save_file(tensors, str(directory / "model.safetensors"))

@@ -21,7 +21,7 @@ from safetensors.numpy import save_file
 import ess_jax
 from ess_jax import ops
 from ess_jax.cache import StepMeta
-from ess_jax.checkpoint import CheckpointError, SafetensorsFile, hf_name, release_to_hf_name
+from ess_jax.checkpoint import CheckpointError, SafetensorsFile, hf_tensors, release_to_hf_name
 from ess_jax.config import ConfigError, ModelConfig, RopeConfig
 from ess_jax.models.compressor import Compressor, TailRope
 from ess_jax.models.deepseek_v4 import DeepseekV4
@@ -353,7 +353,7 @@ def _write(directory: Path, tensors: dict, config: dict | None = None) -> Path:
 
 
 def _params(module) -> dict[str, np.ndarray]:
-    return {hf_name(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(module))}
+    return hf_tensors(nnx.state(module))
 
 
 def test_transformers_names_are_fixed_points_of_the_release_rename(hf):

@@ -1,5 +1,6 @@
-"""DeepSeek-V3.2's cached step scans over its layers: the traced program does not grow with depth, resident
-or offloaded (both fetch backends), and the layer runs split where the layers differ (dense MLP / MoE).
+"""DeepSeek-V3.2's cached step scans over its layers, held stacked: the traced program does not grow with
+depth, resident or offloaded (both fetch backends), the layer runs split where the layers differ (dense MLP /
+MoE), and a checkpoint's per-layer tensors load into their run's slices.
 Compile times and step times against depth are measured by ``python -m ess_jax.bench --depth-sweep``."""
 
 import jax
@@ -11,7 +12,7 @@ from flax import nnx
 from ess_jax import families
 from ess_jax.cache import StepMeta
 from ess_jax.config import ModelConfig, preset_dict
-from ess_jax.models.deepseek_v32 import DeepseekV32, layer_runs
+from ess_jax.models.deepseek_v32 import DeepseekV32
 
 
 def _model(layers: int, dense: int = 1) -> DeepseekV32:
@@ -22,13 +23,15 @@ def _model(layers: int, dense: int = 1) -> DeepseekV32:
 @pytest.mark.parametrize("layers, dense, runs", [(5, 1, [(0, 1), (1, 5)]), (4, 0, [(0, 4)]), (3, 3, [(0, 3)]),
                                                  (6, 2, [(0, 2), (2, 6)])])
 def test_layer_runs_split_dense_from_moe_layers(layers, dense, runs):
-    assert layer_runs(_model(layers, dense).layers) == runs
+    module = _model(layers, dense)
+    held = sorted((int(start), int(start) + jax.tree.leaves(nnx.state(run))[0].shape[0])
+                  for start, run in module.runs.items())
+    assert held == runs
 
 
 def _program(layers: int, offload: str, fetch: str = "inline"):
     """The traced decode step (one token for each of 2 rows) at ``layers`` layers: the number of its top-level
-    equations besides the stacking of the layers' parameters (one broadcast per parameter and layer, one
-    concatenate per parameter), and the number of equations in each scan's body."""
+    equations and the number of equations in each scan's body."""
     module = _model(layers)
     family = families.get(module.cfg.family)
     size = families.CacheSize(rows=2, pages=5, page_size=64, max_seq_len=128)
@@ -46,9 +49,7 @@ def _program(layers: int, offload: str, fetch: str = "inline"):
         return nnx.merge(graphdef, params).step(jnp.zeros((2, 1), jnp.int32), meta, cache.begin_step())
 
     eqns = jax.make_jaxpr(step)(params, cache).eqns
-    stacking = {"broadcast_in_dim", "reshape", "concatenate"}
-    top = sum(e.primitive.name not in stacking for e in eqns)
-    return top, [len(e.params["jaxpr"].jaxpr.eqns) for e in eqns if e.primitive.name == "scan"]
+    return len(eqns), [len(e.params["jaxpr"].jaxpr.eqns) for e in eqns if e.primitive.name == "scan"]
 
 
 @pytest.mark.parametrize("offload, fetch", [("none", "inline"), ("ess", "inline"), ("ess", "split")])
@@ -68,3 +69,23 @@ def test_the_scanned_step_returns_every_layers_ids():
     # every layer wrote its own latent rows and indexer keys (page 1: positions 0..7)
     assert all(np.abs(np.asarray(cache.latent.pages[layer, 1, :8])).sum() > 0 for layer in range(4))
     assert all(np.abs(np.asarray(cache.index_keys[layer, 1, :8])).sum() > 0 for layer in range(4))
+
+
+def test_a_checkpoint_holds_each_layer_and_loads_into_the_runs(tmp_path):
+    """``checkpoint.save`` writes every layer of a stacked run under its transformers name, layer i's tensor its
+    run's slice; loading that checkpoint fills the runs back bitwise."""
+    from safetensors.numpy import load_file
+
+    from ess_jax import checkpoint
+    module = _model(5, dense=2)
+    raw = dict(preset_dict("tiny-v32"), num_hidden_layers=5, first_k_dense_replace=2)
+    directory = checkpoint.save(nnx.state(module), raw, tmp_path / "ckpt")
+    tensors = load_file(str(directory / "model.safetensors"))
+    for i in range(5):
+        run, offset = ("0", i) if i < 2 else ("2", i - 2)
+        np.testing.assert_array_equal(tensors[f"model.layers.{i}.self_attn.q_a_proj.weight"],
+                                      np.asarray(module.runs[run].self_attn.q_a_proj.weight[...][offset]))
+    assert "model.layers.4.mlp.experts.gate_up_proj" in tensors and "model.layers.1.mlp.gate_proj.weight" in tensors
+    loaded = checkpoint.load_into(lambda: DeepseekV32(module.cfg, rngs=nnx.Rngs(1)), module.cfg, directory, jnp.float32)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(module)), nnx.to_flat_state(nnx.state(loaded)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))

@@ -23,7 +23,7 @@ from safetensors.numpy import save_file
 
 import ess_jax
 from ess_jax import cli, families, plan
-from ess_jax.checkpoint import CheckpointError, hf_name
+from ess_jax.checkpoint import CheckpointError, hf_names, stacked
 from ess_jax.config import ModelConfig
 from ess_jax.models.quant import Fp4Values, Fp8Blocks
 from helpers import small_v32_json, v4_release_name
@@ -137,14 +137,15 @@ def _weights(family: str) -> tuple[dict[str, np.ndarray], dict]:
     abstract = nnx.eval_shape(lambda: cls(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
     rng, weights = np.random.default_rng(3), {}
     for path, variable in nnx.to_flat_state(nnx.state(abstract)):
-        shape = tuple(variable.shape)
-        if path[-1] == "tid2eid":
-            value = np.argsort(rng.random((shape[0], cfg.n_routed_experts)), -1)[:, :shape[1]].astype(np.int32)
-        elif len(shape) >= 2:
-            value = rng.normal(size=shape) * 1.5 / np.sqrt(shape[-1])
-        else:
-            value = rng.normal(size=shape) * 0.1 + (path[-1] not in ("bias", "e_score_correction_bias"))
-        weights[hf_name(path)] = value.astype(variable.dtype)
+        shape = tuple(variable.shape)[stacked(path):]  # one layer's
+        for name in hf_names(path, variable.shape):
+            if path[-1] == "tid2eid":
+                value = np.argsort(rng.random((shape[0], cfg.n_routed_experts)), -1)[:, :shape[1]].astype(np.int32)
+            elif len(shape) >= 2:
+                value = rng.normal(size=shape) * 1.5 / np.sqrt(shape[-1])
+            else:
+                value = rng.normal(size=shape) * 0.1 + (path[-1] not in ("bias", "e_score_correction_bias"))
+            weights[name] = value.astype(variable.dtype)
     return weights, raw
 
 
@@ -160,8 +161,14 @@ def release(request, tmp_path_factory):
                 formats=formats, kept=ess_jax.load_model(fine, weights="release"), dequantized=ess_jax.load_model(fine))
 
 
-def _params(model) -> dict[str, nnx.Variable]:
-    return {hf_name(p): v for p, v in nnx.to_flat_state(model.params)}
+def _params(model) -> dict:
+    """Each parameter's value by transformers name (a stacked run's: each layer's slice)."""
+    out = {}
+    for path, variable in nnx.to_flat_state(model.params):
+        value = variable.get_value()
+        for i, name in enumerate(hf_names(path, variable.shape)):
+            out[name] = jax.tree.map(lambda x: x[i], value) if stacked(path) else value
+    return out
 
 
 def test_release_weights_keep_the_stored_bytes_and_read_as_the_reference(release):
@@ -169,19 +176,18 @@ def test_release_weights_keep_the_stored_bytes_and_read_as_the_reference(release
     assert kept.keys() == expected.keys()
     leaves = {"fp8": {"float8_e4m3fn", "float8_e8m0fnu" if release["family"] == "deepseek_v4" else "float32"},
               "fp4": {"int8", "float8_e8m0fnu"}}
-    for name, variable in kept.items():
-        value = variable.get_value()
+    for name, value in kept.items():
         if name in formats:
             assert isinstance(value, Fp8Blocks if formats[name] == "fp8" else Fp4Values), name
             assert {str(leaf.dtype) for leaf in jax.tree.leaves(value)} == leaves[formats[name]], name
         else:
             assert isinstance(value, jax.Array), name
-        assert variable.shape == expected[name].shape and variable.dtype == expected[name].dtype, name
-        np.testing.assert_array_equal(np.asarray(variable[...]), expected[name], err_msg=name)
+        assert value.shape == expected[name].shape and value.dtype == expected[name].dtype, name
+        np.testing.assert_array_equal(np.asarray(value[...]), expected[name], err_msg=name)
     assert {"fp8", "fp4"} & set(formats.values()) == ({"fp8", "fp4"} if release["family"] == "deepseek_v4" else {"fp8"})
-    for name, variable in _params(release["dequantized"]).items():
-        assert isinstance(variable.get_value(), jax.Array), name
-        np.testing.assert_array_equal(np.asarray(variable[...]), expected[name], err_msg=name)
+    for name, value in _params(release["dequantized"]).items():
+        assert isinstance(value, jax.Array), name
+        np.testing.assert_array_equal(np.asarray(value[...]), expected[name], err_msg=name)
 
 
 def test_release_logits_equal_the_dequantized_models(release):

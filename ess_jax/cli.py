@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import math
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -134,6 +135,40 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "store replicated. Same tokens as one device (default: one device)")
 
 
+def add_process_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "several processes", "run the same command in every process (each with its own devices); --mesh spans all "
+        "their devices and process 0 alone prints")
+    g.add_argument("--num-processes", type=int, default=os.environ.get("JAX_NUM_PROCESSES", "1"),
+                   help="processes the run spans (default $JAX_NUM_PROCESSES, else 1)")
+    g.add_argument("--process-id", type=int, default=os.environ.get("JAX_PROCESS_ID", "0"),
+                   help="this process's index in [0, --num-processes) (default $JAX_PROCESS_ID, else 0)")
+    g.add_argument("--coordinator", metavar="HOST:PORT", default=os.environ.get("JAX_COORDINATOR_ADDRESS"),
+                   help="process 0's address, where the processes meet (default $JAX_COORDINATOR_ADDRESS)")
+
+
+def start_processes(args: argparse.Namespace):
+    """Join the processes ``add_process_flags`` describes (``mesh.start``), first checking that a run of several
+    has a mesh over their devices and the inline fetch backend; the Processes. In a run of several, what native
+    code writes to file descriptor 1 (gloo's connection lines) goes to standard error, and ``sys.stdout`` keeps
+    the original standard output, so it carries only what the run prints (``--json`` stays one object)."""
+    from ess_jax import mesh
+
+    processes = mesh.Processes(args.num_processes, args.process_id, args.coordinator)
+    if processes.count > 1:
+        if not args.mesh:
+            raise ValueError(f"--num-processes {processes.count} needs --mesh over every process's devices, e.g. "
+                             f"--mesh data={processes.count}")
+        if args.offload == "ess" and args.fetch == "split":
+            raise ValueError("--fetch split keeps the host store in one process's NumPy memory; with "
+                             "--num-processes > 1 use --fetch inline")
+        sys.stdout.flush()
+        sys.stdout = os.fdopen(os.dup(1), "w")
+        os.dup2(2, 1)
+    mesh.start(processes)
+    return processes
+
+
 def engine_config(args: argparse.Namespace, **overrides):
     """The EngineConfig the shared flags describe, every flag checked before a model loads: the engine's
     (``EngineConfig`` checks types, ranges and NaN / inf), ESS-only flags given with ``--offload none``, the
@@ -218,12 +253,13 @@ def check_before_load(args: argparse.Namespace, config) -> None:
     (``generate`` cuts the batch to its prompts and ``eval`` to its windows, and both size requests to them:
     so the rows of the prompts, or one, and ``--max-seq-len``, or the new tokens + 1). ``Engine`` checks the
     sizes it gets again, exactly, before it allocates."""
-    from ess_jax import mesh
+    from ess_jax import mesh, ops
     from ess_jax.config import PRESETS
     from ess_jax.engine import cache_layout, check_memory
 
     if config.mesh:
         mesh.check_devices(mesh.parse(config.mesh))
+    ops.resolve_kernels(config.kernels)  # Pallas where the backend has no kernels for it
 
     model = getattr(args, "model", None)
     if getattr(args, "weights", None) == "release" and str(model) in PRESETS:

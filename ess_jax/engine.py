@@ -122,7 +122,7 @@ class EngineConfig:
             raise ValueError(f"keep_logits={self.keep_logits!r} must be True or False")
         if self.offload not in ("none", "ess"):
             raise ValueError(f"--offload {self.offload!r} is not a mode; use 'ess' or 'none'")
-        ops.resolve_kernels(self.kernels)  # raises for an unknown choice
+        ops.check_kernels(self.kernels)  # the backend is asked when the engine is built (a config starts no backend)
         if self.cache_dtype not in (None, *CACHE_DTYPES):
             raise ValueError(f"--cache-dtype {self.cache_dtype!r} is not a cache dtype; use one of "
                              f"{', '.join(CACHE_DTYPES)}")
@@ -313,6 +313,7 @@ class Engine:
         self.parts, part, self.pool_slots = layout.parts, layout.offloaded, layout.pool_slots
         self.offloaded_part, self.row_bytes = part, part.row_bytes  # the tier's part with ess
         self.scratch = None
+        ops.resolve_kernels(config.kernels)  # Pallas where this backend has no kernels for it: refused here
         self.kernels = config.kernels  # static in the compiled steps
         # a mesh: the parameters placed by ess_jax.mesh's rules (a copy unless the model's already are)
         self.mesh = mesh.make(mesh.parse(config.mesh)) if config.mesh else None
@@ -491,7 +492,7 @@ class Engine:
         out = {"pages_in_use": self.allocator.capacity - self.allocator.num_free, "pages_total": self.allocator.capacity,
                "rows_in_use": self.config.max_batch - self.admission.num_free_slots, "rows_total": self.config.max_batch}
         if self.scratch is not None:
-            out["pool_slots_in_use"] = int((np.asarray(self.family.store_of(self.cache).lru.slot_entry) >= 0).sum())
+            out["pool_slots_in_use"] = int((mesh.host_array(self.family.store_of(self.cache).lru.slot_entry) >= 0).sum())
             out["host_pages_in_use"] = out["pages_in_use"]  # the host store has the cache's pages
             out["host_pages_total"] = out["pages_total"]
         return out
@@ -595,7 +596,7 @@ class Engine:
         self.stats["prefill_s"] += time.perf_counter() - start_time
         self._lengths[slot] = len(prompt)
         self._decoding[request_id] = slot
-        self._append(request_id, slot, int(token[0]), logits_BV, 0, new)
+        self._append(request_id, slot, int(mesh.host_array(token)[0]), logits_BV, 0, new)
 
     def _decode_step(self, new: dict[int, tuple[Request, list]]) -> int:
         rows: list[Request | None] = [None] * self.config.max_batch
@@ -606,7 +607,7 @@ class Engine:
         start = time.perf_counter()
         tokens, logits_BV, self.cache = self._decode(self.params, jnp.asarray(self._last[:, None]), meta,
                                                      self.cache, self._sampling_arrays(rows))
-        tokens = np.asarray(tokens)
+        tokens = mesh.host_array(tokens)
         self.stats["decode_s"] += time.perf_counter() - start
         self._lengths += active
         self.stats["decode_tokens"] += len(self._decoding)
@@ -629,7 +630,7 @@ class Engine:
         request.output_ids.append(token)
         kept = None
         if self.config.keep_logits or request.logprobs is not None:
-            kept = np.asarray(logits_BV[b], np.float32)
+            kept = mesh.host_array(logits_BV[b]).astype(np.float32)
             if self.config.keep_logits:
                 request.logits.append(kept)
         new.setdefault(request_id, (request, []))[1].append((token, kept))
@@ -683,7 +684,7 @@ class Engine:
         """Tier counters (read from the device once) as the ``--json`` ``metrics.offload`` object."""
         if self.scratch is None:
             return None
-        counts = np.asarray(self.family.store_of(self.cache).counters)  # [L_s, 4] lookups, hits, misses, staged
+        counts = mesh.host_array(self.family.store_of(self.cache).counters)  # [L_s, 4] lookups, hits, misses, staged
         layers = self.family.sparse_layers(self.model.cfg)
         lookups, hits, misses, staged = (int(x) for x in counts.sum(0))
         row_bytes = self.row_bytes

@@ -4,6 +4,9 @@ Examples:
     python -m ess_jax.generate --prompt "Hello"                      # the shipped tiny-v32-code checkpoint
     python -m ess_jax.generate --model path/to/hf_checkpoint --prompt-ids 1,2,3 --json
     python -m ess_jax.generate --prompt a --prompt b --temperature 0.8 --top-p 0.9 --seed 7
+    # two processes of 4 devices each (the same command in both, --process-id 0 and 1); process 0 prints
+    python -m ess_jax.generate --prompt a --mesh data=2,expert=4 --num-processes 2 --process-id 0 \
+        --coordinator 127.0.0.1:1234
 
 Errors (bad flags, prompts, checkpoints) print one line starting with "error:" and exit with 2.
 """
@@ -16,7 +19,7 @@ import sys
 import types
 
 from ess_jax.api import generate, load_model
-from ess_jax.cli import Parser, add_engine_flags, add_model_flag, engine_config
+from ess_jax.cli import Parser, add_engine_flags, add_model_flag, add_process_flags, engine_config, start_processes
 from ess_jax.sampling import SamplingParams
 
 
@@ -42,6 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sampling.add_argument("--seed", type=int, default=0,
                           help="sampling seed; prompt i uses seed + i, so runs are reproducible (default 0)")
     add_engine_flags(p)
+    add_process_flags(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: model, family, offload, requests, metrics (see README)")
     return p.parse_args(argv)
@@ -70,6 +74,7 @@ def _prompts(args: argparse.Namespace) -> list[list[int] | str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        processes = start_processes(args)
         prompts = _prompts(args)
         if args.greedy and args.temperature > 0:
             raise ValueError("--greedy contradicts --temperature > 0; pass one of them")
@@ -79,10 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         model = load_model(args.model, args.dtype, seed=args.weights_seed, weights=args.weights,
                            mesh=args.mesh)
         result = generate(model, prompts, args.max_new_tokens, sampling=sampling, engine=engine,
-                          progress=not args.json)
+                          progress=not args.json and processes.index == 0)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if processes.index:
+        return 0  # process 0 prints
     encoded = [model.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
     if args.json:
         print(json.dumps({

@@ -15,6 +15,11 @@
 
 The model is exact on any mesh: sharding moves data, never changes what a row computes, so greedy tokens
 equal one device's.
+
+Several processes (``Processes``, ``--num-processes``): every process runs the same command, so the same
+engine with the same host bookkeeping; ``start`` joins them through ``jax.distributed`` (gloo collectives on
+CPU) before jax sees a device, and the mesh then spans every process's devices. The host reads the steps'
+results with ``host_array`` (an array sharded over devices of other processes is gathered from them).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import math
 from typing import Callable
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 AXES = ("data", "expert")  # mesh axes in mesh order
@@ -68,6 +74,46 @@ def parse(text: str) -> MeshShape:
             raise ValueError(f"--mesh {text!r}: {name}={value.strip()!r} must be a positive integer")
         sizes[name] = size
     return MeshShape(**sizes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Processes:
+    """The processes one run spans: ``count`` of them, this one ``index``, joined at ``coordinator``
+    (``host:port``, process 0's address)."""
+
+    count: int = 1
+    index: int = 0
+    coordinator: str | None = None
+
+    def __post_init__(self):
+        if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
+            raise ValueError(f"--num-processes {self.count!r} must be an integer >= 1")
+        if isinstance(self.index, bool) or not isinstance(self.index, int) or not 0 <= self.index < self.count:
+            raise ValueError(f"--process-id {self.index!r} must be an integer in [0, {self.count}) "
+                             f"(--num-processes {self.count})")
+        if self.count > 1:
+            host, sep, port = (self.coordinator or "").rpartition(":")
+            if not (host and sep and port.isdigit() and 0 < int(port) < 65536):
+                raise ValueError(f"--num-processes {self.count} needs --coordinator HOST:PORT (process 0's address, "
+                                 f"e.g. 127.0.0.1:1234), got {self.coordinator!r}")
+
+
+def start(processes: Processes) -> None:
+    """Join the run's processes (``jax.distributed.initialize``; CPU collectives over gloo) before jax uses a
+    device; one process: nothing to do."""
+    if processes.count > 1:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(processes.coordinator, processes.count, processes.index)
+
+
+def host_array(x: jax.Array) -> np.ndarray:
+    """``x`` on the host, whole: read directly when this process holds all of it (one process, or replicated),
+    else gathered from the processes that hold its shards (a collective: every process calls it alike)."""
+    if x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def check_devices(shape: MeshShape) -> None:

@@ -39,12 +39,17 @@ if TYPE_CHECKING:
 KERNELS = ("auto", "xla", "pallas")
 
 
+def check_kernels(kernels: str) -> None:
+    """ValueError unless ``kernels`` names a kernel choice (the backend is not consulted)."""
+    if kernels not in KERNELS:
+        raise ValueError(f"--kernels {kernels!r} is not a kernel choice; use one of {', '.join(KERNELS)}")
+
+
 def resolve_kernels(kernels: str) -> str:
     """What ``kernels`` runs as on the default backend: ``"xla"``, ``"pallas"`` or ``"interpret"``
     (the Pallas kernel in the Mosaic GPU interpreter, on CPU). Raises ValueError for an unknown
     choice, or Pallas on TPU or on a GPU other than Hopper."""
-    if kernels not in KERNELS:
-        raise ValueError(f"--kernels {kernels!r} is not a kernel choice; use one of {', '.join(KERNELS)}")
+    check_kernels(kernels)
     backend = jax.default_backend()
     capability = str(getattr(jax.devices()[0], "compute_capability", "")) if backend == "gpu" else ""
     hopper = capability.startswith("9.")

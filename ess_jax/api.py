@@ -142,8 +142,7 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
     # Size the engine to this workload: no batch rows or page-table columns beyond what it can use (the rows a
     # multiple of the mesh's data shards).
     longest = max(len(p) for p in encoded) + max_new_tokens
-    shards = device_mesh.parse(engine.mesh).data if engine.mesh else 1
-    engine = dataclasses.replace(engine, max_batch=min(engine.max_batch, -(-len(encoded) // shards) * shards),
+    engine = dataclasses.replace(engine, max_batch=device_mesh.batch_rows(len(encoded), engine.max_batch, engine.mesh),
                                  max_seq_len=engine.max_seq_len or min(longest, model.cfg.max_position_embeddings))
     start = time.perf_counter()
     server = Engine(model, engine, progress=progress)

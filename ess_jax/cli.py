@@ -273,7 +273,7 @@ def check_before_load(args: argparse.Namespace, config) -> None:
         raise ValueError(f"--max-seq-len {config.max_seq_len} exceeds the model's max_position_embeddings "
                          f"({cfg.max_position_embeddings}); lower it")
     _check_prompts(prompts or [], str(model), cfg, config, getattr(args, "max_new_tokens", 1))
-    rows = min(config.max_batch, len(prompts)) if prompts else 1
+    rows = mesh.batch_rows(len(prompts) if prompts else 1, config.max_batch, config.mesh)
     tokens = config.max_seq_len or min(getattr(args, "max_new_tokens", 0) + 1, cfg.max_position_embeddings)
     least = dataclasses.replace(config, max_batch=rows, max_seq_len=tokens)
     check_memory(cache_layout(cfg, least, getattr(args, "dtype", "float32"), lower_bound=True))

@@ -191,6 +191,13 @@ def replicated(cache, mesh: jax.sharding.Mesh):
     return jax.tree.map(lambda x: NamedSharding(mesh, PartitionSpec(), memory_kind=x.sharding.memory_kind), cache)
 
 
+def batch_rows(requests: int, max_batch: int, mesh: str | None) -> int:
+    """The batch rows a workload of ``requests`` uses: no more than ``max_batch``, a multiple of the data shards
+    of ``mesh`` (the ``--mesh`` text; None: one device)."""
+    shards = parse(mesh).data if mesh else 1
+    return min(max_batch, -(-requests // shards) * shards)
+
+
 def check_rows(shape: MeshShape, max_batch: int) -> None:
     if max_batch % shape.data:
         raise ValueError(f"--max-batch {max_batch} does not divide over --mesh data={shape.data}: use a multiple "

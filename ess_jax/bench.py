@@ -157,6 +157,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cache-dtype", choices=["bfloat16", "float32", "fp8"], default=None,
                    help="latent cache / tier row format (default: --dtype)")
     p.add_argument("--weights-seed", type=int, default=0, help="seed of a preset's random weights (default 0)")
+    p.add_argument("--mesh", default=None, metavar="data=D,expert=E",
+                   help="run every engine on a device mesh over every device jax sees (ess_jax.mesh; --batch a "
+                        "multiple of D; the parameters placed once); default one device")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts (default 0)")
     p.add_argument("--out", default="bench_out", help="folder for results.json and the PNG plots (default bench_out/)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object instead of the table")
@@ -298,7 +301,7 @@ def run_settings(model, settings: list[Setting], prompts: list[list[int]], args,
         config = EngineConfig(max_batch=len(prompts), max_seq_len=args.context + args.new_tokens,
                               prefill_chunk=args.prefill_chunk, offload=s.offload,
                               pool_ratio=s.pool_ratio if s.pool_ratio is not None else 0.2, fetch=s.fetch or "inline",
-                              kernels=args.kernels, cache_dtype=args.cache_dtype)
+                              kernels=args.kernels, cache_dtype=args.cache_dtype, mesh=args.mesh)
         engines.append(TimedEngine(model, config))
     tok_s = [[] for _ in settings]
     steps_ms = [[] for _ in settings]
@@ -372,8 +375,12 @@ def prefill_stall(model, prompts: list[list[int]], args, log) -> dict:
     from ess_jax.engine import Engine, EngineConfig
 
     log(f"stall: {args.batch} decoding + one {args.context}-token prompt, chunk {args.prefill_chunk}")
-    config = EngineConfig(max_batch=args.batch + 1, max_seq_len=args.context + args.stall_steps + 64,
-                          prefill_chunk=args.prefill_chunk, kernels=args.kernels, cache_dtype=args.cache_dtype)
+    from ess_jax import mesh as device_mesh
+
+    rows = device_mesh.batch_rows(args.batch + 1, args.batch + 1 + args.batch, args.mesh)  # a multiple of the shards
+    config = EngineConfig(max_batch=rows, max_seq_len=args.context + args.stall_steps + 64,
+                          prefill_chunk=args.prefill_chunk, kernels=args.kernels, cache_dtype=args.cache_dtype,
+                          mesh=args.mesh)
     engine = Engine(model, config)
     engine.warm_up()  # every piece size compiled: the steps below time no compile
     for prompt in prompts:
@@ -433,7 +440,8 @@ def depth_sweep(args, log) -> dict:
         for offload in ("none", "ess"):
             config = EngineConfig(max_batch=len(prompts), max_seq_len=args.context + args.new_tokens,
                                   prefill_chunk=args.prefill_chunk, offload=offload, pool_ratio=args.ratios[0],
-                                  fetch=args.fetch[0], kernels=args.kernels, cache_dtype=args.cache_dtype)
+                                  fetch=args.fetch[0], kernels=args.kernels, cache_dtype=args.cache_dtype,
+                                  mesh=args.mesh)
             engine = TimedEngine(model, config)
             engine._compile_decode()
             for prompt in prompts:
@@ -910,7 +918,7 @@ def _machine() -> str:
 
     devices = jax.devices()
     return (f"{platform.machine()} {os.cpu_count()} CPUs, jax {jax.__version__} on {devices[0].platform} "
-            f"({len(devices)} device)")
+            f"({len(devices)} device{'s' if len(devices) > 1 else ''})")
 
 
 def prompt_source(args: argparse.Namespace, cfg, tokenizer) -> tuple[list[list[int]], dict[int, list[int]], dict]:
@@ -943,10 +951,15 @@ def prompt_source(args: argparse.Namespace, cfg, tokenizer) -> tuple[list[list[i
 
 
 def bench(args: argparse.Namespace, log) -> dict:
+    from ess_jax import mesh as device_mesh
     from ess_jax.api import load_model
     from ess_jax.tokenizer import load_tokenizer
 
     cfg = _config_of(args.model)
+    if args.mesh:  # before anything loads: the mesh's devices, and batch rows that divide over its data shards
+        shape = device_mesh.parse(args.mesh)
+        device_mesh.check_devices(shape)
+        device_mesh.check_rows(shape, args.batch)
     args.locality_contexts = args.locality_contexts or [args.context]
     if args.context + args.new_tokens > cfg.max_position_embeddings:
         raise ValueError(f"--context {args.context} + --new-tokens {args.new_tokens} exceeds max_position_embeddings "
@@ -959,7 +972,7 @@ def bench(args: argparse.Namespace, log) -> dict:
         args, cfg, load_tokenizer(args.model if Path(args.model).is_dir() else None, cfg))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = load_model(args.model, args.dtype, seed=args.weights_seed)
+    model = load_model(args.model, args.dtype, seed=args.weights_seed, mesh=args.mesh)
     settings = [Setting("none")] + [Setting("ess", r, f) for r in args.ratios for f in args.fetch]
     runs = run_settings(model, settings, prompts, args, log)
     stall = prefill_stall(model, prompts, args, log) if args.stall_steps else None
@@ -968,7 +981,8 @@ def bench(args: argparse.Namespace, log) -> dict:
         "setup": {"model": args.model, "family": cfg.family, "context": args.context, "new_tokens": args.new_tokens,
                   "batch": args.batch, "repeats": args.repeats, "warmup_steps": args.warmup_steps,
                   "index_topk": cfg.index_topk, "layers": cfg.num_hidden_layers, "dtype": args.dtype,
-                  "device_budget_mb": args.device_budget_mb, "prompt_source": source, "machine": _machine()},
+                  "device_budget_mb": args.device_budget_mb, "prompt_source": source, "machine": _machine(),
+                  "mesh": str(device_mesh.parse(args.mesh)) if args.mesh else None},
         "capacity_formula": "requests in budget = floor(budget / (device_bytes / batch)); without offload "
                             "floor(budget / (resident_device_bytes / batch)); gain = their ratio",
         "runs": runs, "locality": locality, "stall": stall,

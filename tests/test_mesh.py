@@ -168,3 +168,26 @@ def test_engine_config_checks_the_mesh():
         EngineConfig(max_batch=3, mesh="data=2")
     with pytest.raises(ValueError, match="must be a string"):
         EngineConfig(mesh=8)
+
+
+def test_bench_on_a_mesh_decodes_one_devices_tokens(tmp_path, capsys):
+    """``python -m ess_jax.bench --mesh data=2,expert=2`` on 4 simulated CPU devices (a subprocess): the setup
+    names the mesh and the devices, and every engine (resident, ESS) decodes the tokens the same bench gives on
+    one device (this process)."""
+    from ess_jax import bench
+
+    argv = ["--model", str(FIXTURES / "hf-v32-a"), "--context", "24", "--new-tokens", "6", "--ratios", "0.5",
+            "--fetch", "inline", "--repeats", "1", "--warmup-steps", "0", "--locality-steps", "0", "--stall-steps",
+            "0", "--json", "--compile-cache", "none"]
+    assert bench.main([*argv, "--out", str(tmp_path / "one")]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4 "
+               "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+    done = subprocess.run([sys.executable, "-m", "ess_jax.bench", *argv, "--mesh", "data=2,expert=2", "--out",
+                           str(tmp_path / "mesh")], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    meshed = json.loads(done.stdout)
+    assert meshed["setup"]["mesh"] == "data=2,expert=2" and "(4 devices)" in meshed["setup"]["machine"]
+    assert alone["setup"]["mesh"] is None
+    assert [r["output_ids"] for r in meshed["runs"]] == [r["output_ids"] for r in alone["runs"]]
+    assert len(meshed["runs"]) == 2

@@ -451,8 +451,10 @@ def load_into(model_fn, cfg: ModelConfig, directory: Path, dtype, weights: str =
     Quantized tensors (FP8 with block scales, packed FP4 with per-32 scales) are dequantized to the
     parameter's dtype with ``weights="dequantized"``; with ``weights="release"`` the parameter holds them
     as stored (``quant.Fp8Blocks`` / ``quant.Fp4Values``), dequantized where the model reads it.
-    Everything the headers tell is checked before any tensor is read (files, index, unused tensors, each
-    stored parameter's shape and dtype); each tensor's values are checked finite as it loads."""
+    A stacked run of layers (``stacked``) is read layer by layer under each layer's name and stacked on the
+    host before it moves to the device. Everything the headers tell is checked before any tensor is read
+    (files, index, unused tensors, each stored parameter's shape and dtype); each tensor's values are checked
+    finite as it loads."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights={weights!r} is not one of {', '.join(WEIGHTS)}")
     ckpt = Checkpoint(directory, families.get(cfg.family).hf_rename)

@@ -228,9 +228,7 @@ def test_peer_without_torch_says_so(tmp_path):
 def test_prefill_stall_pass_interleaves_one_chunk_per_step(checkpoint):
     """The stall pass: a 256-token prompt admitted while two requests decode, prefill chunk 64: four steps
     carry one 64-token piece each, and every step still decodes the running requests."""
-    import argparse
-
-    args = argparse.Namespace(batch=2, context=256, stall_steps=6, prefill_chunk=64, kernels="xla", cache_dtype=None)
+    args = bench.parse_args(["--batch", "2", "--context", "256", "--stall-steps", "6", "--prefill-chunk", "64"])
     rng = np.random.default_rng(0)
     stall = bench.prefill_stall(load_model(checkpoint), [rng.integers(0, 256, 256).tolist() for _ in range(2)], args,
                                 log=lambda msg: None)

@@ -684,9 +684,12 @@ class Engine:
         """Tier counters (read from the device once) as the ``--json`` ``metrics.offload`` object."""
         if self.scratch is None:
             return None
-        counts = mesh.host_array(self.family.store_of(self.cache).counters)  # [L_s, 4] lookups, hits, misses, staged
+        rows_LB4 = mesh.host_array(self.family.store_of(self.cache).counters)  # lookups, hits, misses, staged
+        counts = rows_LB4.sum(1)
         layers = self.family.sparse_layers(self.model.cfg)
         lookups, hits, misses, staged = (int(x) for x in counts.sum(0))
+        shards = mesh.parse(self.config.mesh).data if self.config.mesh else 1
+        per_shard = rows_LB4.reshape(rows_LB4.shape[0], shards, -1, 4).sum((0, 2))  # the data shards' rows, in order
         row_bytes = self.row_bytes
         return {"lookups": lookups, "hits": hits, "misses": misses,
                 "hit_rate": hits / lookups if lookups else 0.0,
@@ -696,7 +699,9 @@ class Engine:
                 "pool_slots": self.pool_slots,
                 "per_layer": [{"layer": i, "lookups": int(c[0]), "hits": int(c[1]), "misses": int(c[2]),
                                "h2d_bytes": int(c[2]) * row_bytes, "decode_d2h_bytes": int(c[3]) * row_bytes}
-                              for i, c in zip(layers, counts)]}
+                              for i, c in zip(layers, counts)],
+                "per_shard": [{"shard": d, "lookups": int(c[0]), "hits": int(c[1]), "misses": int(c[2])}
+                              for d, c in enumerate(per_shard)]}
 
 
 

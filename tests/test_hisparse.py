@@ -80,7 +80,7 @@ def test_offloaded_equals_resident_and_counts_add_up(model, resident, pool, fetc
     assert got_bytes["host_bytes"] == lc * pages * per_page * row_bytes
     assert got_bytes["resident_device_bytes"] == ref_bytes["device_bytes"]  # the three requests reserve every page
     tier_device = lc * b * slots * (row_bytes + 4 + 4) + lc * pages * per_page * 4 + lc * b * row_bytes + 2 * b * 4
-    tier_device += lc * 4 * 4  # counters
+    tier_device += lc * b * 4 * 4  # counters, per batch row
     assert got_bytes["device_bytes"] == ref_bytes["device_bytes"] - lc * pages * per_page * row_bytes + tier_device
 
 

@@ -16,7 +16,8 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 # Runs in a subprocess with 8 CPU devices: argv = checkpoint, then runs as OFFLOAD:FETCH:MESH. Serves the same
 # requests (three prompts on two batch rows per data shard: one waits and joins when a row frees, and they leave
-# at different steps) on one device, resident (the reference), and in each run; prints the tokens and shardings.
+# at different steps) on one device, resident (the reference) and ESS (the tier counters' reference), and in each
+# run; prints the tokens, shardings and tier counters (total and per data shard: lookups, hits, misses).
 SCRIPT = r"""
 import dataclasses, json, sys
 import jax, numpy as np
@@ -36,14 +37,17 @@ def config(run):
 
 
 out = {}
-for run in ["none:inline:", *sys.argv[2:]]:
+for run in ["none:inline:", "ess:inline:", *sys.argv[2:]]:
     engine = Engine(model, config(run))
     for prompt, new in requests:
         engine.add_request(prompt, new)
     tokens = [r.output_ids for r in engine.run()]
     experts = next(x for p, x in jax.tree_util.tree_leaves_with_path(engine.params)
                    if "['experts']" in jax.tree_util.keystr(p))
+    offload = engine.offload_metrics()
+    counts = lambda c: [c["lookups"], c["hits"], c["misses"]]
     out[run] = {"tokens": tokens, "pool_slots": engine.pool_slots,
+                "counters": offload and {"total": counts(offload), "per_shard": [counts(c) for c in offload["per_shard"]]},
                 "expert_shard": list(experts.addressable_shards[0].data.shape), "expert_shape": list(experts.shape),
                 "cache_specs": sorted({str(x.sharding.spec) for x in jax.tree.leaves(engine.cache)
                                        if hasattr(x.sharding, "spec")})}
@@ -74,7 +78,8 @@ def _run(checkpoint: str, runs: list[str]) -> dict:
 ])
 def test_mesh_tokens_equal_one_device(family, runs, experts, entries):
     """Resident and ESS (both fetch backends) on meshes sharding the experts, the batch rows or both: the
-    single-device resident engine's greedy tokens."""
+    single-device resident engine's greedy tokens, and ESS's per-shard tier counters adding up to the
+    single-device tier's."""
     out = _run(str(FIXTURES / f"hf-{family}-a"), runs)
     alone = out["none:inline:"]
     assert out["placed once"]
@@ -88,6 +93,11 @@ def test_mesh_tokens_equal_one_device(family, runs, experts, entries):
         assert got["expert_shard"][-3] == experts // shape.expert  # the routed experts are sharded ([(L,) E, out, in])
         if offload == "ess":
             assert got["pool_slots"] < entries  # the pools evict: the tier is exercised, not a resident copy
+            # each data shard counts its own rows; together they are the single-device tier's counts
+            counters, alone_counters = got["counters"], out["ess:inline:"]["counters"]
+            assert len(counters["per_shard"]) == shape.data
+            assert [sum(c) for c in zip(*counters["per_shard"])] == counters["total"] == alone_counters["total"]
+            assert alone_counters["total"][0] > 0 and (shape.data == 1 or sum(c[0] > 0 for c in counters["per_shard"]) >= 2)
         # V3.2's resident cache has no batch-row arrays (its pages are global); its tier and V4's caches have
         row_sharded = any("'data'" in s for s in got["cache_specs"])
         assert row_sharded == (shape.data > 1 and (offload == "ess" or family == "v4")), got["cache_specs"]

@@ -41,7 +41,8 @@ class Tier:
     staged: jax.Array  # [L, B, W] rows written by the last step, backed up at the start of the next
     staged_page: jax.Array  # i32[B] their host page (0, the null page, when nothing is pending)
     staged_offset: jax.Array  # i32[B] their offset in the page
-    counters: jax.Array  # i32[L, 4] lookups, hits, misses, entries staged for the host, since the engine started
+    counters: jax.Array  # i32[L, B, 4] lookups, hits, misses, entries staged for the host, per batch row, since the
+    # engine started (so a mesh's data shards count their own rows)
     host: Any  # host.PinnedHostStore | host.NumpyHostStore: [L, G, Z, W]
     page_size: int = dataclasses.field(metadata=dict(static=True))  # tokens per page (Z)
     rate: int = dataclasses.field(metadata=dict(static=True))  # tokens per entry (m)
@@ -87,13 +88,13 @@ class Tier:
                     fetched_BKW, mode="drop")
                 located = lambda ids: self._locate(meta.page_table, ids)  # noqa: E731
                 new_page_B1, new_offset_B1 = located(new_id_B[:, None])
-                counts = jnp.stack([(ids_BK >= 0).sum(), in_pool_BK.sum(), res.miss_K.sum(),
-                                    (new_id_B >= 0).sum()]).astype(jnp.int32)
+                counts_B4 = jnp.stack([(ids_BK >= 0).sum(-1), in_pool_BK.sum(-1), res.miss_K.sum(-1),
+                                       new_id_B >= 0], axis=-1).astype(jnp.int32)
             return dataclasses.replace(
                 self, pool=pool, lru=old.commit(layer, res, ids_BK, new_id_B, evicted_BK1, located),
                 staged=self.staged.at[layer].set(new_row_BW),
                 staged_page=new_page_B1[:, 0],  # the null page where no entry is new
-                staged_offset=new_offset_B1[:, 0], counters=self.counters.at[layer].add(counts))
+                staged_offset=new_offset_B1[:, 0], counters=self.counters.at[layer].add(counts_B4))
 
         ready = [RowSource(pool.reshape(-1, w), hit_ids_BK[:, None])]
         return Sources(ready, [RowSource(fetched_BKW.reshape(b * k, w), miss_ids_BK[:, None])], settle)
@@ -144,7 +145,7 @@ def init_tier(*, layers: int, batch: int, slots: int, num_pages: int, page_size:
         staged=jnp.zeros((layers, batch, width), dtype),
         staged_page=jnp.zeros((batch,), jnp.int32),
         staged_offset=jnp.zeros((batch,), jnp.int32),
-        counters=jnp.zeros((layers, 4), jnp.int32),
+        counters=jnp.zeros((layers, batch, 4), jnp.int32),
         host=host_store(fetch, (layers, num_pages, per_page, width), dtype),
         page_size=page_size, rate=rate,
     )

@@ -377,7 +377,8 @@ def prefill_stall(model, prompts: list[list[int]], args, log) -> dict:
     log(f"stall: {args.batch} decoding + one {args.context}-token prompt, chunk {args.prefill_chunk}")
     from ess_jax import mesh as device_mesh
 
-    rows = device_mesh.batch_rows(args.batch + 1, args.batch + 1 + args.batch, args.mesh)  # a multiple of the shards
+    # a row more for the long prompt: a data shard more on a mesh (its shards divide --batch)
+    rows = args.batch + (device_mesh.parse(args.mesh).data if args.mesh else 1)
     config = EngineConfig(max_batch=rows, max_seq_len=args.context + args.stall_steps + 64,
                           prefill_chunk=args.prefill_chunk, kernels=args.kernels, cache_dtype=args.cache_dtype,
                           mesh=args.mesh)

@@ -688,7 +688,7 @@ class Engine:
         counts = rows_LB4.sum(1)
         layers = self.family.sparse_layers(self.model.cfg)
         lookups, hits, misses, staged = (int(x) for x in counts.sum(0))
-        shards = mesh.parse(self.config.mesh).data if self.config.mesh else 1
+        shards = self.mesh.shape["data"] if self.mesh else 1
         per_shard = rows_LB4.reshape(rows_LB4.shape[0], shards, -1, 4).sum((0, 2))  # the data shards' rows, in order
         row_bytes = self.row_bytes
         return {"lookups": lookups, "hits": hits, "misses": misses,

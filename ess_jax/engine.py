@@ -246,6 +246,21 @@ def check_memory(layout: CacheLayout, weights_bytes: int = 0) -> None:
                          f"{host_limit / GiB:.2f} GiB: {fix}, or set --host-cache-mb")
 
 
+def latent_dtype(module, config: EngineConfig):
+    """The dtype of the offloaded part's rows (V3.2 latent rows, V4 CSA entries): ``--cache-dtype``, or the model's."""
+    return CACHE_DTYPES[config.cache_dtype] if config.cache_dtype else module.dtype
+
+
+def decode_cache(module, size: families.CacheSize, config: EngineConfig, layout: CacheLayout):
+    """The engine's empty decode cache of ``size`` (``layout.size``, or another size for its shapes): every part
+    resident, or with ``--offload ess`` the tier (``layout.pool_slots`` slots) in the offloaded part's place."""
+    family, dtype = families.get(module.cfg.family), latent_dtype(module, config)
+    if config.offload == "ess":
+        return family.offloaded_cache(module, size, layout.offloaded, dtype, slots=layout.pool_slots,
+                                      fetch=config.fetch)
+    return family.resident_cache(module, size, dtype)
+
+
 def _placed(layout: mesh.Layout | None, cache):
     """``cache`` in the shardings of ``layout`` (the engine's mesh; None: one device, as it is)."""
     return layout.constrain(cache) if layout else cache
@@ -305,7 +320,7 @@ class Engine:
         self.model, self.config, self.progress = model, config, progress
         self.family = families.get(cfg.family)
         module = model.module
-        self.latent_dtype = CACHE_DTYPES[config.cache_dtype] if config.cache_dtype else module.dtype
+        self.latent_dtype = latent_dtype(module, config)
         # sizes and bytes from the config, checked against the machine before any cache array exists
         layout = cache_layout(cfg, config, jnp.dtype(module.dtype).name)
         check_memory(layout, sum(int(x.nbytes) for x in jax.tree.leaves(model.params)))
@@ -320,14 +335,14 @@ class Engine:
         self.layout = self.scratch_layout = None  # the caches' shardings on the mesh (mesh.Layout)
         self.params = mesh.place_params(model.params, self.mesh) if self.mesh else model.params
         with self.on_mesh():
-            self.cache = self._decode_cache(module, size)
+            self.cache = decode_cache(module, size, config, layout)
             if config.offload == "ess":
                 # prefill computes on a device scratch for one prompt (a prefill node's view), then hands off
                 self.scratch = self.family.resident_cache(
                     module, dataclasses.replace(size, rows=1, pages=self.pages_per_row + 1), self.latent_dtype)
             if self.mesh:
-                axes = mesh.row_axes(lambda rows: self._decode_cache(module, dataclasses.replace(size, rows=rows,
-                                                                                                   pages=2)))
+                axes = mesh.row_axes(lambda rows: decode_cache(module, dataclasses.replace(size, rows=rows, pages=2),
+                                                               config, layout))
                 shardings = mesh.cache_shardings(self.cache, axes, self.mesh)
                 self.cache, self.layout = jax.device_put(self.cache, shardings), mesh.Layout.of(shardings)
                 if self.scratch is not None:
@@ -356,12 +371,6 @@ class Engine:
         self._inbox_lock = threading.Lock()  # guards requests, _inbox, _aborts, _next_id across threads
         self._step_lock = threading.Lock()  # held while the engine's state changes (step, abort)
         self._decode = None  # compiled on the first step
-
-    def _decode_cache(self, module, size: families.CacheSize):
-        if self.config.offload == "ess":
-            return self.family.offloaded_cache(module, size, self.offloaded_part, self.latent_dtype,
-                                               slots=self.pool_slots, fetch=self.config.fetch)
-        return self.family.resident_cache(module, size, self.latent_dtype)
 
     def on_mesh(self):
         """The context the engine's arrays are made and its steps run in: ``jax.set_mesh`` of its mesh."""

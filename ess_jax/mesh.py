@@ -175,12 +175,13 @@ def row_axes(build: Callable[[int], object]) -> list[int | None]:
 def cache_shardings(cache, axes: list[int | None], mesh: jax.sharding.Mesh):
     """Shardings of ``cache``'s arrays (a pytree like it): the batch-row axis ``axes`` gives (``row_axes``) over
     ``data``, the rest replicated, each array kept in its memory kind (device, or the host store's
-    pinned_host)."""
+    pinned_host; an array's shape, ``jax.ShapeDtypeStruct``, has none: the default). ``mesh`` may be a
+    ``jax.sharding.AbstractMesh`` (shapes per device without the devices)."""
     def sharding(x, axis):
         spec = [None] * x.ndim
         if axis is not None:
             spec[axis] = "data"
-        return NamedSharding(mesh, PartitionSpec(*spec), memory_kind=x.sharding.memory_kind)
+        return NamedSharding(mesh, PartitionSpec(*spec), memory_kind=x.sharding and x.sharding.memory_kind)
 
     leaves, treedef = jax.tree.flatten(cache)
     return jax.tree.unflatten(treedef, [sharding(x, axis) for x, axis in zip(leaves, axes, strict=True)])

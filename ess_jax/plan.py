@@ -1,4 +1,4 @@
-"""``python -m ess_jax.plan``: KV bytes per token and concurrent requests per GPU, with and without offload.
+"""``python -m ess_jax.plan``: KV bytes per token and concurrent requests on a device mesh, with and without offload.
 
 For the real presets (deepseek-v3.2, deepseek-v4-flash, deepseek-v4-pro) the planner splits the
 KV cache into its parts (DOMAIN.md 3), each of them *offloaded* (host store + device pool),
@@ -23,17 +23,29 @@ Capacity, for a context of ``S`` tokens and a pool ratio ``r`` (GB = 1e9 bytes t
     offloaded request  = S * i + s + sum over offloaded layers of P * row  [+ overheads, below]
     P                  = min(max(ceil(r * E), min(k, E) + 1), E)   E: entries of the layer, k: index_topk
                          (ess_jax.tier.pool_slots: the top-k hits plus the entry written this step)
-    max batch          = floor(KV budget / bytes per request)
-    host bytes per GPU = max_batch_offload * S * a       (the host store holds every offloaded row)
-    KV budget          = --kv-budget-gb, or --gpu-mem-gb * --mem-fraction - weights per GPU,
-                         weights per GPU = routed experts / EP + everything else / TP
+    host bytes         = every offloaded row of every admitted request (the host store)
+
+On a device mesh (``--mesh data=D,expert=E``, ess_jax.mesh; default expert=32, ESS's EP 32) the bytes
+per device follow the engine's sharding rules: the routed experts split over ``expert`` (whole experts:
+E must divide them), every other weight replicated; a request's batch-row state (V4's SWA window and
+compressor tails; the tier's pools, slot tables, staged rows and counters) on its data shard's devices
+only, everything paged (the resident parts' pages, the residency map, the host store) on every device:
+
+    bytes per device   = B * (request - rows) + B / D * rows     B requests in all, a multiple of D
+    max batch          = D * floor(KV budget / (D * (request - rows) + rows))
+    KV budget          = --kv-budget-gb, or --gpu-mem-gb * --mem-fraction - weights per device
                          (release formats: V3.2 FP8 with fp32 128x128 block scales; V4 FP4 experts,
                          FP8 attention and shared experts, bf16 compressors / indexers / embeddings)
 
+With D = 1 every device holds every request: the mesh serves ``max batch`` requests in all. (ESS's figures
+are per GPU, each GPU attending for its own requests; on the engine's mesh the pages are on every device, so
+more data shards add batch rows, not room for pages.)
+
 ``--accounting ess_jax`` (the default) adds what ess_jax's tier keeps on the device besides rows: the
-residency map (4 bytes per entry of each offloaded layer) and two int32 slot tables (8 bytes per
-pool slot); ``--accounting paper`` counts KV rows only, as ESS's Table 2 does. With paper accounting
-and ``f = i / (a + i)`` the offloaded batch is ``B(r) = B0 / (f + (1 - f) r)`` (DOMAIN.md 4.2; for
+residency map (4 bytes per entry of each offloaded layer), two int32 slot tables (8 bytes per pool
+slot), the staged row of each offloaded layer (one row) with its int32 page and offset (8 bytes), and
+the int32 counters (16 bytes per offloaded layer); ``--accounting paper`` counts KV rows only, as ESS's
+Table 2 does. With paper accounting and ``f = i / (a + i)`` the offloaded batch is ``B(r) = B0 / (f + (1 - f) r)`` (DOMAIN.md 4.2; for
 deepseek-v3.2 FP8, f = 8052 / 48068 = 0.1675), up to floors and the pool minimum.
 
 Example (ESS's setting: 82 GB of FP8 KV per GPU; Table 2's baselines 52 at 32K and 13 at 128K):
@@ -52,7 +64,7 @@ import math
 import sys
 from pathlib import Path
 
-from ess_jax import families, tier
+from ess_jax import families, mesh, tier
 from ess_jax.cli import Parser
 from ess_jax.config import PRESETS, ConfigError, ModelConfig
 from ess_jax.families import Part
@@ -64,6 +76,8 @@ INDEX_DTYPES = ("auto", "bfloat16", "fp8", "fp4")
 ACCOUNTINGS = ("ess_jax", "paper")
 MAP_BYTES = 4  # ess_jax residency map: int32 slot per entry (tier.LruPool.resident_slot)
 SLOT_TABLE_BYTES = 8  # ess_jax slot tables: int32 slot_entry + int32 slot_order per pool slot
+STAGED_BYTES = 8  # ess_jax staged row's int32 page and offset, per request (tier.Tier.staged_page / staged_offset)
+COUNTER_BYTES = 16  # ess_jax tier counters: four int32 per offloaded layer and request (tier.Tier.counters)
 
 
 def cache_parts(cfg: ModelConfig, cache_dtype: str, index_dtype: str = "auto") -> list[Part]:
@@ -78,10 +92,14 @@ def cache_parts(cfg: ModelConfig, cache_dtype: str, index_dtype: str = "auto") -
 
 @dataclasses.dataclass(frozen=True)
 class RequestBytes:
+    """One request's bytes; of them, ``*_rows`` are in batch-row arrays (on its data shard's devices only)."""
+
     resident: int  # the whole cache on the device
     device: int  # with offload: resident + fixed parts, pools and (ess_jax) tier tables
     host: int  # with offload: the host store (every offloaded row)
     pool_slots: int | None  # per offloaded layer
+    resident_rows: int  # of resident: the fixed parts
+    device_rows: int  # of device: the fixed parts, pools and (ess_jax) slot tables, staged rows and counters
 
 
 def request_bytes(parts: list[Part], context: int, ratio: float, accounting: str = "ess_jax") -> RequestBytes:
@@ -89,21 +107,40 @@ def request_bytes(parts: list[Part], context: int, ratio: float, accounting: str
     if accounting not in ACCOUNTINGS:
         raise ValueError(f"--accounting {accounting!r} is not one of {', '.join(ACCOUNTINGS)}")
     resident = sum(p.bytes(context) for p in parts)
+    fixed = sum(p.bytes(context) for p in parts if p.where == "fixed")
     device = sum(p.bytes(context) for p in parts if p.where != "offloaded")
-    host, slots = 0, None
+    host, slots, rows = 0, None, fixed
     for p in parts:
         if p.where != "offloaded":
             continue
         entries = p.entries(context)
         slots = tier.pool_slots(entries, p.topk, pool_ratio=ratio)
-        device += p.layers * slots * p.row_bytes
+        pools = p.layers * slots * p.row_bytes
+        device += pools
+        rows += pools
         if accounting == "ess_jax":
-            device += p.layers * (entries * MAP_BYTES + slots * SLOT_TABLE_BYTES)
+            tables = p.layers * (slots * SLOT_TABLE_BYTES + p.row_bytes + COUNTER_BYTES) + STAGED_BYTES
+            device += p.layers * entries * MAP_BYTES + tables
+            rows += tables
         host += p.bytes(context)
-    return RequestBytes(resident, device, host, slots)
+    return RequestBytes(resident, device, host, slots, fixed, rows)
 
 
-# ---- weights per GPU ---------------------------------------------------------------------------
+def bytes_per_device(request: int, rows: int, batch: int, data: int) -> int:
+    """Bytes on each device of a mesh of ``data`` data shards serving ``batch`` requests (a multiple of
+    ``data``) of ``request`` bytes each, ``rows`` of them in batch-row arrays (split over the data shards;
+    the rest on every device)."""
+    if batch % data:
+        raise ValueError(f"{batch} requests do not divide over {data} data shards")
+    return batch * (request - rows) + batch // data * rows
+
+
+def max_batch(request: int, rows: int, budget: float, data: int) -> int:
+    """The most requests (a multiple of ``data``) whose ``bytes_per_device`` fit in ``budget``."""
+    return data * int(budget // (data * (request - rows) + rows))
+
+
+# ---- weights per device ------------------------------------------------------------------------
 
 def param_bytes(cfg: ModelConfig, path: tuple[str, ...], shape: tuple[int, ...], itemsize: int) -> tuple[str, float]:
     """(``"routed"`` | ``"other"``, bytes) of one parameter as the official release stores it; parameters
@@ -114,24 +151,25 @@ def param_bytes(cfg: ModelConfig, path: tuple[str, ...], shape: tuple[int, ...],
     return ("routed" if routed else "other"), (math.prod(shape) * itemsize if stored is None else stored)
 
 
-def weight_bytes(cfg: ModelConfig) -> dict[str, float]:
-    """Routed-expert and other weight bytes of the whole model (shapes from the NNX model, built abstractly;
-    the only part of the planner that imports flax and the model)."""
+def weight_bytes(cfg: ModelConfig, shape: mesh.MeshShape = mesh.MeshShape()) -> dict[str, float]:
+    """Routed-expert and other weight bytes in the release formats on each device of a mesh of ``shape``
+    (the default, one device: the whole model), by the engine's rule (``mesh.param_spec``); ValueError when
+    the experts do not divide over the ``expert`` axis. Shapes from the NNX model, built abstractly (the only
+    part of the planner that imports flax and the model)."""
     import jax.numpy as jnp
     from flax import nnx
 
+    if cfg.n_routed_experts % shape.expert:
+        raise ValueError(f"--mesh expert={shape.expert} does not divide the model's {cfg.n_routed_experts} routed "
+                         "experts: use an expert size that divides it")
     model_cls = families.get(cfg.family).module_cls
     abstract = nnx.eval_shape(lambda: model_cls(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     totals = {"routed": 0.0, "other": 0.0}
     for path, variable in nnx.to_flat_state(nnx.state(abstract)):
         kind, size = param_bytes(cfg, path, tuple(variable.shape), variable.dtype.itemsize)
-        totals[kind] += size
+        split = "expert" in mesh.param_spec(mesh.path_names(path), tuple(variable.shape))
+        totals[kind] += size / shape.expert if split else size
     return totals
-
-
-def weights_per_gpu(weights: dict[str, float], cfg: ModelConfig, ep: int, tp: int) -> float:
-    """Routed experts split over EP ranks (whole experts), everything else over TP ranks."""
-    return weights["routed"] * math.ceil(cfg.n_routed_experts / ep) / cfg.n_routed_experts + weights["other"] / tp
 
 
 # ---- CLI ---------------------------------------------------------------------------------------
@@ -149,17 +187,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="tokens per request (repeatable; default 32768, 131072)")
     p.add_argument("--pool-ratio", action="append", type=float,
                    help="device pool slots / entries of the request (repeatable; default 0.5, 0.2, 0.1)")
-    budget = p.add_argument_group("KV budget per GPU (GB = 1e9 bytes)")
+    budget = p.add_argument_group("KV budget per device (GB = 1e9 bytes)")
     budget.add_argument("--kv-budget-gb", type=float, default=None,
-                        help="KV-cache memory per GPU; wins over the GPU memory / weights estimate")
-    budget.add_argument("--gpu-mem-gb", type=float, default=141.0, help="GPU memory (default 141, an H200)")
+                        help="KV-cache memory per device; wins over the device memory / weights estimate")
+    budget.add_argument("--gpu-mem-gb", type=float, default=141.0, help="device memory (default 141, an H200)")
     budget.add_argument("--mem-fraction", type=float, default=0.9,
                         help="share of GPU memory for weights + KV, the rest for activations (default 0.9)")
-    budget.add_argument("--ep", type=int, default=32,
-                        help="expert-parallel degree: routed experts split over it (default 32, ESS's deployment)")
-    budget.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the other weights (default 1)")
     budget.add_argument("--weights-gb", type=float, default=None,
-                        help="weight bytes per GPU, instead of the estimate from the release formats and --ep / --tp")
+                        help="weight bytes per device, instead of the release formats' on the --mesh")
+    p.add_argument("--mesh", default="expert=32", metavar="data=D,expert=E",
+                   help="the device mesh (ess_jax.mesh): routed experts split over expert, batch rows over data, "
+                        "everything else on every device (default expert=32: ESS's EP 32)")
     p.add_argument("--accounting", choices=ACCOUNTINGS, default="ess_jax",
                    help="ess_jax (default): KV rows + the tier's residency map and slot tables; paper: KV rows only")
     p.add_argument("--json", action="store_true", help='print {"models": [...], "rows": [...]} as one JSON object')
@@ -191,8 +229,6 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--gpu-mem-gb {args.gpu_mem_gb} must be > 0")
     if not 0 < args.mem_fraction <= 1:
         raise ValueError(f"--mem-fraction {args.mem_fraction} must be in (0, 1]")
-    if args.ep < 1 or args.tp < 1:
-        raise ValueError(f"--ep {args.ep} and --tp {args.tp} must be >= 1")
     if args.weights_gb is not None and args.weights_gb < 0:
         raise ValueError(f"--weights-gb {args.weights_gb} must be >= 0")
 
@@ -200,6 +236,7 @@ def _check(args: argparse.Namespace) -> None:
 def plan(args: argparse.Namespace) -> dict:
     """The planner's result: ``{"models": [...], "rows": [...]}`` (the ``--json`` object)."""
     models, rows = [], []
+    shape = mesh.parse(args.mesh)
     for name in args.model:
         cfg = _load_config(name)
         too_long = [c for c in args.context if c > cfg.max_position_embeddings]
@@ -210,14 +247,14 @@ def plan(args: argparse.Namespace) -> dict:
         if args.kv_budget_gb is not None:
             kv_budget = args.kv_budget_gb * GB
         else:
-            weights = args.weights_gb * GB if args.weights_gb is not None else weights_per_gpu(
-                weight_bytes(cfg), cfg, args.ep, args.tp)
+            weights = args.weights_gb * GB if args.weights_gb is not None else sum(weight_bytes(cfg, shape).values())
             kv_budget = args.gpu_mem_gb * GB * args.mem_fraction - weights
             budget = {"source": "gpu-mem-gb", "gpu_mem_bytes": args.gpu_mem_gb * GB, "mem_fraction": args.mem_fraction,
-                      "weights_bytes_per_gpu": weights, "ep": args.ep, "tp": args.tp}
+                      "weights_bytes_per_device": weights}
             if kv_budget <= 0:
-                raise ValueError(f"{name}: weights take {weights / GB:.1f} GB per GPU, more than "
-                                 f"{args.mem_fraction} x {args.gpu_mem_gb} GB; raise --ep / --tp or --gpu-mem-gb")
+                raise ValueError(f"{name}: weights take {weights / GB:.1f} GB per device, more than "
+                                 f"{args.mem_fraction} x {args.gpu_mem_gb} GB; raise --mesh expert=... or "
+                                 "--gpu-mem-gb")
         budget["kv_budget_bytes"] = kv_budget
         layouts = []
         for dtype in args.cache_dtype:
@@ -233,20 +270,20 @@ def plan(args: argparse.Namespace) -> dict:
             for context in args.context:
                 for ratio in args.pool_ratio:
                     req = request_bytes(parts, context, ratio, args.accounting)
-                    resident_batch = int(kv_budget // req.resident)
-                    offload_batch = int(kv_budget // req.device)
+                    resident_batch = max_batch(req.resident, req.resident_rows, kv_budget, shape.data)
+                    offload_batch = max_batch(req.device, req.device_rows, kv_budget, shape.data)
                     rows.append({
                         "model": name, "context": context, "pool_ratio": ratio, "cache_dtype": dtype,
                         "index_dtype": dtype if args.index_dtype == "auto" else args.index_dtype,
                         "accounting": args.accounting, "kv_budget_bytes": kv_budget,
                         "max_batch_resident": resident_batch, "max_batch_offload": offload_batch,
                         "capacity_gain": offload_batch / resident_batch if resident_batch else None,
-                        "host_bytes_per_gpu": offload_batch * req.host, "pool_slots": req.pool_slots,
+                        "host_bytes_per_device": offload_batch * req.host, "pool_slots": req.pool_slots,
                         "resident_bytes_per_request": req.resident, "device_bytes_per_request": req.device,
                         "host_bytes_per_request": req.host,
                     })
         models.append({"model": name, "family": cfg.family, "budget": budget, "layouts": layouts})
-    return {"models": models, "rows": rows}
+    return {"mesh": str(shape), "models": models, "rows": rows}
 
 
 def _table(headers: list[str], rows: list[list], right: set[int]) -> str:
@@ -262,8 +299,8 @@ def render(result: dict) -> str:
         b = m["budget"]
         source = ("--kv-budget-gb" if b["source"] == "kv-budget-gb" else
                   f"{b['gpu_mem_bytes'] / GB:g} GB x {b['mem_fraction']:g} - weights "
-                  f"{b['weights_bytes_per_gpu'] / GB:.1f} GB (EP {b['ep']}, TP {b['tp']})")
-        out.append(f"{m['model']} ({m['family']}): KV budget {b['kv_budget_bytes'] / GB:.2f} GB per GPU [{source}]")
+                  f"{b['weights_bytes_per_device'] / GB:.1f} GB")
+        out.append(f"{m['model']} ({m['family']}): KV budget {b['kv_budget_bytes'] / GB:.2f} GB per device [{source}]")
         rows = []
         for lay in m["layouts"]:
             for p in lay["parts"]:
@@ -279,11 +316,11 @@ def render(result: dict) -> str:
              f"{r['resident_bytes_per_request'] / GB:.3f}", f"{r['device_bytes_per_request'] / GB:.3f}",
              r["max_batch_resident"], r["max_batch_offload"],
              f"{r['capacity_gain']:.2f}x" if r["capacity_gain"] is not None else "-",
-             f"{r['host_bytes_per_gpu'] / GB:.1f}"] for r in result["rows"]]
+             f"{r['host_bytes_per_device'] / GB:.1f}"] for r in result["rows"]]
     accounting = result["rows"][0]["accounting"] if result["rows"] else ""
-    out.append(f"Max concurrent requests per GPU ({accounting} accounting; GB = 1e9 bytes)")
+    out.append(f"Max concurrent requests on a {result['mesh']} mesh ({accounting} accounting; GB = 1e9 bytes)")
     out.append(_table(["model", "dtype", "context", "ratio", "pool slots", "GB/req resident", "GB/req offload",
-                       "batch resident", "batch offload", "gain", "host GB/GPU"], rows, set(range(2, 11))))
+                       "batch resident", "batch offload", "gain", "host GB/device"], rows, set(range(2, 11))))
     return "\n".join(out)
 
 

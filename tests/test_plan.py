@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from ess_jax import plan
+from ess_jax import mesh, plan
 from ess_jax.config import ModelConfig
 
 V32 = ModelConfig.from_preset("deepseek-v3.2")
@@ -63,14 +63,16 @@ def test_ess_table2_baselines_and_offload_batches(capsys):
     device = 131072 * 8052 + 61 * 13108 * 656
     assert by[131072, 0.1]["max_batch_offload"] == 82_000_000_000 // device == 51
     # the host holds every latent row of every admitted request
-    assert by[131072, 0.1]["host_bytes_per_gpu"] == 51 * 131072 * 40016
+    assert by[131072, 0.1]["host_bytes_per_device"] == 51 * 131072 * 40016
 
 
 def test_ess_jax_accounting_adds_the_residency_map_and_slot_tables(capsys):
     argv = ["--model", "deepseek-v3.2", "--cache-dtype", "fp8", "--kv-budget-gb", "82", "--context", "32768",
             "--pool-ratio", "0.21"]
     row = run_json(argv, capsys)["rows"][0]
-    device = 32768 * 8052 + 61 * 6882 * 656 + 61 * (32768 * 4 + 6882 * 8)
+    # per layer: the map (4 B per entry), the slot tables (8 B per slot), the staged row and 4 int32 counters;
+    # per request the staged row's page and offset
+    device = 32768 * 8052 + 61 * 6882 * 656 + 61 * (32768 * 4 + 6882 * 8 + 656 + 16) + 8
     assert row["accounting"] == "ess_jax" and row["device_bytes_per_request"] == device
     assert row["max_batch_offload"] == 82_000_000_000 // device
 
@@ -93,18 +95,37 @@ def test_v4_bytes_per_token_match_domain(capsys):
     assert row["pool_slots"] == math.ceil(0.2 * 32768)
 
 
-def test_weights_per_gpu_from_the_release_formats():
+def test_weights_per_device_from_the_release_formats():
     weights = plan.weight_bytes(V32)
     # 256 experts x 3 x 2048 x 7168 in 58 MoE layers, e4m3 plus one fp32 scale per 128 x 128 block
     routed = 58 * 256 * 3 * 2048 * 7168
     assert weights["routed"] == routed + 4 * routed // (128 * 128)
     assert 17e9 < weights["other"] < 21e9  # attention, dense / shared MLPs (FP8), embeddings (bf16)
-    per_gpu = plan.weights_per_gpu(weights, V32, ep=32, tp=1)
-    assert per_gpu == pytest.approx(weights["routed"] / 32 + weights["other"])
+    # on a mesh the routed experts split over expert; every other weight is on each device (data shards too)
+    per_device = plan.weight_bytes(V32, mesh.MeshShape(data=2, expert=32))
+    assert per_device == {"routed": weights["routed"] / 32, "other": weights["other"]}
+    with pytest.raises(ValueError, match="--mesh expert=3 does not divide the model's 256 routed experts"):
+        plan.weight_bytes(V32, mesh.MeshShape(expert=3))
     # V4 routed experts are FP4: half a byte plus one ue8m0 per 32 values
     v4 = ModelConfig.from_preset("deepseek-v4-flash")
     assert plan.param_bytes(v4, ("layers", 5, "mlp", "experts", "down_proj"), (256, 4096, 2048), 2) == (
         "routed", 256 * 4096 * 2048 * (0.5 + 1 / 32))
+
+
+def test_data_shards_split_the_batch_rows_not_the_pages(capsys):
+    """ESS's setting on data=2: a V3.2 request's pages (indexer keys; latent rows when resident) are on every
+    device, its pools on its data shard's devices only."""
+    argv = ESS + ["--context", "32768", "--pool-ratio", "0.21", "--mesh", "data=2,expert=8"]
+    result = run_json(argv, capsys)
+    row = result["rows"][0]
+    assert result["mesh"] == "data=2,expert=8"
+    # resident: nothing per batch row, so every device holds every request's 32768 x 48068 bytes
+    assert row["max_batch_resident"] == 2 * (82_000_000_000 // (2 * 32768 * 48068)) == 52
+    # offloaded: 2 x 32768 x 8052 B of indexer keys (both shards' requests) + 61 x 6882 x 656 B of one shard's pools
+    assert row["max_batch_offload"] == 2 * (82_000_000_000 // (2 * 32768 * 8052 + 61 * 6882 * 656)) == 2 * 102
+    # the host store, every offloaded row of every request, is on every device
+    assert row["host_bytes_per_device"] == 204 * 32768 * 40016
+    assert plan.bytes_per_device(1000, 100, 4, 2) == 4 * 900 + 2 * 100
 
 
 def test_text_output_names_the_budget_and_the_batches(capsys):
@@ -121,7 +142,9 @@ def test_text_output_names_the_budget_and_the_batches(capsys):
     (["--model", "no-such-model"], "no-such-model"),
     (["--cache-dtype", "fp16"], "--cache-dtype"),
     (["--model", "deepseek-v3.2", "--context", "200000"], "max_position_embeddings"),
-    (["--model", "deepseek-v3.2", "--gpu-mem-gb", "40", "--ep", "1"], "weights take"),
+    (["--model", "deepseek-v3.2", "--gpu-mem-gb", "40", "--mesh", "expert=1"], "weights take"),
+    (["--model", "deepseek-v3.2", "--gpu-mem-gb", "141", "--mesh", "expert=7"], "--mesh expert=7 does not divide"),
+    (["--mesh", "tensor=2"], "tensor parallelism is not served"),
     (["--context", "abc"], "--context"),
 ])
 def test_bad_arguments_exit_2_with_one_line(argv, needle, capsys):
@@ -138,3 +161,54 @@ def test_module_entry_point():
     proc = subprocess.run([sys.executable, "-m", "ess_jax.plan", "--pool-ratio", "2"], capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and proc.stderr.count("\n") == 1
     assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("preset, cache_dtype, offload, spec", [
+    ("deepseek-v3.2", "fp8", "ess", "data=4,expert=8"), ("deepseek-v3.2", "bfloat16", "none", "data=2,expert=16"),
+    ("deepseek-v4-flash", "bfloat16", "ess", "data=8,expert=4"), ("deepseek-v4-pro", "fp8", "none", "data=4,expert=8"),
+])
+def test_bytes_per_device_equal_the_sharded_engine_cache(preset, cache_dtype, offload, spec):
+    """The real configs: the engine's decode cache built abstractly (jax.eval_shape) at 8 requests of 8192 tokens,
+    sharded by the engine's rule (mesh.cache_shardings) over an abstract 32-device mesh, holds on each device the
+    planner's bytes for those requests, in the formats the engine stores (its Parts), plus the null page."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import AbstractMesh, AxisType
+
+    from ess_jax import engine, families
+
+    cfg, shape = ModelConfig.from_preset(preset), mesh.parse(spec)
+    family = families.get(cfg.family)
+    module = nnx.eval_shape(lambda: family.module_cls(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    batch, context, page = 8, 8192, 128  # a page size that V4's 128-token HCA entries fill: no padding rows
+    config = engine.EngineConfig(max_batch=batch, page_size=page, max_seq_len=context, offload=offload,
+                                 pool_ratio=0.2, cache_dtype=cache_dtype, mesh=spec)
+    layout = engine.cache_layout(cfg, config, "bfloat16")
+    assert layout.size.pages == 1 + batch * context // page
+    cache = jax.eval_shape(lambda: engine.decode_cache(module, layout.size, config, layout))
+    axes = mesh.row_axes(lambda rows: engine.decode_cache(module, dataclasses.replace(layout.size, rows=rows, pages=2),
+                                                          config, layout))
+    abstract = AbstractMesh((shape.data, shape.expert), mesh.AXES, axis_types=(AxisType.Auto,) * 2)
+    shardings = mesh.cache_shardings(cache, axes, abstract)
+    on_device = lambda x, s: math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize  # noqa: E731
+    total = sum(jax.tree.leaves(jax.tree.map(on_device, cache, shardings)))
+    store = family.store_of(cache)
+    host = 0
+    if offload == "ess":
+        host = sum(jax.tree.leaves(jax.tree.map(on_device, store.host, family.store_of(shardings).host)))
+    request = plan.request_bytes(layout.parts, context, 0.2)
+    # page 0, the null page, is in every paged array: a page of each resident paged part and (offloaded) of the
+    # host store and the residency map (4 B per entry of a page in each offloaded layer)
+    paged = [p for p in layout.parts if p.tokens_per_row]
+    part = layout.offloaded
+    null = sum(p.page_bytes(page) for p in paged if offload == "none" or p is not part)
+    if offload == "ess":
+        null += part.layers * (page // part.tokens_per_row) * plan.MAP_BYTES
+        assert host == batch * request.host + part.page_bytes(page)
+        assert total - host == plan.bytes_per_device(request.device, request.device_rows, batch, shape.data) + null
+    else:
+        assert total == plan.bytes_per_device(request.resident, request.resident_rows, batch, shape.data) + null
+    assert request.device_rows > 0 if offload == "ess" or cfg.family == "deepseek_v4" else request.resident_rows == 0

@@ -10,6 +10,7 @@ The references are NumPy's dequantization of the stored bytes (ml_dtypes decodin
 
 import argparse
 import json
+import math
 import re
 from pathlib import Path
 
@@ -19,10 +20,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from safetensors.numpy import save_file
 
 import ess_jax
-from ess_jax import cli, families, plan
+from ess_jax import cli, families, mesh, plan
 from ess_jax.checkpoint import CheckpointError, hf_names, stacked
 from ess_jax.config import ModelConfig
 from ess_jax.models.quant import Fp4Values, Fp8Blocks
@@ -206,6 +208,73 @@ def test_device_bytes_equal_the_planners(release):
     assert device == plan.weight_bytes(model.cfg)
     dequantized = ess_jax.load_model(release["released"], "bfloat16")
     assert sum(device.values()) < sum(x.nbytes for x in jax.tree.leaves(dequantized.params))
+
+
+def _bytes_per_device(flat, expert: int) -> int:
+    """Bytes of parameters ``flat`` ((state path, value: an array, its shape or a quantized tensor of them) pairs)
+    on each device of an abstract ``expert``-way mesh, each leaf sharded by the engine's rule (``mesh.param_spec``
+    at its path)."""
+    abstract = AbstractMesh((1, expert), mesh.AXES, axis_types=(AxisType.Auto,) * 2)
+    total = 0
+    for path, value in flat:
+        for leaf_path, x in jax.tree_util.tree_leaves_with_path(value):
+            names = [str(p) for p in path] + mesh.path_names(leaf_path)
+            sharding = NamedSharding(abstract, mesh.param_spec(names, tuple(x.shape)))
+            total += math.prod(sharding.shard_shape(tuple(x.shape))) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def test_device_bytes_on_a_mesh_equal_the_planners(release):
+    """The loaded release-format parameters, each leaf (values, scales) sharded by the engine's rule over the
+    routed experts: bytes per device equal the planner's on that mesh."""
+    model = ess_jax.load_model(release["released"], "bfloat16", weights="release")
+    flat = [(path, variable.get_value()) for path, variable in nnx.to_flat_state(model.params)]
+    for expert in (1, 2, model.cfg.n_routed_experts):
+        assert _bytes_per_device(flat, expert) == sum(plan.weight_bytes(model.cfg, mesh.MeshShape(expert=expert)).values())
+
+
+def _release_shapes(cfg: ModelConfig):
+    """The parameters of ``cfg`` as its release stores them (LAYOUTS), as (state path, shapes) pairs: the abstract
+    bfloat16 model's, each quantized weight as its values and scales (``quant.Fp8Blocks`` with 128 x 128 blocks,
+    gate and up each with their own; ``quant.Fp4Values``)."""
+    layout = LAYOUTS[cfg.family]
+    scale_dtype = ml_dtypes.float8_e8m0fnu if layout["ue8m0"] else np.float32
+    cls = families.get(cfg.family).module_cls
+    abstract = nnx.eval_shape(lambda: cls(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    shapes = []
+    for path, variable in nnx.to_flat_state(nnx.state(abstract)):
+        shape, name = tuple(variable.shape), hf_names(path, variable.shape)[0]
+        layer = jax.ShapeDtypeStruct(shape[stacked(path):], variable.dtype)  # one layer's
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            part = layout["parts"][0 if "gate_up" in name else 2]
+            one = jax.ShapeDtypeStruct(shape[-2:], variable.dtype)  # one expert's
+            fmt = layout["format"](f"{layout['rename'](name).rsplit('.', 1)[0]}.0.{part}.weight", one)
+        else:
+            fmt = layout["format"](layout["rename"](name), layer)
+        *lead, out, inp = shape if fmt else (None, None)
+        if fmt == "fp8":
+            parts = 2 if name.endswith("gate_up_proj") else 1
+            scales = (*lead, parts * -(-out // parts // 128), -(-inp // 128))
+            value = Fp8Blocks(jax.ShapeDtypeStruct(shape, ml_dtypes.float8_e4m3fn),
+                              jax.ShapeDtypeStruct(scales, scale_dtype), RELEASE, parts, jnp.bfloat16)
+        elif fmt == "fp4":
+            value = Fp4Values(jax.ShapeDtypeStruct((*lead, out, inp // 2), np.int8),
+                              jax.ShapeDtypeStruct((*lead, out, inp // 32), ml_dtypes.float8_e8m0fnu), jnp.bfloat16)
+        else:
+            value = jax.ShapeDtypeStruct(shape, variable.dtype)
+        shapes.append((path, value))
+    return shapes
+
+
+@pytest.mark.parametrize("preset, expert", [("deepseek-v3.2", 32), ("deepseek-v4-flash", 8), ("deepseek-v4-pro", 64)])
+def test_real_configs_bytes_per_device_equal_the_planners(preset, expert):
+    """The real configs in their release formats, sharded over an abstract mesh by the engine's rule: bytes per
+    device equal the planner's figure."""
+    cfg = ModelConfig.from_preset(preset)
+    shapes = _release_shapes(cfg)
+    assert {type(v).__name__ for _, v in shapes} == (
+        {"ShapeDtypeStruct", "Fp8Blocks"} | ({"Fp4Values"} if cfg.family == "deepseek_v4" else set()))
+    assert _bytes_per_device(shapes, expert) == sum(plan.weight_bytes(cfg, mesh.MeshShape(expert=expert)).values())
 
 
 def test_checkpoints_the_release_formats_cannot_be_read_from(release, tmp_path):

@@ -82,15 +82,14 @@ def load_model(name_or_dir: str | Path, dtype: str = "float32", *, seed: int = 0
     A checkpoint's quantized weights (FP8 with block scales, V4's packed FP4 experts) are dequantized to
     ``dtype`` at load (``weights="dequantized"``), or kept on the device in their stored bytes and
     dequantized inside each step where a layer reads them (``weights="release"``: the device holds the
-    release's bytes, not the dequantized model's). ``mesh`` (``"data=D,expert=E"``): the parameters placed
-    on that device mesh by ``ess_jax.mesh``'s rules, so an engine on the same mesh uses them as they are."""
-    model = _load(name_or_dir, dtype, seed, weights)
-    if mesh:
-        model.params = device_mesh.place_params(model.params, device_mesh.make(device_mesh.parse(mesh)))
-    return model
+    release's bytes, not the dequantized model's). ``mesh`` (``"data=D,expert=E"``): the parameters made on
+    that device mesh by ``ess_jax.mesh``'s rules, so an engine on the same mesh uses them as they are: a
+    checkpoint's read part by part, each process reading only what its devices hold
+    (``checkpoint.load_into``); a preset's placed there once made."""
+    return _load(name_or_dir, dtype, seed, weights, device_mesh.make(device_mesh.parse(mesh)) if mesh else None)
 
 
-def _load(name_or_dir: str | Path, dtype: str, seed: int, weights: str) -> Model:
+def _load(name_or_dir: str | Path, dtype: str, seed: int, weights: str, mesh: jax.sharding.Mesh | None) -> Model:
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; use one of {', '.join(DTYPES)}")
     if weights not in checkpoint.WEIGHTS:
@@ -101,7 +100,8 @@ def _load(name_or_dir: str | Path, dtype: str, seed: int, weights: str) -> Model
     if path.is_dir():
         cfg = ModelConfig.from_json(path / "config.json")
         cls = families.get(cfg.family).module_cls
-        module = checkpoint.load_into(lambda: cls(cfg, dtype=jdtype, rngs=nnx.Rngs(seed)), cfg, path, jdtype, weights)
+        module = checkpoint.load_into(lambda: cls(cfg, dtype=jdtype, rngs=nnx.Rngs(seed)), cfg, path, jdtype, weights,
+                                      mesh)
         return Model(str(name_or_dir) if shipped else str(path), module, load_tokenizer(path, cfg),
                      load_chat_template(path))
     if str(name_or_dir) in PRESETS:
@@ -110,7 +110,10 @@ def _load(name_or_dir: str | Path, dtype: str, seed: int, weights: str) -> Model
                              f"{str(name_or_dir)!r} has random weights and no checkpoint: load it dequantized")
         cfg = ModelConfig.from_preset(str(name_or_dir))
         module = families.get(cfg.family).module_cls(cfg, dtype=jdtype, rngs=nnx.Rngs(seed))
-        return Model(str(name_or_dir), module, load_tokenizer(None, cfg))
+        model = Model(str(name_or_dir), module, load_tokenizer(None, cfg))
+        if mesh is not None:
+            model.params = device_mesh.place_params(model.params, mesh)
+        return model
     raise ConfigError(f"{name_or_dir!r} is neither a shipped checkpoint ({', '.join(CHECKPOINTS)}), a preset "
                       f"({', '.join(PRESETS)}) nor a checkpoint directory")
 

@@ -18,11 +18,18 @@ checkpoint is opened (``release_to_hf_name``), so one lookup by transformers nam
 
 Files are memory-mapped and read tensor by tensor (our own safetensors reader, because NumPy has
 no float8 dtype); the model is built abstractly first, so host memory never holds two copies.
+
+On a device mesh (``load_into``'s ``mesh``) each parameter is made directly in its sharding
+(``ess_jax.mesh.param_sharding``), and only the parts this process's devices hold are read: a routed
+experts tensor's expert range as rows of the packed tensor (``SafetensorsFile.get`` maps only those
+bytes) or as those experts' own tensors, each range once however many devices hold it. So each process
+of a run of several reads only its own experts, and the replicated rest once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -36,6 +43,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ess_jax import config, families
+from ess_jax import mesh as device_mesh
 from ess_jax.config import ModelConfig
 from ess_jax.models import quant
 
@@ -139,15 +147,25 @@ class SafetensorsFile:
         """The tensor's safetensors dtype code ("F32", "BF16", "F8_E4M3", "I64", ...)."""
         return self.header[name]["dtype"]
 
-    def get(self, name: str) -> np.ndarray:
+    def get(self, name: str, rows: slice | None = None) -> np.ndarray:
+        """Tensor ``name`` memory-mapped from the file: whole, or only ``rows`` (``slice(r0, r1)``, ``0 <= r0 <=
+        r1 <=`` its first axis) of its first axis, the map starting at row ``r0`` (so only those bytes are read);
+        ValueError for rows that are not such a range."""
         info = self.header[name]
         dtype = np.dtype(_DTYPES[info["dtype"]])
-        start, end = info["data_offsets"]
-        count = (end - start) // dtype.itemsize
+        shape, start = list(info["shape"]), info["data_offsets"][0]
+        if rows is not None:
+            if (not shape or rows.step not in (None, 1) or not isinstance(rows.start, int)
+                    or not isinstance(rows.stop, int) or not 0 <= rows.start <= rows.stop <= shape[0]):
+                raise ValueError(f"{self.path}: rows {rows} are not a range of the first axis of tensor {name} "
+                                 f"(shape {shape})")
+            start += rows.start * math.prod(shape[1:]) * dtype.itemsize
+            shape[0] = rows.stop - rows.start
+        count = math.prod(shape)
         if count == 0:
-            return np.zeros(info["shape"], dtype)
+            return np.zeros(shape, dtype)
         data = np.memmap(self.path, dtype=dtype, mode="r", offset=self.data_start + start, shape=(count,))
-        return data.reshape(info["shape"])
+        return data.reshape(shape)
 
 
 INDEX = "model.safetensors.index.json"
@@ -250,21 +268,23 @@ class Checkpoint:
                                   "re-export it")
         return code
 
-    def read(self, name: str, kind: str = "float") -> np.ndarray | quant.Quantized:
+    def read(self, name: str, kind: str = "float", rows: slice | None = None) -> np.ndarray | quant.Quantized:
         """A tensor in its integer dtype (``kind`` "int"), as float32 (``kind`` "float", stored as a float
         dtype) or, stored quantized, as a ``quant.Fp8Blocks`` / ``quant.Fp4Values`` of the stored arrays
         (``[...]`` dequantizes it to float32); CheckpointError naming the file and the tensor for another
-        dtype, scales that do not fit the values, or non-finite values."""
+        dtype, scales that do not fit the values, or non-finite values. ``rows``: only that range of the
+        first axis is read (``SafetensorsFile.get``; of a quantized tensor's values and scales alike), and
+        checked."""
         f, stored = self.where[name], self.stored[name]
         code = self.check_dtype(name, kind)
         if kind == "int":
-            return np.asarray(f.get(stored))
+            return np.asarray(f.get(stored, rows))
         if not self.quantized(name):
-            array = np.asarray(f.get(stored), dtype=np.float32)
+            array = np.asarray(f.get(stored, rows), dtype=np.float32)
             _check_finite(array, self.describe(name))
             return array
         scale_name = _scale_name(name)
-        values, scales = f.get(stored), self.where[scale_name].get(self.stored[scale_name])
+        values, scales = f.get(stored, rows), self.where[scale_name].get(self.stored[scale_name], rows)
         _check_finite(np.asarray(scales, np.float32), self.describe(scale_name))
         if code in _FP4_CODES:
             return fp4_values(values, scales, self.describe(name))  # e2m1 has no NaN or Inf
@@ -352,17 +372,22 @@ def hf_names(path: tuple, shape: tuple[int, ...]) -> list[str]:
     return [hf_name(path)]
 
 
-def _read_param(ckpt: Checkpoint, cfg: ModelConfig, name: str, shape: tuple[int, ...], kind: str) -> np.ndarray:
+def _read_param(ckpt: Checkpoint, cfg: ModelConfig, name: str, shape: tuple[int, ...], kind: str,
+                experts: slice | None = None) -> np.ndarray | quant.Quantized:
+    """The tensor ``name`` (one layer's ``shape``) on the host: stored under that name, tied to the
+    embeddings, or stacked from per-expert tensors. ``experts`` (``slice(e0, e1)``): only those routed
+    experts, the first axis's rows of a stored tensor or only those experts' own tensors."""
     if name in ckpt:
-        return ckpt.read(name, kind)
+        return ckpt.read(name, kind, rows=experts)
     if name == "lm_head.weight" and cfg.tie_word_embeddings and "model.embed_tokens.weight" in ckpt:
         return ckpt.read("model.embed_tokens.weight", kind)
     per_expert = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$", name)
     if per_expert:
         prefix, packed = per_expert.groups()
         parts = ("gate_proj", "up_proj") if packed == "gate_up_proj" else ("down_proj",)
-        experts = []
-        for e in range(shape[0]):
+        ids = range(shape[0]) if experts is None else range(experts.start, experts.stop)
+        matrices = []
+        for e in ids:
             names = [f"{prefix}.{e}.{part}.weight" for part in parts]
             for n in names:
                 if n not in ckpt:
@@ -374,8 +399,8 @@ def _read_param(ckpt: Checkpoint, cfg: ModelConfig, name: str, shape: tuple[int,
                 if tuple(a.shape) != want:
                     raise CheckpointError(f"{ckpt.describe(n)} has shape {list(a.shape)}, config expects "
                                           f"{list(want)}: the checkpoint does not match its config.json")
-            experts.append(_join(arrays, np.concatenate, [ckpt.describe(n) for n in names]))
-        return _join(experts, np.stack, [f"{prefix}.{e}" for e in range(shape[0])])
+            matrices.append(_join(arrays, np.concatenate, [ckpt.describe(n) for n in names]))
+        return _join(matrices, np.stack, [f"{prefix}.{e}" for e in ids])
     raise CheckpointError(f"checkpoint {ckpt.directory} is missing tensor {name} (expected shape {list(shape)})")
 
 
@@ -445,7 +470,8 @@ def release_to_hf_name(key: str) -> str:
     return name if name.startswith("lm_head.") else "model." + name
 
 
-def load_into(model_fn, cfg: ModelConfig, directory: Path, dtype, weights: str = "dequantized") -> nnx.Module:
+def load_into(model_fn, cfg: ModelConfig, directory: Path, dtype, weights: str = "dequantized",
+              mesh: jax.sharding.Mesh | None = None) -> nnx.Module:
     """Build ``model_fn()`` abstractly, then fill every parameter from the checkpoint in ``directory``.
 
     Quantized tensors (FP8 with block scales, packed FP4 with per-32 scales) are dequantized to the
@@ -454,15 +480,26 @@ def load_into(model_fn, cfg: ModelConfig, directory: Path, dtype, weights: str =
     A stacked run of layers (``stacked``) is read layer by layer under each layer's name and stacked on the
     host before it moves to the device. Everything the headers tell is checked before any tensor is read
     (files, index, unused tensors, each stored parameter's shape and dtype); each tensor's values are checked
-    finite as it loads."""
+    finite as it loads.
+
+    Without ``mesh`` the parameters go to the default device. With it, each is made in its sharding there
+    (``ess_jax.mesh.param_sharding``: the routed experts over ``expert``, the rest replicated) from only
+    the parts this process's devices hold (``_sharded``): each expert range read once from the files (the
+    rows of a packed tensor, or those experts' own tensors; a stacked run's layers each, then stacked), and
+    put on every device holding it, so a process of a run of several reads only its experts. ValueError,
+    before any tensor is read, when the routed experts do not divide over ``expert``."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights={weights!r} is not one of {', '.join(WEIGHTS)}")
-    ckpt = Checkpoint(directory, families.get(cfg.family).hf_rename)
     abstract = nnx.eval_shape(model_fn)
     graphdef, state = nnx.split(abstract)
     # (path, variable, its names, one name's shape): a stacked run's tensors are each one layer's
     flat = [(path, variable, hf_names(path, variable.shape), tuple(variable.shape)[stacked(path):])
             for path, variable in nnx.to_flat_state(state)]
+    # each parameter's sharding on the mesh, so experts that do not divide over it are refused before any read
+    shardings = [None if mesh is None else device_mesh.param_sharding(mesh, [str(p) for p in path],
+                                                                        tuple(variable.shape))
+                 for path, variable, _, _ in flat]
+    ckpt = Checkpoint(directory, families.get(cfg.family).hf_rename)
     expected_names = {name for _, _, names, _ in flat for name in names}
     unknown = [ckpt.stored[k] for k in ckpt.where if not _ignorable(k, cfg, expected_names)]
     if unknown:
@@ -476,29 +513,78 @@ def load_into(model_fn, cfg: ModelConfig, directory: Path, dtype, weights: str =
                 ckpt.check_dtype(name, kinds[name])
                 _check_shape(ckpt, name, ckpt.shape(name), expected)
     loaded = []
-    for path, variable, names, expected in flat:
-        arrays = []
-        for name in names:
-            array = _read_param(ckpt, cfg, name, expected, kinds[name])
-            _check_shape(ckpt, name, array.shape, expected)
-            if name.endswith(".tid2eid") and array.size and (array.min() < 0 or array.max() >= cfg.n_routed_experts):
-                raise CheckpointError(f"{ckpt.describe(name)} has expert ids in [{array.min()}, {array.max()}], "
-                                      f"outside [0, n_routed_experts={cfg.n_routed_experts})")
-            arrays.append(array)
-        array = _join(arrays, np.stack, names) if stacked(path) else arrays[0]
-        del arrays
-        loaded.append((path, variable.replace(_device_value(array, variable.dtype, weights))))
-        del array
+    for (path, variable, names, expected), sharding in zip(flat, shardings):
+        read = functools.partial(_read_host, ckpt, cfg, kinds, path, names, expected)
+        if sharding is None:
+            value = _weights(jax.tree.map(jnp.asarray, _host_value(read(None), variable.dtype)), variable.dtype,
+                             weights, _dequantized)
+        else:
+            value = _weights(_sharded(read, tuple(variable.shape), variable.dtype, sharding), variable.dtype,
+                             weights, jax.jit(_dequantized, out_shardings=sharding))
+        loaded.append((path, variable.replace(value)))
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
 
 
-def _device_value(array: np.ndarray | quant.Quantized, dtype, weights: str):
-    """A parameter's value on the device: an array in ``dtype``, or a quantized tensor dequantized to
-    ``dtype`` there (``weights="dequantized"``) or kept in its stored bytes, read as ``dtype``."""
+def _read_host(ckpt: Checkpoint, cfg: ModelConfig, kinds: dict[str, str], path: tuple, names: list[str],
+               expected: tuple[int, ...], experts: slice | None) -> np.ndarray | quant.Quantized:
+    """The parameter at ``path`` (transformers ``names``, one name's shape ``expected``) on the host, checked:
+    whole (``experts`` None) or only the routed experts ``experts`` of each layer's tensor (its first axis)."""
+    shape = expected if experts is None else (experts.stop - experts.start, *expected[1:])
+    arrays = []
+    for name in names:
+        array = _read_param(ckpt, cfg, name, expected, kinds[name], experts)
+        _check_shape(ckpt, name, array.shape, shape)
+        if name.endswith(".tid2eid") and array.size and (array.min() < 0 or array.max() >= cfg.n_routed_experts):
+            raise CheckpointError(f"{ckpt.describe(name)} has expert ids in [{array.min()}, {array.max()}], "
+                                  f"outside [0, n_routed_experts={cfg.n_routed_experts})")
+        arrays.append(array)
+    return _join(arrays, np.stack, names) if stacked(path) else arrays[0]
+
+
+def _host_value(array: np.ndarray | quant.Quantized, dtype) -> np.ndarray | quant.Quantized:
+    """A parameter's host value as it goes to the device: an array in ``dtype`` (converted as
+    ``jnp.asarray`` converts host arrays), a quantized tensor in its stored dtypes (as jax holds them)."""
     if isinstance(array, np.ndarray):
-        return jnp.asarray(array, dtype=dtype)
-    kept = dataclasses.replace(jax.tree.map(jnp.asarray, array), dtype=dtype)
-    return kept if weights == "release" else kept[...]
+        return np.asarray(array, dtype)
+    return jax.tree.map(lambda x: np.asarray(x, jax.dtypes.canonicalize_dtype(x.dtype)), array)
+
+
+def _sharded(read, shape: tuple[int, ...], dtype, sharding: jax.sharding.NamedSharding):
+    """The parameter of ``shape`` made in ``sharding`` (an array, or a quantized tensor with each of its
+    arrays made so) from the host parts that this process's devices hold, ``read(experts)``: the expert
+    range (first axis of each layer's tensor) of the sharding's ``expert`` axis, or None (a replicated
+    parameter: the whole). Each range is read once; devices holding the same one (replicas over ``data``)
+    get the same host part, and the parts are dropped once the parameter is made."""
+    axis = sharding.spec.index("expert") if "expert" in sharding.spec else None
+    parts = {}
+
+    def part(index: tuple[slice, ...]):
+        experts = None if axis is None else slice(*index[axis].indices(shape[axis])[:2])
+        key = None if experts is None else (experts.start, experts.stop)
+        if key not in parts:
+            parts[key] = _host_value(read(experts), dtype)
+        return parts[key]
+
+    first = part(next(iter(sharding.addressable_devices_indices_map(shape).values())))
+    leaves, treedef = jax.tree.flatten(first)
+    whole = [leaf.shape if axis is None else (*leaf.shape[:axis], shape[axis], *leaf.shape[axis + 1:])
+             for leaf in leaves]
+    return jax.tree.unflatten(treedef, [
+        jax.make_array_from_callback(leaf_shape, sharding, lambda index, i=i: jax.tree.leaves(part(index))[i])
+        for i, leaf_shape in enumerate(whole)])
+
+
+def _weights(value, dtype, weights: str, dequantize):
+    """A parameter's device value as the parameter holds it: an array as it is; a quantized tensor (its
+    stored arrays) kept, read as ``dtype`` (``weights="release"``), or ``dequantize``d to ``dtype``."""
+    if not isinstance(value, quant.Quantized):
+        return value
+    kept = dataclasses.replace(value, dtype=dtype)
+    return kept if weights == "release" else dequantize(kept)
+
+
+def _dequantized(value: quant.Quantized) -> jax.Array:
+    return value[...]
 
 
 def _check_shape(ckpt: Checkpoint, name: str, shape: tuple[int, ...], expected: tuple[int, ...]) -> None:

@@ -148,19 +148,21 @@ def param_spec(names: list[str], shape: tuple[int, ...]) -> PartitionSpec:
     return PartitionSpec()
 
 
+def param_sharding(mesh: jax.sharding.Mesh, names: list[str], shape: tuple[int, ...]) -> NamedSharding:
+    """The sharding on ``mesh`` of the parameter at state path ``names`` of ``shape`` (``param_spec``);
+    ValueError when its routed experts do not divide over the ``expert`` axis."""
+    spec, experts = param_spec(names, shape), mesh.shape["expert"]
+    if spec and shape[len(shape) - 3] % experts:
+        raise ValueError(f"--mesh expert={experts} does not divide the model's {shape[len(shape) - 3]} "
+                         f"routed experts ({'.'.join(names)}): use an expert size that divides it")
+    return NamedSharding(mesh, spec)
+
+
 def place_params(params, mesh: jax.sharding.Mesh):
-    """``params`` (an NNX state) on ``mesh`` by ``param_spec``; ValueError when the experts do not divide
+    """``params`` (an NNX state) on ``mesh`` by ``param_sharding``; ValueError when the experts do not divide
     over the ``expert`` axis. Parameters already placed so are not copied."""
-    experts = mesh.shape["expert"]
-
-    def place(path, x):
-        spec = param_spec(path_names(path), x.shape)
-        if spec and x.shape[len(x.shape) - 3] % experts:
-            raise ValueError(f"--mesh expert={experts} does not divide the model's {x.shape[len(x.shape) - 3]} "
-                             f"routed experts ({'.'.join(path_names(path))}): use an expert size that divides it")
-        return jax.device_put(x, NamedSharding(mesh, spec))
-
-    return jax.tree_util.tree_map_with_path(place, params)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.device_put(x, param_sharding(mesh, path_names(path), x.shape)), params)
 
 
 def row_axes(build: Callable[[int], object]) -> list[int | None]:

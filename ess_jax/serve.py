@@ -10,6 +10,13 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": 
 GET /health, GET /metrics (Prometheus). SIGINT / SIGTERM: stop accepting, let running requests finish
 for up to --shutdown-timeout seconds, abort the rest, exit 0. Bad flags, models or checkpoints print
 one line starting with "error:" and exit with 2.
+
+Several processes (``--num-processes``, as for generate; ``--mesh`` spans their devices): run the same
+command in each. Process 0 serves HTTP and sends each engine tick's adds and aborts to the others, whose
+engines step with it (``ess_jax.server.follow``); they ignore SIGINT / SIGTERM and exit 0 when process 0
+stops:
+    python -m ess_jax.serve --mesh data=2,expert=4 --num-processes 2 --process-id 0 --coordinator 127.0.0.1:1234
+    python -m ess_jax.serve --mesh data=2,expert=4 --num-processes 2 --process-id 1 --coordinator 127.0.0.1:1234
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import argparse
 import signal
 import sys
 
-from ess_jax.cli import Parser, add_engine_flags, add_model_flag, engine_config
+from ess_jax.cli import Parser, add_engine_flags, add_model_flag, add_process_flags, engine_config, start_processes
 
 DEFAULT_MAX_SEQ_LEN = 4096
 
@@ -27,7 +34,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = Parser("python -m ess_jax.serve", __doc__)
     add_model_flag(p)
     add_engine_flags(p)
-    http = p.add_argument_group("HTTP")
+    add_process_flags(p)
+    http = p.add_argument_group("HTTP (process 0)")
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     http.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     http.add_argument("--api-key", default=None,
@@ -52,11 +60,12 @@ def main(argv: list[str] | None = None) -> int:
                                  f"{0 if name == 'port' else 1}")
         if args.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout {args.shutdown_timeout} must be >= 0")
+        processes = start_processes(args)
         import uvicorn
 
         from ess_jax.api import load_model
         from ess_jax.engine import Engine
-        from ess_jax.server import create_app
+        from ess_jax.server import create_app, follow
 
         model = load_model(args.model, args.dtype, seed=args.weights_seed, weights=args.weights,
                            mesh=args.mesh)
@@ -66,6 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if processes.index:  # process 0's shutdown ends this one
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)
+        follow(engine, metrics_every=args.metrics_interval)
+        return 0
     name = args.served_model_name or args.model
     app = create_app(engine, model_name=name, api_key=args.api_key, max_waiting=args.max_waiting,
                      metrics_every=args.metrics_interval)

@@ -31,7 +31,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
-from ess_jax.engine import Engine, RequestOutput
+import jax
+import numpy as np
+
+from ess_jax.engine import Engine, RequestOutput, check_sampling
 from ess_jax.sampling import SamplingParams
 
 MAX_LOGPROBS = 20
@@ -130,15 +133,24 @@ class EngineDied(RuntimeError):
 class EngineLoop:
     """Steps the engine on its own thread; each request's ``RequestOutput``s go to its asyncio queue.
 
-    The engine thread sleeps while no request is unfinished. Device counters (tier hits, pool slots)
-    are read every ``metrics_every`` steps, and when the engine goes idle, never once per request.
+    The HTTP handlers never touch the engine: ``add`` checks a request and queues it, ``abort`` queues its
+    abort, and the engine thread carries out what was queued, in order, before each step (``Ticks``: in a
+    run of several processes, process 0's engine thread sends each tick's adds and aborts to the others,
+    whose engines ``follow``, so every process steps the same requests). The engine thread sleeps while no
+    request is unfinished. Device counters (tier hits, pool slots) are read every ``metrics_every`` steps,
+    and when the engine goes idle, never once per request.
     """
 
-    def __init__(self, engine: Engine, metrics: Metrics, *, metrics_every: int = 16):
+    def __init__(self, engine: Engine, metrics: Metrics, *, metrics_every: int = 16, ticks: Ticks | None = None):
         self.engine, self.metrics, self.metrics_every = engine, metrics, metrics_every
-        self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._timing: dict[int, list[float]] = {}  # request id -> [added, last token]
-        self._lock = threading.Lock()  # guards _queues, _timing
+        self.ticks = ticks or Ticks()
+        self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # by the loop's request id
+        self._timing: dict[int, list[float]] = {}  # loop request id -> [added, last token]
+        self._ops: list[tuple] = []  # ("add", loop id, request) / ("abort", loop id) not yet carried out
+        self._next_id = 0
+        self._lock = threading.Lock()  # guards every field above
+        self._engine_ids: dict[int, int] = {}  # the engine thread's: loop id -> engine id of unfinished requests
+        self._loop_ids: dict[int, int] = {}  # the engine thread's: the reverse
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self.error: BaseException | None = None
@@ -148,11 +160,7 @@ class EngineLoop:
         self._thread.start()
 
     def stop(self):
-        """Abort what is left and end the thread."""
-        with self._lock:
-            unfinished = list(self._queues)
-        for request_id in unfinished:
-            self.engine.abort(request_id)
+        """Abort what is left and end the thread (and the other processes' engine loops)."""
         self._stopping.set()
         self._wake.set()
         self._thread.join(timeout=60)
@@ -169,15 +177,22 @@ class EngineLoop:
 
     def add(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, stop_token_ids, ignore_eos: bool,
             logprobs: int | None) -> tuple[int, asyncio.Queue]:
+        """Check a request (APIError 400 naming the problem) and queue it for the engine: its id here, and the
+        queue its outputs arrive on."""
         if self.error is not None:
             raise EngineDied(f"the engine stopped: {self.error!r}")
+        try:
+            self.engine.check_request(prompt_ids, max_tokens, stop_token_ids, logprobs=logprobs)
+            check_sampling(sampling)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        request = {"prompt_ids": [int(t) for t in prompt_ids], "max_new_tokens": int(max_tokens),
+                   "sampling": dataclasses.asdict(sampling), "stop_token_ids": [int(t) for t in stop_token_ids],
+                   "ignore_eos": bool(ignore_eos), "logprobs": logprobs}
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
-            try:
-                request_id = self.engine.add_request(prompt_ids, max_tokens, sampling, stop_token_ids,
-                                                     ignore_eos=ignore_eos, logprobs=logprobs)
-            except ValueError as e:
-                raise APIError(400, str(e)) from None
+            request_id, self._next_id = self._next_id, self._next_id + 1
+            self._ops.append(("add", request_id, request))
             self._queues[request_id] = (asyncio.get_running_loop(), queue)
             self._timing[request_id] = [time.perf_counter()] * 2
         self.metrics.prompt_tokens.inc(len(prompt_ids))
@@ -185,26 +200,49 @@ class EngineLoop:
         return request_id, queue
 
     def abort(self, request_id: int):
-        self.engine.abort(request_id)  # never waits for a step: a running one carries it out when it ends
+        """Queue the abort of request ``request_id`` (an id ``add`` gave); the engine thread frees its pages,
+        batch row and pool slots before its next step."""
+        with self._lock:
+            self._ops.append(("abort", request_id))
         self._wake.set()
+
+    def _tick(self) -> tuple[list, bool]:
+        """Carry out what was queued, in order: the engine's adds and aborts as ``apply`` takes them, and
+        whether the loop stops (then every unfinished request is aborted)."""
+        with self._lock:
+            ops, self._ops = self._ops, []
+            stop = self._stopping.is_set()
+        done = []
+        for op in ops:
+            if op[0] == "add":
+                engine_id = apply(self.engine, op[2])
+                self._engine_ids[op[1]], self._loop_ids[engine_id] = engine_id, op[1]
+                done.append(op[2])
+            elif op[1] in self._engine_ids:  # (a request that finished is left alone)
+                done.append(self._engine_ids[op[1]])
+                self.engine.abort(done[-1])
+        if stop:
+            done += list(self._loop_ids)
+            for engine_id in self._loop_ids:
+                self.engine.abort(engine_id)
+        return done, stop
 
     def _run(self):
         steps = 0
         try:
-            while not self._stopping.is_set():
-                if not self.engine.has_unfinished():
-                    if steps:
-                        self.metrics.read_device(self.engine)
-                        steps = 0
-                    self._wake.wait(0.5)
-                    self._wake.clear()
-                    continue
-                outputs = self.engine.step()
+            while True:
+                done, stop = self._tick()
+                self.ticks.send(done, stop)
+                if stop:
+                    return
+                busy = self.engine.has_unfinished()
+                outputs, steps = advance(self.engine, self.metrics, steps, self.metrics_every, done)
                 self._dispatch(outputs)
-                steps += 1
-                if steps % self.metrics_every == 0:
-                    self.metrics.read_device(self.engine)
-                self.metrics.set_queue(self.engine, waiting=self.waiting)
+                if busy:
+                    self.metrics.set_queue(self.engine, waiting=self.waiting)
+                else:
+                    self._wake.wait(self.ticks.idle_s)
+                    self._wake.clear()
         except BaseException as e:  # noqa: BLE001 - every request in flight must hear of it
             self.error = e
             with self._lock:
@@ -217,8 +255,9 @@ class EngineLoop:
         now = time.perf_counter()
         with self._lock:
             for out in outputs:
-                loop, queue = self._queues[out.request_id]
-                added_last = self._timing[out.request_id]
+                request_id = self._loop_ids[out.request_id]
+                loop, queue = self._queues[request_id]
+                added_last = self._timing[request_id]
                 if out.new_token_ids:
                     if added_last[0] == added_last[1]:
                         self.metrics.ttft.observe(now - added_last[0])
@@ -227,10 +266,84 @@ class EngineLoop:
                     added_last[1] = now
                     self.metrics.generation_tokens.inc(len(out.new_token_ids))
                 if out.finished:
-                    del self._queues[out.request_id], self._timing[out.request_id]
+                    del self._queues[request_id], self._timing[request_id], self._loop_ids[out.request_id]
+                    del self._engine_ids[request_id]
                     self.metrics.e2e.observe(now - added_last[0])
                     self.metrics.requests.labels(out.finish_reason).inc()
                 loop.call_soon_threadsafe(queue.put_nowait, out)
+
+
+def apply(engine: Engine, request: dict) -> int:
+    """Add a request ``EngineLoop.add`` checked (its fields as ``Ticks`` sends them) to ``engine``: its id."""
+    return engine.add_request(request["prompt_ids"], request["max_new_tokens"], SamplingParams(**request["sampling"]),
+                              request["stop_token_ids"], ignore_eos=request["ignore_eos"], logprobs=request["logprobs"])
+
+
+def advance(engine: Engine, metrics: Metrics, steps: int, metrics_every: int, done: list) -> tuple[list, int]:
+    """One tick of an engine loop after its adds and aborts ``done``: a step if a request is unfinished or was
+    aborted (the step reports it), the device counters read every ``metrics_every`` steps and when the engine
+    goes idle; the outputs and the steps since the last idle. Every process of a run calls it alike (the reads
+    are collectives there)."""
+    if not engine.has_unfinished() and not any(isinstance(item, int) for item in done):
+        if steps:
+            metrics.read_device(engine)
+        return [], 0
+    outputs = engine.step()
+    steps += 1
+    if steps % metrics_every == 0:
+        metrics.read_device(engine)
+    return outputs, steps
+
+
+class Ticks:
+    """Each tick's adds and aborts, from process 0's engine loop to the other processes' (``follow``), over
+    ``jax.distributed`` (``multihost_utils.broadcast_one_to_all`` of the JSON bytes: their length, then the
+    bytes in a power-of-two buffer, so few shapes compile). One process: nothing to send. An idle loop ticks
+    every ``idle_s`` seconds, so the others never wait long in a collective."""
+
+    idle_s = 0.5
+
+    def send(self, done: list, stop: bool) -> None:
+        if jax.process_count() > 1:
+            _broadcast(json.dumps({"done": done, "stop": stop}).encode())
+
+    def receive(self) -> tuple[list, bool]:
+        message = json.loads(_broadcast(b""))
+        return message["done"], message["stop"]
+
+
+def _broadcast(data: bytes) -> bytes:
+    """Process 0's ``data`` on every process (a collective)."""
+    from jax.experimental import multihost_utils
+
+    size = int(multihost_utils.broadcast_one_to_all(np.array([len(data)], np.int64))[0])
+    buffer = np.zeros(max(256, 1 << (size - 1).bit_length()), np.uint8)
+    buffer[:len(data)] = np.frombuffer(data, np.uint8)
+    return multihost_utils.broadcast_one_to_all(buffer)[:size].tobytes()
+
+
+def ready(engine: Engine, metrics: Metrics) -> None:
+    """What every process does before it serves: compile ahead (``Engine.warm_up``), then a first read of the
+    device counters."""
+    engine.warm_up()
+    metrics.read_device(engine)
+
+
+def follow(engine: Engine, *, metrics_every: int = 16) -> None:
+    """A process other than 0 of a served run: the engine takes process 0's adds and aborts and steps with it,
+    its outputs unread, until process 0's loop stops."""
+    metrics, ticks, steps = Metrics(), Ticks(), 0
+    ready(engine, metrics)
+    while True:
+        done, stop = ticks.receive()
+        for item in done:
+            if isinstance(item, dict):
+                apply(engine, item)
+            else:
+                engine.abort(item)
+        if stop:
+            return
+        _, steps = advance(engine, metrics, steps, metrics_every, done)
 
 
 # ---- metrics -----------------------------------------------------------------------------------
@@ -356,10 +469,9 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None, m
     """The FastAPI app serving ``engine``; its engine thread starts and stops with the app's lifespan. The
     engine is warmed up here, on the calling thread (``Engine.warm_up``): the engine thread only runs
     compiled steps."""
-    engine.warm_up()
     metrics = Metrics()
+    ready(engine, metrics)
     loop = EngineLoop(engine, metrics, metrics_every=metrics_every)
-    metrics.read_device(engine)
     tokenizer, chat_template = engine.model.tokenizer, engine.model.chat_template
 
     @contextlib.asynccontextmanager

@@ -140,3 +140,36 @@ def v4_release_name(name: str) -> str:
     ]:
         name = name.replace(old, new)
     return name
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(commands: list[list[str]], devices: int = 4) -> list:
+    """The processes of a run of several, ``commands`` each with ``devices`` simulated CPU devices (and LLVM's
+    cheaper passes, which halve the compile time), their output piped."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
+               "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+    return [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in commands]
+
+
+def outputs(procs: list, timeout: float = 300) -> list[str]:
+    """Each process's standard output once all have exited, each with 0 (asserted, with its standard error's
+    tail); all are killed if one is not done within ``timeout`` seconds."""
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    return [out for out, _ in outs]

@@ -7,7 +7,6 @@ import functools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,7 +24,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 import ess_jax
 from ess_jax.engine import Engine, EngineConfig
 from ess_jax.server import create_app
-from helpers import ONLINE
+from helpers import ONLINE, free_port
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -56,11 +55,6 @@ def checkpoint(family: str, root: Path) -> Path:
     (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "bos_token": "<bos>"}))
     return directory
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ThreadServer:

@@ -25,7 +25,8 @@ Capacity, for a context of ``S`` tokens and a pool ratio ``r`` (GB = 1e9 bytes t
                          (ess_jax.tier.pool_slots: the top-k hits plus the entry written this step)
     host bytes         = every offloaded row of every admitted request (the host store)
 
-On a device mesh (``--mesh data=D,expert=E``, ess_jax.mesh; default expert=32, ESS's EP 32) the bytes
+On a device mesh (``--mesh data=D,expert=E``, ess_jax.mesh; default expert=32, ESS's EP 32, or fewer for
+a model whose routed experts 32 does not divide: the largest divisor of 32 that divides them) the bytes
 per device follow the engine's sharding rules: the routed experts split over ``expert`` (whole experts:
 E must divide them), every other weight replicated; a request's batch-row state (V4's SWA window and
 compressor tails; the tier's pools, slot tables, staged rows and counters) on its data shard's devices
@@ -195,9 +196,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="share of GPU memory for weights + KV, the rest for activations (default 0.9)")
     budget.add_argument("--weights-gb", type=float, default=None,
                         help="weight bytes per device, instead of the release formats' on the --mesh")
-    p.add_argument("--mesh", default="expert=32", metavar="data=D,expert=E",
+    p.add_argument("--mesh", default=None, metavar="data=D,expert=E",
                    help="the device mesh (ess_jax.mesh): routed experts split over expert, batch rows over data, "
-                        "everything else on every device (default expert=32: ESS's EP 32)")
+                        "everything else on every device (default expert=32, ESS's EP 32, or for a model of fewer "
+                        "routed experts the largest expert size under 32 that divides them)")
     p.add_argument("--accounting", choices=ACCOUNTINGS, default="ess_jax",
                    help="ess_jax (default): KV rows + the tier's residency map and slot tables; paper: KV rows only")
     p.add_argument("--json", action="store_true", help='print {"models": [...], "rows": [...]} as one JSON object')
@@ -236,9 +238,10 @@ def _check(args: argparse.Namespace) -> None:
 def plan(args: argparse.Namespace) -> dict:
     """The planner's result: ``{"models": [...], "rows": [...]}`` (the ``--json`` object)."""
     models, rows = [], []
-    shape = mesh.parse(args.mesh)
     for name in args.model:
         cfg = _load_config(name)
+        # ESS's EP 32 by default, or the most experts per device under it that divide a smaller model's
+        shape = mesh.parse(args.mesh) if args.mesh else mesh.MeshShape(expert=math.gcd(32, cfg.n_routed_experts))
         too_long = [c for c in args.context if c > cfg.max_position_embeddings]
         if too_long:
             raise ValueError(f"--context {too_long[0]} exceeds {name}'s max_position_embeddings "
@@ -273,7 +276,7 @@ def plan(args: argparse.Namespace) -> dict:
                     resident_batch = max_batch(req.resident, req.resident_rows, kv_budget, shape.data)
                     offload_batch = max_batch(req.device, req.device_rows, kv_budget, shape.data)
                     rows.append({
-                        "model": name, "context": context, "pool_ratio": ratio, "cache_dtype": dtype,
+                        "model": name, "mesh": str(shape), "context": context, "pool_ratio": ratio, "cache_dtype": dtype,
                         "index_dtype": dtype if args.index_dtype == "auto" else args.index_dtype,
                         "accounting": args.accounting, "kv_budget_bytes": kv_budget,
                         "max_batch_resident": resident_batch, "max_batch_offload": offload_batch,
@@ -282,8 +285,8 @@ def plan(args: argparse.Namespace) -> dict:
                         "resident_bytes_per_request": req.resident, "device_bytes_per_request": req.device,
                         "host_bytes_per_request": req.host,
                     })
-        models.append({"model": name, "family": cfg.family, "budget": budget, "layouts": layouts})
-    return {"mesh": str(shape), "models": models, "rows": rows}
+        models.append({"model": name, "family": cfg.family, "mesh": str(shape), "budget": budget, "layouts": layouts})
+    return {"models": models, "rows": rows}
 
 
 def _table(headers: list[str], rows: list[list], right: set[int]) -> str:
@@ -300,7 +303,8 @@ def render(result: dict) -> str:
         source = ("--kv-budget-gb" if b["source"] == "kv-budget-gb" else
                   f"{b['gpu_mem_bytes'] / GB:g} GB x {b['mem_fraction']:g} - weights "
                   f"{b['weights_bytes_per_device'] / GB:.1f} GB")
-        out.append(f"{m['model']} ({m['family']}): KV budget {b['kv_budget_bytes'] / GB:.2f} GB per device [{source}]")
+        out.append(f"{m['model']} ({m['family']}) on a {m['mesh']} mesh: KV budget {b['kv_budget_bytes'] / GB:.2f} GB "
+                   f"per device [{source}]")
         rows = []
         for lay in m["layouts"]:
             for p in lay["parts"]:
@@ -318,7 +322,7 @@ def render(result: dict) -> str:
              f"{r['capacity_gain']:.2f}x" if r["capacity_gain"] is not None else "-",
              f"{r['host_bytes_per_device'] / GB:.1f}"] for r in result["rows"]]
     accounting = result["rows"][0]["accounting"] if result["rows"] else ""
-    out.append(f"Max concurrent requests on a {result['mesh']} mesh ({accounting} accounting; GB = 1e9 bytes)")
+    out.append(f"Max concurrent requests on each model's mesh ({accounting} accounting; GB = 1e9 bytes)")
     out.append(_table(["model", "dtype", "context", "ratio", "pool slots", "GB/req resident", "GB/req offload",
                        "batch resident", "batch offload", "gain", "host GB/device"], rows, set(range(2, 11))))
     return "\n".join(out)

@@ -106,6 +106,16 @@ def test_weights_per_device_from_the_release_formats():
     assert per_device == {"routed": weights["routed"] / 32, "other": weights["other"]}
     with pytest.raises(ValueError, match="--mesh expert=3 does not divide the model's 256 routed experts"):
         plan.weight_bytes(V32, mesh.MeshShape(expert=3))
+
+
+def test_the_default_mesh_is_ess_ep32_or_what_divides_a_smaller_models_experts(capsys):
+    result = run_json(["--model", "deepseek-v3.2", "--model", "tiny-v32", "--context", "1024", "--pool-ratio", "0.5",
+                       "--cache-dtype", "fp8"], capsys)
+    tiny = ModelConfig.from_preset("tiny-v32").n_routed_experts
+    assert tiny < 32 and 32 % tiny == 0
+    assert [m["mesh"] for m in result["models"]] == ["data=1,expert=32", f"data=1,expert={tiny}"]
+    assert result["models"][0]["budget"]["weights_bytes_per_device"] == sum(
+        plan.weight_bytes(V32, mesh.MeshShape(expert=32)).values())
     # V4 routed experts are FP4: half a byte plus one ue8m0 per 32 values
     v4 = ModelConfig.from_preset("deepseek-v4-flash")
     assert plan.param_bytes(v4, ("layers", 5, "mlp", "experts", "down_proj"), (256, 4096, 2048), 2) == (
@@ -118,7 +128,7 @@ def test_data_shards_split_the_batch_rows_not_the_pages(capsys):
     argv = ESS + ["--context", "32768", "--pool-ratio", "0.21", "--mesh", "data=2,expert=8"]
     result = run_json(argv, capsys)
     row = result["rows"][0]
-    assert result["mesh"] == "data=2,expert=8"
+    assert result["models"][0]["mesh"] == row["mesh"] == "data=2,expert=8"
     # resident: nothing per batch row, so every device holds every request's 32768 x 48068 bytes
     assert row["max_batch_resident"] == 2 * (82_000_000_000 // (2 * 32768 * 48068)) == 52
     # offloaded: 2 x 32768 x 8052 B of indexer keys (both shards' requests) + 61 x 6882 x 656 B of one shard's pools

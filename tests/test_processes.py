@@ -1,7 +1,8 @@
 """Several processes (ess_jax.mesh.Processes): two real processes of 4 simulated CPU devices each, joined
-through jax.distributed on 127.0.0.1 (gloo collectives), run the same ``python -m ess_jax.generate`` command on
-a data=2,expert=4 mesh over all 8 devices and print the tokens one process gives; on an expert=8 mesh each
-reads from the checkpoint only the routed experts its devices hold; the flags' errors."""
+through jax.distributed on 127.0.0.1 (gloo collectives), on an expert=8 mesh over all 8 devices: each reads
+from the checkpoint only the routed experts its devices hold, and both decode the tokens one process gives;
+the flags' errors. (``serve`` over two processes, ESS on data=2,expert=4 through the CLI:
+tests/test_serve_processes.py.)"""
 
 import importlib
 import json
@@ -14,30 +15,6 @@ from helpers import free_port, outputs, spawn
 
 FIXTURES = Path(__file__).parent / "fixtures"
 generate_cli = importlib.import_module("ess_jax.generate")  # ess_jax.generate is also the API function
-
-# three prompts on two batch rows (one per data shard): the third waits and joins when a row frees, and they
-# leave at different steps; ESS with a pool smaller than a request, so the tier fetches from the host store
-PROMPTS = ["--prompt-ids", "3,1,4,1,5,9,2,6,5,3,5,8,9,7,9,3", "--prompt-ids", ",".join(str(7 * i % 256) for i in range(32)),
-           "--prompt-ids", "2,7,1,8,2,8,1,8"]
-FLAGS = ["--model", str(FIXTURES / "hf-v32-a"), *PROMPTS, "--max-new-tokens", "8", "--max-batch", "2",
-         "--page-size", "8", "--prefill-chunk", "16", "--max-seq-len", "48", "--offload", "ess", "--pool-size", "17",
-         "--json", "--compile-cache", "none"]
-
-
-
-def test_two_processes_give_one_process_tokens(capsys):
-    assert generate_cli.main(FLAGS) == 0
-    alone = json.loads(capsys.readouterr().out)
-    command = [sys.executable, "-m", "ess_jax.generate", *FLAGS, "--mesh", "data=2,expert=4", "--num-processes", "2",
-               "--coordinator", f"127.0.0.1:{free_port()}"]
-    outs = outputs(spawn([[*command, "--process-id", str(i)] for i in range(2)]))
-    assert outs[1] == ""  # process 0 alone prints
-    both = json.loads(outs[0])
-    assert [r["output_ids"] for r in both["requests"]] == [r["output_ids"] for r in alone["requests"]]
-    assert [len(r["output_ids"]) for r in alone["requests"]] == [8, 8, 8]
-    # the tier served misses from the host store in both runs, and counted them alike
-    assert both["metrics"]["offload"]["misses"] == alone["metrics"]["offload"]["misses"] > 0
-
 
 # Each of two processes: joins the run (argv: coordinator, process id), loads the checkpoint (argv[3]) onto an
 # expert=8 mesh over the 8 devices of both, recording the routed experts it reads (SafetensorsFile.get wrapped)

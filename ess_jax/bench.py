@@ -433,6 +433,9 @@ def depth_sweep(args, log) -> dict:
         raw = json.loads((path / "config.json").read_text())
     TimedEngine = _timed_engine_class()
     rows = []
+    # a V4 config's per-layer lists give way to transformers' default pattern at every depth (HCA x 2, then HCA /
+    # CSA alternating; 3 hash-routed layers)
+    raw = {k: v for k, v in raw.items() if k not in ("layer_types", "compress_ratios", "mlp_layer_types")}
     for layers in args.depth_sweep:
         cfg = ModelConfig.from_hf_dict(dict(raw, num_hidden_layers=layers))
         module = family_of(cfg.family).module_cls(cfg, dtype=getattr(jnp, args.dtype), rngs=nnx.Rngs(args.weights_seed))

@@ -46,6 +46,7 @@ from ess_jax import config, families
 from ess_jax import mesh as device_mesh
 from ess_jax.config import ModelConfig
 from ess_jax.models import quant
+from ess_jax.models.layers import run_layers
 
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -360,7 +361,7 @@ def hf_name(path: tuple) -> str:
 
 def stacked(path: tuple) -> bool:
     """Whether the parameter at NNX state path ``path`` is a run of layers stacked on a leading axis
-    (``models.layers.stack_runs``: path ``("runs", "<first layer>", ...)``)."""
+    (``models.layers.stack_runs``: path ``("runs", <run_key>, ...)``)."""
     return path[0] == "runs"
 
 
@@ -368,7 +369,7 @@ def hf_names(path: tuple, shape: tuple[int, ...]) -> list[str]:
     """transformers' names of the parameter at NNX state path ``path`` of ``shape``: its one name, or for a
     stacked run (``stacked``) the name of each layer in it, in the order of the leading axis."""
     if stacked(path):
-        return [hf_name(("layers", int(path[1]) + i, *path[2:])) for i in range(shape[0])]
+        return [hf_name(("layers", layer, *path[2:])) for layer in run_layers(path[1], shape[0])]
     return [hf_name(path)]
 
 

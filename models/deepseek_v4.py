@@ -37,7 +37,8 @@ from ess_jax.cache import (CsaCache, HcaCache, ResidentPages, RowSource, StepMet
 from ess_jax.config import ModelConfig
 from ess_jax.models import mhc
 from ess_jax.models.compressor import CSACompressor, Compressor, Indexer, TailRope, visible_entries
-from ess_jax.models.layers import Linear, MoE, RMSNorm, Router, check_stage, index_topk, indexer_kl, rms_normalize
+from ess_jax.models.layers import (Linear, MoE, RMSNorm, Router, check_stage, index_topk, indexer_kl, rms_normalize,
+                                   scan_runs, stack_runs)
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
@@ -148,14 +149,15 @@ class Attention(nnx.Module):
             kl = indexer_kl(probs_BTNS[..., t:].sum(2), scores_BTM, visible_BTS[..., t:])
         return self._output(out_BTNH, cos, sin, x_BTD.dtype), kl
 
-    def step(self, x_BTD, meta: StepMeta, window_BSH, record, index: int, kernels: str):
+    def step(self, x_BTD, meta: StepMeta, window_BSH, record, index, kernels: str):
         """Cached forward for ``T`` new tokens per request at ``meta.positions``.
 
         ``window_BSH`` is the request's window ring ``[B, n_win, H]``; ``record`` the layer kind's cache
         (``CsaCache`` / ``HcaCache``, rings already this step's batch rows; None for sliding layers) and
-        ``index`` this layer's place in it. Rows that do not run (``meta.valid`` False) write their entries
-        to the null page. ``kernels``: the ops kernel choice. Returns ``(out, window, record, ids)``, ``ids``
-        the CSA indexer's picks ``i32[B, T, K]`` (None for other layers or before the first entry)."""
+        ``index`` this layer's place in it (an int, or i32[] inside the scan over layers). Rows that do not run
+        (``meta.valid`` False) write their entries to the null page. ``kernels``: the ops kernel choice. Returns
+        ``(out, window, record, ids)``, ``ids`` the CSA indexer's picks ``i32[B, T, K]`` (None for other layers
+        or before the first entry)."""
         b, t, _ = x_BTD.shape
         n_win, positions_BT = self.window, meta.positions
         run_B1 = meta.valid[:, :1]
@@ -214,8 +216,9 @@ class Attention(nnx.Module):
                 entries = record.entries.at[index, page_BM, offset_BM].set(new_BMH.astype(record.entries.dtype))
             count = meta.page_table.shape[1] * record.page_size // self.compressor.rate
             ids_BTM = jnp.where(visible_entries(positions_BT, count, self.compressor.rate), jnp.arange(count), -1)
-            _, g, e, h = entries.shape
-            hca = RowSource(entries[index].reshape(g * e, h), flat_ids(meta.page_table, ids_BTM, **geometry))
+            n, g, e, h = entries.shape  # every layer's pages as one row array (no copy of this layer's)
+            ids_BTM = flat_ids(meta.page_table, ids_BTM, **geometry)
+            hca = RowSource(entries.reshape(n * g * e, h), jnp.where(ids_BTM >= 0, index * g * e + ids_BTM, -1))
             with jax.named_scope("sparse_attention"):
                 out_BTNH, _ = attend(window, [hca], sinks_N)
             record = HcaCache(record.kv_ring.at[index].set(kv_ring), record.gate_ring.at[index].set(gate_ring),
@@ -258,7 +261,7 @@ class DecoderLayer(nnx.Module):
         streams_BTXD = mhc.merge(post, comb, out, streams_BTXD)
         return self._ffn(streams_BTXD, tokens_BT), kl
 
-    def step(self, streams_BTXD, tokens_BT, meta: StepMeta, window_BSH, record, index: int, kernels: str):
+    def step(self, streams_BTXD, tokens_BT, meta: StepMeta, window_BSH, record, index, kernels: str):
         post, comb, x_BTD = self.attn_hc(streams_BTXD)
         out, window_BSH, record, ids_BTK = self.self_attn.step(self.input_layernorm(x_BTD), meta, window_BSH, record,
                                                                index, kernels)
@@ -267,7 +270,10 @@ class DecoderLayer(nnx.Module):
 
 
 class DeepseekV4(nnx.Module):
-    """``DeepseekV4ForCausalLM``: parameter names mirror transformers' module tree."""
+    """``DeepseekV4ForCausalLM``: parameter names mirror transformers' module tree, the decoder layers held as
+    stacked runs (``layers.stack_runs``: the leading sliding / hash-routed layers, then the CSA / HCA pairs as
+    blocks of two), so the full forward and the cached step scan them (``layers.scan_runs``) and compile in a
+    time that does not grow with depth."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         if cfg.family != "deepseek_v4":
@@ -275,7 +281,7 @@ class DeepseekV4(nnx.Module):
         self.cfg = cfg
         self.dtype = dtype
         self.embed_tokens = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size)).astype(dtype))
-        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+        self.runs = stack_runs([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=jnp.float32)
         self.hc_head = mhc.HyperHead(cfg.hidden_size, cfg.hc_mult, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
                                      rngs=rngs)
@@ -297,11 +303,13 @@ class DeepseekV4(nnx.Module):
         """The full causal forward at a training ``stage`` (``layers.STAGES``; None: inference): logits
         ``f32[B, T, V]`` and the CSA indexers' loss summed over layers."""
         check_stage(stage)
-        streams_BTXD = self._embed(tokens_BT)
-        kl = jnp.zeros((), jnp.float32)
-        for layer in self.layers:
+
+        def body(layer, index, carry):
+            streams_BTXD, kl = carry
             streams_BTXD, layer_kl = layer(streams_BTXD, tokens_BT, stage)
-            kl = kl + layer_kl
+            return (streams_BTXD, kl + layer_kl), None
+
+        (streams_BTXD, kl), _ = scan_runs(self.runs, body, (self._embed(tokens_BT), jnp.zeros((), jnp.float32)))
         return self._head(streams_BTXD), kl
 
     def layer_groups(self) -> tuple[list[int], list[int]]:
@@ -342,7 +350,9 @@ class DeepseekV4(nnx.Module):
         token must be real (no padding: the compressors would pool it); rows that do not run (``meta.valid``
         False) leave their rows and pages unchanged, so a row whose prompt is mid-prefill survives decode
         steps. With the HiSparse tier as the CSA entries' store the step is a decode step over every batch
-        row (``meta.rows`` = 0..B-1, T = 1). ``kernels``: the ops kernel choice (static). Returns logits
+        row (``meta.rows`` = 0..B-1, T = 1). The layers run as one scan per stacked run, the window, the CSA and
+        HCA records and the indexer's picks carried whole and indexed at the layer's (traced) place in them.
+        ``kernels``: the ops kernel choice (static). Returns logits
         ``f32[B, T, V]``, the CSA indexer's top-k entry ids ``i32[Lc, B, T, K]`` (-1 = none; ``K = 0`` before
         the cache holds an entry) and the cache.
         """
@@ -361,24 +371,30 @@ class DeepseekV4(nnx.Module):
         rings = lambda r: {k: getattr(r, k) for k in r.ROW_STATE}  # noqa: E731
         csa = dataclasses.replace(cache.csa, **jax.tree.map(take, rings(cache.csa)))
         hca = dataclasses.replace(cache.hca, **jax.tree.map(take, rings(cache.hca)))
-        window_LBSH = take(cache.window)
         csa_layers, hca_layers = self.layer_groups()
-        windows, csa_ids = [], []
-        streams_BTXD = self._embed(tokens_BT)
-        for i, layer in enumerate(self.layers):
-            if i in csa_layers:
-                streams_BTXD, window_BSH, csa, ids_BTK = layer.step(streams_BTXD, tokens_BT, meta, window_LBSH[i], csa,
-                                                                    csa_layers.index(i), kernels)
-                csa_ids.append(jnp.zeros((b, t, 0), jnp.int32) if ids_BTK is None else ids_BTK)
-            elif i in hca_layers:
-                streams_BTXD, window_BSH, hca, _ = layer.step(streams_BTXD, tokens_BT, meta, window_LBSH[i], hca,
-                                                              hca_layers.index(i), kernels)
-            else:
-                streams_BTXD, window_BSH, _, _ = layer.step(streams_BTXD, tokens_BT, meta, window_LBSH[i], None, 0,
-                                                            kernels)
-            windows.append(window_BSH)
-        cache = V4Cache(window=put(cache.window, jnp.stack(windows)),
+        # each layer's place among the layers of its kind (the index into the CSA or HCA record)
+        places = jnp.asarray([csa_layers.index(i) if i in csa_layers else hca_layers.index(i) if i in hca_layers
+                              else 0 for i in range(self.cfg.num_hidden_layers)], jnp.int32)
+        # the CSA indexer's picks per CSA layer: K = min(top-k, the entries a request's page table reaches)
+        reach = meta.page_table.shape[1] * cache.csa.entries.page_size // self.cfg.compress_rate_csa
+        ids_LBTK = jnp.full((len(csa_layers), b, t, min(self.cfg.index_topk, reach)), -1, jnp.int32)
+
+        def body(layer, index, carry):
+            streams_BTXD, window_LBSH, csa, hca, ids_LBTK = carry
+            kind, place = layer.self_attn.layer_type, places[index]
+            record = csa if kind == CSA else hca if kind == HCA else None
+            streams_BTXD, window_BSH, record, ids_BTK = layer.step(streams_BTXD, tokens_BT, meta, window_LBSH[index],
+                                                                   record, place, kernels)
+            if kind == CSA:
+                csa = record
+                ids_LBTK = ids_LBTK if ids_BTK is None else ids_LBTK.at[place].set(ids_BTK)
+            elif kind == HCA:
+                hca = record
+            return (streams_BTXD, window_LBSH.at[index].set(window_BSH), csa, hca, ids_LBTK), None
+
+        carry = (self._embed(tokens_BT), take(cache.window), csa, hca, ids_LBTK)
+        (streams_BTXD, window_LBSH, csa, hca, ids_LBTK), _ = scan_runs(self.runs, body, carry)
+        cache = V4Cache(window=put(cache.window, window_LBSH),
                         csa=dataclasses.replace(csa, **jax.tree.map(put, rings(cache.csa), rings(csa))),
                         hca=dataclasses.replace(hca, **jax.tree.map(put, rings(cache.hca), rings(hca))))
-        ids_LBTK = jnp.stack(csa_ids) if csa_ids else jnp.zeros((0, b, t, 0), jnp.int32)
         return self._head(streams_BTXD), ids_LBTK, cache

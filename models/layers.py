@@ -308,48 +308,79 @@ def indexer_kl(attention_BTS: jax.Array, scores_BTS: jax.Array, support_BTS: jax
     return jnp.sum(jnp.where(counted_BT, kl_BT, 0.0)) / jnp.maximum(counted_BT.sum(), 1)
 
 
-def layer_runs(layers: list[nnx.Module]) -> list[tuple[int, int]]:
-    """``[start, stop)`` of each run of consecutive layers one scan body serves: the same module graph and
-    parameters of the same shapes and dtypes (V3.2: the first_k_dense_replace dense-MLP layers, then the MoE
-    layers)."""
+def layer_runs(layers: list[nnx.Module]) -> list[tuple[int, int, int]]:
+    """``(start, stop, period)`` of each run of consecutive layers one scan body serves: a block of ``period``
+    layers repeated, each layer the same module graph with parameters of the same shapes and dtypes as the
+    one ``period`` layers before it. A block repeats at least twice (else each of its layers is a run of its
+    own), the shorter period first. V3.2: period 1, the first_k_dense_replace dense-MLP layers, then the MoE
+    ones; V4: its leading sliding / hash-routed layers, then CSA / HCA pairs (period 2)."""
     def kind(layer):
         graphdef, state = nnx.split(layer)
         return graphdef, jax.tree.structure(state), [(x.shape, x.dtype) for x in jax.tree.leaves(state)]
 
     kinds = [kind(layer) for layer in layers]
-    runs: list[list[int]] = []
-    for i, k in enumerate(kinds):
-        if runs and kinds[runs[-1][0]] == k:
-            runs[-1][1] = i + 1
+    runs, start = [], 0
+    while start < len(kinds):
+        for period in (1, 2):
+            stop = start + period
+            while stop < len(kinds) and kinds[stop] == kinds[stop - period]:
+                stop += 1
+            stop -= (stop - start) % period  # whole blocks
+            if (stop - start) // period >= 2:
+                break
         else:
-            runs.append([i, i + 1])
-    return [(start, stop) for start, stop in runs]
+            period, stop = 1, start + 1
+        runs.append((start, stop, period))
+        start = stop
+    return runs
+
+
+def run_key(first: int, period: int) -> str:
+    """The ``stack_runs`` key of the run of layers ``first``, ``first + period``, ...: ``"first"``, or
+    ``"first:period"`` for a member of a block of ``period`` layers."""
+    return str(first) if period == 1 else f"{first}:{period}"
+
+
+def run_layers(key: str, count: int) -> list[int]:
+    """The layer indices, in order, of the ``count`` stacked layers under ``stack_runs`` key ``key``."""
+    first, _, period = key.partition(":")
+    return [int(first) + int(period or 1) * i for i in range(count)]
 
 
 def stack_runs(layers: list[nnx.Module]) -> nnx.Dict:
-    """``layers`` as their runs (``layer_runs``), each one module of the run's graph whose every parameter is
-    the run's layers' stacked on a leading axis; keyed by the run's first layer index (as a string)."""
+    """``layers`` as their runs (``layer_runs``), each of a run's block members one module of its graph whose
+    every parameter is that member's layers' stacked on a leading axis; keyed by ``run_key`` of the member's
+    first layer."""
     runs = {}
-    for start, stop in layer_runs(layers):
-        graphdef = nnx.graphdef(layers[start])
-        states = [nnx.state(layer) for layer in layers[start:stop]]
-        runs[str(start)] = nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+    for start, stop, period in layer_runs(layers):
+        for first in range(start, start + period):
+            graphdef = nnx.graphdef(layers[first])
+            states = [nnx.state(layer) for layer in layers[first:stop:period]]
+            runs[run_key(first, period)] = nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
     return nnx.Dict(runs)
 
 
 def scan_runs(runs: nnx.Dict, body, carry):
     """``body(layer, index, carry) -> (carry, out)`` over every layer of ``runs`` (``stack_runs``) in order,
-    one ``jax.lax.scan`` per run, the layer index ``i32[]`` traced; the final carry and the outs stacked on
-    a leading layer axis."""
+    one ``jax.lax.scan`` per run, its step a block's layers one after the other, the layer index ``i32[]``
+    traced; the final carry and the outs stacked on a leading layer axis, in layer order."""
+    keys = sorted(runs, key=lambda k: run_layers(k, 1)[0])
     outs = []
-    for start in sorted(runs, key=int):
-        graphdef, params = nnx.split(runs[start])
-        count = jax.tree.leaves(params)[0].shape[0]
+    while keys:
+        period = int(keys[0].partition(":")[2] or 1)
+        block, keys = keys[:period], keys[period:]
+        members = [nnx.split(runs[k]) for k in block]
+        first = run_layers(block[0], 1)[0]
+        count = jax.tree.leaves(members[0][1])[0].shape[0]
 
-        def step(carry, xs, graphdef=graphdef):
-            layer_params, index = xs
-            return body(nnx.merge(graphdef, layer_params), index, carry)
+        def step(carry, xs, graphdefs=[g for g, _ in members], first=first, period=period):
+            params, i = xs
+            block_outs = []
+            for j, (graphdef, layer_params) in enumerate(zip(graphdefs, params)):
+                carry, out = body(nnx.merge(graphdef, layer_params), first + period * i + j, carry)
+                block_outs.append(out)
+            return carry, jax.tree.map(lambda *xs: jnp.stack(xs), *block_outs)
 
-        carry, out = jax.lax.scan(step, carry, (params, int(start) + jnp.arange(count, dtype=jnp.int32)))
-        outs.append(out)
+        carry, out = jax.lax.scan(step, carry, ([p for _, p in members], jnp.arange(count, dtype=jnp.int32)))
+        outs.append(jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), out))  # [count * period, ...]
     return carry, jax.tree.map(lambda *xs: jnp.concatenate(xs), *outs)

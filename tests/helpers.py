@@ -24,7 +24,7 @@ def randomize(module: nnx.Module, seed: int) -> nnx.Module:
     """Re-draw every parameter at magnitudes that give lively activations (unlike the 0.02 init).
 
     Matrices get std 1.5/sqrt(fan_in), vectors 1 + 0.1 N (norm weights) or 0.1 N (biases), so logits
-    have O(1) spread and greedy choices are not near-ties.
+    have O(1) spread and greedy choices are not near-ties. Integer buffers (V4's hash routing table) stay.
     """
     graphdef, state = nnx.split(module)
     flat = nnx.to_flat_state(state)
@@ -32,6 +32,9 @@ def randomize(module: nnx.Module, seed: int) -> nnx.Module:
     out = []
     for key, (path, var) in zip(keys, flat):
         value = var[...]
+        if jnp.issubdtype(value.dtype, jnp.integer):
+            out.append((path, var))
+            continue
         noise = jax.random.normal(key, value.shape, jnp.float32)
         name = path[-1]
         if value.ndim - stacked(path) >= 2:  # a matrix (of every layer in a stacked run)

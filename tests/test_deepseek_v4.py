@@ -242,7 +242,7 @@ def test_grad_of_loss(hf):
     flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(grads)}
     assert np.isfinite(float(loss)) and all(np.all(np.isfinite(g)) for g in flat.values())
     for needle in ["sinks", "compressor']['position_bias", "attn_hc']['fn", "hc_head']['hc_scale",
-                   "experts']['gate_up_proj", "o_a_proj", "layers'][2]['self_attn']['compressor"]:
+                   "experts']['gate_up_proj", "o_a_proj", "runs']['2']['self_attn']['compressor"]:
         assert any(needle in k and np.abs(g).max() > 0 for k, g in flat.items()), f"no gradient reaches {needle}"
     # The indexer only selects entries (top-k): no gradient reaches it, as in transformers.
     assert all(np.all(g == 0) for k, g in flat.items() if "indexer" in k)

@@ -1,6 +1,8 @@
-"""DeepSeek-V3.2's cached step scans over its layers, held stacked: the traced program does not grow with
-depth, resident or offloaded (both fetch backends), the layer runs split where the layers differ (dense MLP /
-MoE), and a checkpoint's per-layer tensors load into their run's slices.
+"""The models' layers, held stacked, are scanned. DeepSeek-V3.2: the traced step does not grow with depth,
+resident or offloaded (both fetch backends), the layer runs split where the layers differ (dense MLP / MoE),
+and a checkpoint's per-layer tensors load into their run's slices. DeepSeek-V4: its CSA / HCA pairs are
+blocks of two layers scanned together; the scanned forward and cached step equal the layers applied one by
+one, the traced step does not grow with depth, and a checkpoint names each layer of a block.
 Compile times and step times against depth are measured by ``python -m ess_jax.bench --depth-sweep``."""
 
 import jax
@@ -13,6 +15,9 @@ from ess_jax import families
 from ess_jax.cache import StepMeta
 from ess_jax.config import ModelConfig, preset_dict
 from ess_jax.models.deepseek_v32 import DeepseekV32
+from ess_jax.models.deepseek_v4 import DeepseekV4
+from ess_jax.models.layers import run_layers
+from helpers import randomize
 
 
 def _model(layers: int, dense: int = 1) -> DeepseekV32:
@@ -87,5 +92,101 @@ def test_a_checkpoint_holds_each_layer_and_loads_into_the_runs(tmp_path):
                                       np.asarray(module.runs[run].self_attn.q_a_proj.weight[...][offset]))
     assert "model.layers.4.mlp.experts.gate_up_proj" in tensors and "model.layers.1.mlp.gate_proj.weight" in tensors
     loaded = checkpoint.load_into(lambda: DeepseekV32(module.cfg, rngs=nnx.Rngs(1)), module.cfg, directory, jnp.float32)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(module)), nnx.to_flat_state(nnx.state(loaded)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))
+
+
+# ---- DeepSeek-V4: sliding / hash-routed layers, then CSA / HCA pairs scanned as blocks of two ------------------
+
+def _v4(layers: int) -> DeepseekV4:
+    """tiny-v4's widths at ``layers`` layers in transformers' default pattern (HCA x 2, then HCA / CSA
+    alternating; 3 hash-routed layers), with lively weights."""
+    raw = {k: v for k, v in preset_dict("tiny-v4").items() if k not in ("layer_types", "compress_ratios",
+                                                                         "mlp_layer_types")}
+    cfg = ModelConfig.from_hf_dict(dict(raw, num_hidden_layers=layers))
+    return randomize(DeepseekV4(cfg, rngs=nnx.Rngs(0)), seed=1)
+
+
+def _v4_layers(module: DeepseekV4) -> list:
+    """Each decoder layer of ``module`` on its own, in layer order, sliced out of the stacked runs."""
+    layers = {}
+    for key, run in module.runs.items():
+        graphdef, state = nnx.split(run)
+        for i, layer in enumerate(run_layers(key, jax.tree.leaves(state)[0].shape[0])):
+            layers[layer] = nnx.merge(graphdef, jax.tree.map(lambda x, i=i: x[i], state))
+    return [layers[i] for i in range(len(layers))]
+
+
+def test_v4_runs_pair_the_csa_and_hca_layers():
+    module = _v4(9)
+    assert [t[0] for t in module.cfg.layer_types] == list("hhhchchch")  # heavily / compressed
+    # layers 0-2: HCA with hash routing, alike; then (CSA, HCA) blocks
+    assert sorted(module.runs, key=lambda k: int(k.split(":")[0])) == ["0", "3:2", "4:2"]
+    assert [run_layers(k, 3) for k in ("3:2", "4:2")] == [[3, 5, 7], [4, 6, 8]]
+    assert [layer.self_attn.layer_type for layer in _v4_layers(module)] == list(module.cfg.layer_types)
+
+
+def test_v4_scanned_forward_and_step_equal_the_layers_one_by_one():
+    """At 9 layers (two CSA / HCA blocks scanned twice): the full forward equals the layers applied one after
+    the other, and the cached step, one prompt then a decode token per step, equals the full forward."""
+    module = _v4(9)
+    tokens = np.random.default_rng(0).integers(0, module.cfg.vocab_size, (1, 40))  # past the window and 16:1
+    streams = module._embed(jnp.asarray(tokens[:, :36]))
+    for layer in _v4_layers(module):
+        streams, _ = layer(streams, jnp.asarray(tokens[:, :36]), None)
+    one_by_one = np.asarray(module._head(streams))
+    full = np.asarray(module(jnp.asarray(tokens)))
+    scale = np.abs(full).max()
+    assert np.ptp(full) > 1
+    np.testing.assert_allclose(np.asarray(module(jnp.asarray(tokens[:, :36]))), one_by_one, atol=1e-5 * scale)
+    cache = module.init_cache(1, 4, 16)
+    table = jnp.asarray([[1, 2, 3]], jnp.int32)
+
+    def step(start, t, cache):
+        meta = StepMeta(jnp.arange(start, start + t, dtype=jnp.int32)[None], jnp.ones((1, t), bool), table,
+                        jnp.zeros(1, jnp.int32))
+        logits, ids, cache = module.step(jnp.asarray(tokens[:, start:start + t]), meta, cache)
+        return np.asarray(logits), ids, cache
+
+    logits, ids, cache = step(0, 36, cache)
+    assert ids.shape[0] == module.cfg.layer_types.count("compressed_sparse_attention") == 3
+    np.testing.assert_allclose(logits, full[:, :36], atol=1e-5 * scale)
+    for position in range(36, 40):
+        logits, _, cache = step(position, 1, cache)
+        np.testing.assert_allclose(logits[:, 0], full[:, position], atol=1e-5 * scale)
+
+
+def test_v4_traced_step_does_not_grow_with_depth():
+    def program(layers):
+        module = _v4(layers)
+        graphdef, params = nnx.split(module)
+        meta = StepMeta(jnp.full((2, 1), 3, jnp.int32), jnp.ones((2, 1), bool), jnp.asarray([[1, 2], [3, 0]], jnp.int32),
+                        jnp.arange(2, dtype=jnp.int32))
+        step = lambda params, cache: nnx.merge(graphdef, params).step(jnp.zeros((2, 1), jnp.int32), meta, cache)  # noqa: E731
+        eqns = jax.make_jaxpr(step)(params, module.init_cache(2, 5, 16)).eqns
+        return len(eqns), [len(e.params["jaxpr"].jaxpr.eqns) for e in eqns if e.primitive.name == "scan"]
+
+    shallow, deep = program(7), program(13)
+    assert len(shallow[1]) == 2  # the three hash-routed HCA layers, then the blocks
+    assert shallow == deep
+
+
+def test_v4_checkpoint_names_each_layer_of_a_block(tmp_path):
+    """``checkpoint.save`` writes each layer of a block run under its own transformers name (layer 3 + 2i
+    and 4 + 2i: slice i of runs "3:2" and "4:2"); loading the checkpoint fills the runs back bitwise."""
+    from safetensors.numpy import load_file
+
+    from ess_jax import checkpoint
+    module = _v4(9)
+    raw = dict({k: v for k, v in preset_dict("tiny-v4").items() if k not in ("layer_types", "compress_ratios",
+                                                                              "mlp_layer_types")}, num_hidden_layers=9)
+    directory = checkpoint.save(nnx.state(module), raw, tmp_path / "ckpt")
+    tensors = load_file(str(directory / "model.safetensors"))
+    for layer, (run, i) in {3: ("3:2", 0), 4: ("4:2", 0), 7: ("3:2", 2), 8: ("4:2", 2)}.items():
+        np.testing.assert_array_equal(tensors[f"model.layers.{layer}.self_attn.kv_proj.weight"],
+                                      np.asarray(module.runs[run].self_attn.kv_proj.weight[...][i]))
+    assert any(name.startswith("model.layers.7.self_attn.compressor.indexer.") for name in tensors)  # 7: CSA
+    assert not any(name.startswith("model.layers.8.self_attn.compressor.indexer.") for name in tensors)  # 8: HCA
+    loaded = checkpoint.load_into(lambda: DeepseekV4(module.cfg, rngs=nnx.Rngs(1)), module.cfg, directory, jnp.float32)
     for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(module)), nnx.to_flat_state(nnx.state(loaded)), strict=True):
         np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))

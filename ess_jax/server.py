@@ -141,9 +141,9 @@ class EngineLoop:
     and when the engine goes idle, never once per request.
     """
 
-    def __init__(self, engine: Engine, metrics: Metrics, *, metrics_every: int = 16, ticks: Ticks | None = None):
+    def __init__(self, engine: Engine, metrics: Metrics, *, metrics_every: int = 16):
         self.engine, self.metrics, self.metrics_every = engine, metrics, metrics_every
-        self.ticks = ticks or Ticks()
+        self.ticks = Ticks()
         self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # by the loop's request id
         self._timing: dict[int, list[float]] = {}  # loop request id -> [added, last token]
         self._ops: list[tuple] = []  # ("add", loop id, request) / ("abort", loop id) not yet carried out

@@ -130,22 +130,25 @@ def test_v4_scanned_forward_and_step_equal_the_layers_one_by_one():
     """At 9 layers (two CSA / HCA blocks scanned twice): the full forward equals the layers applied one after
     the other, and the cached step, one prompt then a decode token per step, equals the full forward."""
     module = _v4(9)
+    graphdef, params = nnx.split(module)
     tokens = np.random.default_rng(0).integers(0, module.cfg.vocab_size, (1, 40))  # past the window and 16:1
     streams = module._embed(jnp.asarray(tokens[:, :36]))
     for layer in _v4_layers(module):
         streams, _ = layer(streams, jnp.asarray(tokens[:, :36]), None)
     one_by_one = np.asarray(module._head(streams))
-    full = np.asarray(module(jnp.asarray(tokens)))
+    forward = jax.jit(lambda params, tokens: nnx.merge(graphdef, params)(tokens))
+    full = np.asarray(forward(params, jnp.asarray(tokens)))
     scale = np.abs(full).max()
     assert np.ptp(full) > 1
-    np.testing.assert_allclose(np.asarray(module(jnp.asarray(tokens[:, :36]))), one_by_one, atol=1e-5 * scale)
+    np.testing.assert_allclose(np.asarray(forward(params, jnp.asarray(tokens[:, :36]))), one_by_one, atol=1e-5 * scale)
     cache = module.init_cache(1, 4, 16)
     table = jnp.asarray([[1, 2, 3]], jnp.int32)
+    cached = jax.jit(lambda params, tokens, meta, cache: nnx.merge(graphdef, params).step(tokens, meta, cache))
 
     def step(start, t, cache):
         meta = StepMeta(jnp.arange(start, start + t, dtype=jnp.int32)[None], jnp.ones((1, t), bool), table,
                         jnp.zeros(1, jnp.int32))
-        logits, ids, cache = module.step(jnp.asarray(tokens[:, start:start + t]), meta, cache)
+        logits, ids, cache = cached(params, jnp.asarray(tokens[:, start:start + t]), meta, cache)
         return np.asarray(logits), ids, cache
 
     logits, ids, cache = step(0, 36, cache)

@@ -148,13 +148,20 @@ def param_spec(names: list[str], shape: tuple[int, ...]) -> PartitionSpec:
     return PartitionSpec()
 
 
+def check_experts(experts: int, expert_size: int, where: str = "") -> None:
+    """ValueError unless ``experts`` routed experts divide over an ``expert`` axis of ``expert_size`` (whole
+    experts on each device); ``where`` names the parameter."""
+    if experts % expert_size:
+        raise ValueError(f"--mesh expert={expert_size} does not divide the model's {experts} routed experts{where}: "
+                         "use an expert size that divides it")
+
+
 def param_sharding(mesh: jax.sharding.Mesh, names: list[str], shape: tuple[int, ...]) -> NamedSharding:
     """The sharding on ``mesh`` of the parameter at state path ``names`` of ``shape`` (``param_spec``);
     ValueError when its routed experts do not divide over the ``expert`` axis."""
-    spec, experts = param_spec(names, shape), mesh.shape["expert"]
-    if spec and shape[len(shape) - 3] % experts:
-        raise ValueError(f"--mesh expert={experts} does not divide the model's {shape[len(shape) - 3]} "
-                         f"routed experts ({'.'.join(names)}): use an expert size that divides it")
+    spec = param_spec(names, shape)
+    if spec:
+        check_experts(shape[len(shape) - 3], mesh.shape["expert"], f" ({'.'.join(names)})")
     return NamedSharding(mesh, spec)
 
 

@@ -138,7 +138,7 @@ def bytes_per_device(request: int, rows: int, batch: int, data: int) -> int:
 
 def max_batch(request: int, rows: int, budget: float, data: int) -> int:
     """The most requests (a multiple of ``data``) whose ``bytes_per_device`` fit in ``budget``."""
-    return data * int(budget // (data * (request - rows) + rows))
+    return data * int(budget // bytes_per_device(request, rows, data, data))
 
 
 # ---- weights per device ------------------------------------------------------------------------
@@ -160,9 +160,7 @@ def weight_bytes(cfg: ModelConfig, shape: mesh.MeshShape = mesh.MeshShape()) -> 
     import jax.numpy as jnp
     from flax import nnx
 
-    if cfg.n_routed_experts % shape.expert:
-        raise ValueError(f"--mesh expert={shape.expert} does not divide the model's {cfg.n_routed_experts} routed "
-                         "experts: use an expert size that divides it")
+    mesh.check_experts(cfg.n_routed_experts, shape.expert)
     model_cls = families.get(cfg.family).module_cls
     abstract = nnx.eval_shape(lambda: model_cls(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     totals = {"routed": 0.0, "other": 0.0}

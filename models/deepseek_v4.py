@@ -59,6 +59,11 @@ class GroupedLinear(nnx.Module):
         return jnp.einsum("btgi,goi->btgo", x_BTGI, w_GOI)
 
 
+def reach(page_table_BX: jax.Array, page_size: int, rate: int) -> int:
+    """Entries of a part with one per ``rate`` tokens that a request's page table reaches (static)."""
+    return page_table_BX.shape[1] * page_size // rate
+
+
 class Attention(nnx.Module):
     """Shared-KV attention over a sliding window plus, for CSA/HCA layers, compressed entries."""
 
@@ -191,7 +196,7 @@ class Attention(nnx.Module):
                 index_keys = record.index_keys.at[index, key_page_BM, key_offset_BM].set(
                     keys_BMJ.astype(record.index_keys.dtype))
             entries = record.entries
-            count = meta.page_table.shape[1] * page_size // m  # entries a request's page table reaches
+            count = reach(meta.page_table, page_size, m)
             if count > 0:  # a cache too small for one entry has nothing to select
                 with jax.named_scope("indexer"):
                     keys_BMJ = request_rows(index_keys, index, meta.page_table, count, **geometry)
@@ -214,7 +219,7 @@ class Attention(nnx.Module):
                     x_BTD, positions_BT, record.kv_ring[index], record.gate_ring[index])
                 page_BM, offset_BM = locate(meta.page_table, jnp.where(closes_BM & run_B1, entry_BM, -1), **geometry)
                 entries = record.entries.at[index, page_BM, offset_BM].set(new_BMH.astype(record.entries.dtype))
-            count = meta.page_table.shape[1] * record.page_size // self.compressor.rate
+            count = reach(meta.page_table, record.page_size, self.compressor.rate)
             ids_BTM = jnp.where(visible_entries(positions_BT, count, self.compressor.rate), jnp.arange(count), -1)
             n, g, e, h = entries.shape  # every layer's pages as one row array (no copy of this layer's)
             ids_BTM = flat_ids(meta.page_table, ids_BTM, **geometry)
@@ -376,8 +381,8 @@ class DeepseekV4(nnx.Module):
         places = jnp.asarray([csa_layers.index(i) if i in csa_layers else hca_layers.index(i) if i in hca_layers
                               else 0 for i in range(self.cfg.num_hidden_layers)], jnp.int32)
         # the CSA indexer's picks per CSA layer: K = min(top-k, the entries a request's page table reaches)
-        reach = meta.page_table.shape[1] * cache.csa.entries.page_size // self.cfg.compress_rate_csa
-        ids_LBTK = jnp.full((len(csa_layers), b, t, min(self.cfg.index_topk, reach)), -1, jnp.int32)
+        count = reach(meta.page_table, cache.csa.entries.page_size, self.cfg.compress_rate_csa)
+        ids_LBTK = jnp.full((len(csa_layers), b, t, min(self.cfg.index_topk, count)), -1, jnp.int32)
 
         def body(layer, index, carry):
             streams_BTXD, window_LBSH, csa, hca, ids_LBTK = carry

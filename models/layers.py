@@ -341,10 +341,16 @@ def run_key(first: int, period: int) -> str:
     return str(first) if period == 1 else f"{first}:{period}"
 
 
+def _parse_key(key: str) -> tuple[int, int]:
+    """(first layer, period) of a ``run_key``."""
+    first, _, period = key.partition(":")
+    return int(first), int(period or 1)
+
+
 def run_layers(key: str, count: int) -> list[int]:
     """The layer indices, in order, of the ``count`` stacked layers under ``stack_runs`` key ``key``."""
-    first, _, period = key.partition(":")
-    return [int(first) + int(period or 1) * i for i in range(count)]
+    first, period = _parse_key(key)
+    return [first + period * i for i in range(count)]
 
 
 def stack_runs(layers: list[nnx.Module]) -> nnx.Dict:
@@ -364,13 +370,12 @@ def scan_runs(runs: nnx.Dict, body, carry):
     """``body(layer, index, carry) -> (carry, out)`` over every layer of ``runs`` (``stack_runs``) in order,
     one ``jax.lax.scan`` per run, its step a block's layers one after the other, the layer index ``i32[]``
     traced; the final carry and the outs stacked on a leading layer axis, in layer order."""
-    keys = sorted(runs, key=lambda k: run_layers(k, 1)[0])
+    keys = sorted(runs, key=lambda k: _parse_key(k)[0])
     outs = []
     while keys:
-        period = int(keys[0].partition(":")[2] or 1)
+        first, period = _parse_key(keys[0])
         block, keys = keys[:period], keys[period:]
         members = [nnx.split(runs[k]) for k in block]
-        first = run_layers(block[0], 1)[0]
         count = jax.tree.leaves(members[0][1])[0].shape[0]
 
         def step(carry, xs, graphdefs=[g for g, _ in members], first=first, period=period):

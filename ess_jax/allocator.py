@@ -1,4 +1,4 @@
-"""Host-side page bookkeeping: a page pool with a free list, and FIFO admission of requests into batch rows.
+"""Host-side page bookkeeping: page pools with free lists, and FIFO admission of requests into batch rows.
 
 Plain Python / NumPy, never traced. The engine ships what this module decides to the device as int32
 tables (``Admission.page_table``) once per step.
@@ -7,9 +7,14 @@ Pages. The KV pools are cut into ``num_pages`` pages of ``page_size`` tokens. Pa
 page*: never handed out, it absorbs the writes of masked / padding tokens and pads page tables, so a
 device-side scatter never needs a bounds check. Pages ``1 .. num_pages - 1`` are allocatable.
 
-Admission. A request reserves ``pages_for(prompt_len + max_new_tokens)`` pages when it is admitted,
-so a running request never runs out mid-decode, and holds one batch row (slot) in ``[0, max_batch)``
-until it finishes. Waiting requests are admitted in strict FIFO order.
+Data shards. On a mesh of ``D`` data shards every shard has its own pool (``PageAllocator``, its own null
+page, page ids local to the shard: the devices of shard ``d`` hold its pages and nothing else) and its own
+``max_batch / D`` batch rows: rows ``d * R .. (d + 1) * R - 1`` read only shard ``d``'s pages.
+
+Admission. A request reserves ``pages_for(prompt_len + max_new_tokens)`` pages of one shard when it is
+admitted, so a running request never runs out mid-decode, and holds one batch row (slot) of that shard
+until it finishes. Waiting requests are admitted in strict FIFO order, each to the least-loaded shard that
+has a free row and its pages (the most free pages; then the fewest rows in use; then the lowest shard).
 """
 
 from __future__ import annotations
@@ -84,7 +89,8 @@ class PageAllocator:
 
 
 class Admitted(NamedTuple):
-    """A running request: its batch row and its reserved pages ``i32[pages_for(prompt + max_new)]``."""
+    """A running request: its batch row and its reserved pages ``i32[pages_for(prompt + max_new)]`` (ids in
+    the pool of the row's data shard)."""
 
     request_id: Hashable
     slot: int
@@ -105,16 +111,24 @@ class Admission:
     are refused by ``submit``, so the head of the queue always fits once enough requests finish.
     """
 
-    def __init__(self, allocator: PageAllocator, *, max_batch: int, max_position_embeddings: int):
+    def __init__(self, allocators: list[PageAllocator], *, max_batch: int, max_position_embeddings: int):
+        """``allocators``: one pool per data shard (equal sizes); ``max_batch`` rows, divided evenly over them."""
         if max_batch < 1:
             raise ValueError(f"{max_batch=} must be >= 1")
-        self.allocator = allocator
+        if not allocators or max_batch % len(allocators):
+            raise ValueError(f"{max_batch=} batch rows do not divide over {len(allocators)} data shards")
+        if len({(a.num_pages, a.page_size) for a in allocators}) != 1:
+            raise ValueError("every data shard's pool must have the same pages")
+        self.allocators = list(allocators)
+        self.rows_per_shard = max_batch // len(allocators)
         self.max_batch = max_batch
         self.max_position_embeddings = max_position_embeddings
         self._queue: deque[_Waiting] = deque()
         self._waiting_ids: set[Hashable] = set()
         self._running: dict[Hashable, Admitted] = {}
-        self._free_slots: list[int] = list(range(max_batch))  # a heap: the lowest free row is taken first
+        # per shard a heap of its free rows: the lowest free row is taken first
+        r = self.rows_per_shard
+        self._free_slots: list[list[int]] = [list(range(d * r, (d + 1) * r)) for d in range(len(allocators))]
 
     @property
     def waiting(self) -> tuple[Hashable, ...]:
@@ -128,11 +142,19 @@ class Admission:
 
     @property
     def num_free_pages(self) -> int:
-        return self.allocator.num_free
+        return sum(a.num_free for a in self.allocators)
 
     @property
     def num_free_slots(self) -> int:
-        return len(self._free_slots)
+        return sum(map(len, self._free_slots))
+
+    def free_slots(self, shard: int) -> list[int]:
+        """Data shard ``shard``'s free batch rows (a copy)."""
+        return sorted(self._free_slots[shard])
+
+    def shard_of(self, slot: int) -> int:
+        """The data shard of batch row ``slot``."""
+        return slot // self.rows_per_shard
 
     def submit(self, request_id: Hashable, prompt_len: int, max_new_tokens: int) -> None:
         """Queue a request. Raises ``ValueError`` when it could never run (``check``) or was already queued."""
@@ -157,13 +179,15 @@ class Admission:
                 f"{who}: prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {tokens} "
                 f"exceeds the {self.max_position_embeddings} tokens a request may have (max_position_embeddings, or "
                 "the engine's --max-seq-len); shorten the prompt or ask for fewer new tokens")
-        pages = self.allocator.pages_for(tokens)
-        if pages > self.allocator.capacity:
-            size = self.allocator.page_size
+        pool = self.allocators[0]
+        pages = pool.pages_for(tokens)
+        if pages > pool.capacity:
+            size, where = pool.page_size, " of each data shard" if len(self.allocators) > 1 else ""
             raise ValueError(
-                f"{who} needs {pages} pages ({tokens} tokens at page size {size}) but the pool has "
-                f"{self.allocator.capacity} allocatable pages ({self.allocator.capacity * size} tokens); raise "
-                f"--num-pages to at least {pages + 1} (page 0 is reserved) or --page-size")
+                f"{who} needs {pages} pages ({tokens} tokens at page size {size}) but the pool{where} has "
+                f"{pool.capacity} allocatable pages ({pool.capacity * size} tokens); raise "
+                f"--num-pages{' (per data shard)' if where else ''} to at least {pages + 1} (page 0 is reserved) "
+                "or --page-size")
         return pages
 
     def cancel(self, request_id: Hashable) -> None:
@@ -173,17 +197,25 @@ class Admission:
         self._waiting_ids.remove(request_id)
         self._queue = deque(w for w in self._queue if w.request_id != request_id)
 
+    def _shard_for(self, pages: int) -> int | None:
+        """The least-loaded shard with a free row and ``pages`` free pages (None: no shard has them)."""
+        fits = [d for d, a in enumerate(self.allocators) if self._free_slots[d] and pages <= a.num_free]
+        return min(fits, key=lambda d: (-self.allocators[d].num_free, -len(self._free_slots[d]), d), default=None)
+
     def admit(self, max_new: int) -> list[Admitted]:
         """Admit up to ``max_new`` requests from the head of the queue while pages and batch rows allow;
-        each gets the lowest free batch row and its pages, reserved in full."""
+        each goes to the least-loaded shard that fits it and gets that shard's lowest free batch row and
+        its pages, reserved in full."""
         if max_new < 0:
             raise ValueError(f"{max_new=} must be >= 0")
         admitted = []
-        while (len(admitted) < max_new and self._queue and self._free_slots
-               and self._queue[0].pages <= self.allocator.num_free):
+        while len(admitted) < max_new and self._queue:
+            shard = self._shard_for(self._queue[0].pages)
+            if shard is None:
+                break
             request_id, pages = self._queue.popleft()
             self._waiting_ids.remove(request_id)
-            entry = Admitted(request_id, heapq.heappop(self._free_slots), self.allocator.allocate(pages))
+            entry = Admitted(request_id, heapq.heappop(self._free_slots[shard]), self.allocators[shard].allocate(pages))
             self._running[request_id] = entry
             admitted.append(entry)
         return admitted
@@ -193,12 +225,14 @@ class Admission:
         if request_id not in self._running:
             raise KeyError(f"request {request_id!r} is not running")
         entry = self._running.pop(request_id)
-        self.allocator.free(entry.pages)
-        heapq.heappush(self._free_slots, entry.slot)
+        shard = self.shard_of(entry.slot)
+        self.allocators[shard].free(entry.pages)
+        heapq.heappush(self._free_slots[shard], entry.slot)
 
     def page_table(self, pages_per_row: int) -> np.ndarray:
         """The per-step page table ``i32[max_batch, pages_per_row]``: row ``slot`` lists the pages of the
-        request in that batch row in token order; free rows and unused columns hold the null page."""
+        request in that batch row in token order (ids in its shard's pool); free rows and unused columns hold
+        the null page."""
         table = np.full((self.max_batch, pages_per_row), NULL_PAGE, np.int32)
         for entry in self._running.values():
             if entry.pages.size > pages_per_row:

@@ -98,13 +98,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                             "compiled step and moves them with an in-step device_put; 'split' calls back to the "
                             "host at each layer's fetch point and gathers from a NumPy store (default inline)")
     cache.add_argument("--host-cache-mb", action=_EssOnly, type=float, default=None,
-                       help="ess: host store budget in MiB; sets the page count (default: enough for "
-                            "--max-batch requests of --max-seq-len tokens)")
+                       help="ess: host store budget in MiB per --mesh data shard; sets the page count (default: "
+                            "enough for the shard's --max-batch / D requests of --max-seq-len tokens)")
     cache.add_argument("--max-batch", type=int, default=8, help="decode batch rows (default 8)")
     cache.add_argument("--page-size", type=int, default=64, help="tokens per cache page (default 64)")
     cache.add_argument("--num-pages", type=int, default=None,
-                       help="pages in the device pool, page 0 included; default: enough for --max-batch requests "
-                            "of --max-seq-len tokens")
+                       help="pages in each --mesh data shard's pool, its page 0 included; default: enough for "
+                            "the shard's --max-batch / D requests of --max-seq-len tokens")
     cache.add_argument("--max-seq-len", type=int, default=None,
                        help="longest prompt + new tokens of one request (at most the model's "
                             "max_position_embeddings); default: generate sizes it to its prompts, serve uses 4096")

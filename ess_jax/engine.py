@@ -32,6 +32,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 from tqdm import tqdm
 
 from ess_jax import families, mesh, ops, tier
@@ -88,14 +89,15 @@ CACHE_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "fp8": jnp.uin
 class EngineConfig:
     max_batch: int = 8  # decode batch rows
     page_size: int = 64  # tokens per cache page
-    num_pages: int | None = None  # pages in the pool incl. the null page; default: max_batch full-length requests
+    num_pages: int | None = None  # pages in each data shard's pool incl. its null page; default: its rows' requests
+    # at full length
     max_seq_len: int | None = None  # longest prompt + max_new_tokens served; default: max_position_embeddings
     prefill_chunk: int = 256  # longest prefill piece; a shorter remainder is cut into power-of-two pieces
     offload: str = "none"  # "ess": latent rows in host memory behind an LRU device pool (ess_jax.tier)
     pool_size: int | None = None  # ess: pool slots per (layer, request); wins over pool_ratio
     pool_ratio: float = 0.2  # ess: pool slots as a fraction of the longest request's entries
     fetch: str = "inline"  # ess: "inline" or "split" (ess_jax.tier)
-    host_cache_mb: float | None = None  # ess: host store budget; sets the page count when given
+    host_cache_mb: float | None = None  # ess: host store budget per data shard; sets the page count when given
     keep_logits: bool = False  # keep each output token's float32 logits in Request.logits
     kernels: str = "xla"  # attention kernels: "xla", "pallas", "auto" (Pallas on GPU, XLA elsewhere)
     cache_dtype: str | None = None  # V3.2 latent rows / V4 CSA entries: None = the model's dtype, or "bfloat16",
@@ -165,8 +167,9 @@ class CacheLayout:
     parts: list  # families.Part of one request's cache, in the stored formats
     offloaded: families.Part  # the tier's part with --offload ess
     pool_slots: int | None  # ess: device pool slots per (layer, request)
-    device_bytes: int  # the decode-time cache (with ess: resident parts, pools; and the prefill scratch)
-    host_bytes: int  # ess: the host store
+    device_bytes: int  # the decode-time cache (with ess: resident parts, pools; and the prefill scratch), every
+    # data shard's together (a shard's devices each hold 1 / shards of it)
+    host_bytes: int  # ess: the host store, every data shard's together
     logits_bytes: int  # one decode step's float32 logits [max_batch, vocab]
 
 
@@ -181,8 +184,9 @@ def cache_layout(cfg, config: EngineConfig, model_format: str, *, lower_bound: b
                          f"({cfg.max_position_embeddings}); lower --max-seq-len")
     max_seq_len = config.max_seq_len or cfg.max_position_embeddings
     pages_per_row = math.ceil(max_seq_len / config.page_size)
-    pages = config.num_pages if config.num_pages is not None else config.max_batch * pages_per_row + 1
-    size = families.CacheSize(config.max_batch, pages, config.page_size, max_seq_len)
+    shards = mesh.parse(config.mesh).data if config.mesh else 1
+    pages = config.num_pages if config.num_pages is not None else config.max_batch // shards * pages_per_row + 1
+    size = families.CacheSize(config.max_batch, shards * pages, config.page_size, max_seq_len, shards)
     parts = family.cache_parts(cfg, family.stored_formats(config.cache_dtype or model_format, model_format))
     for p in parts:
         if p.tokens_per_row and p.layers:
@@ -202,7 +206,7 @@ def cache_layout(cfg, config: EngineConfig, model_format: str, *, lower_bound: b
             size = families.fit_host_budget(size, part, config.host_cache_mb)
             resident = families.resident_bytes(parts, size, size.pages)
         host = size.pages * part.page_bytes(size.page_size)
-        scratch = dataclasses.replace(size, rows=1, pages=pages_per_row + 1)
+        scratch = dataclasses.replace(size, rows=shards, pages=shards * (pages_per_row + 1))
         device = (resident - host + part.layers * size.rows * slots * part.row_bytes
                   + families.resident_bytes(parts, scratch, scratch.pages))
     return CacheLayout(max_seq_len, pages_per_row, size, parts, part, slots, int(device), int(host),
@@ -221,26 +225,28 @@ def memory_limits() -> tuple[int | None, int]:
 
 
 def check_memory(layout: CacheLayout, weights_bytes: int = 0) -> None:
-    """Refuse a layout the machine cannot hold, with the numbers: the device's caches, logits and weights
-    against the device memory, the host store against the host memory (both against the host's on a device
-    without its own memory)."""
+    """Refuse a layout the machine cannot hold, with the numbers: a device's part of the caches and logits (1 /
+    data shards of them) and ``weights_bytes`` (the weights on one device) against the device memory, the host
+    store against the host memory (all of it against the host's on a device without its own memory)."""
     device_limit, host_limit = memory_limits()
-    device = layout.device_bytes + layout.logits_bytes + weights_bytes
     s = layout.size
     what = (f"{s.pages} pages of {s.page_size} tokens, {s.rows} batch rows of up to {layout.max_seq_len} tokens"
-            + (f", {layout.pool_slots} pool slots per layer and row" if layout.pool_slots else ""))
+            + (f", {layout.pool_slots} pool slots per layer and row" if layout.pool_slots else "")
+            + (f" over {s.shards} data shards" if s.shards > 1 else ""))
     fix = "lower --num-pages, --page-size, --max-batch or --max-seq-len"
     if device_limit is None:
-        if device + layout.host_bytes > host_limit:
-            raise ValueError(f"the engine needs {(device + layout.host_bytes) / GiB:.2f} GiB ({what}: device cache "
+        need = layout.device_bytes + layout.logits_bytes + weights_bytes + layout.host_bytes
+        if need > host_limit:
+            raise ValueError(f"the engine needs {need / GiB:.2f} GiB ({what}: device cache "
                              f"{layout.device_bytes / GiB:.2f} GiB, host store {layout.host_bytes / GiB:.2f} GiB, "
                              f"logits {layout.logits_bytes / GiB:.2f} GiB, weights {weights_bytes / GiB:.2f} GiB) but "
                              f"this machine has {host_limit / GiB:.2f} GiB: {fix}")
         return
-    if device > device_limit:
-        raise ValueError(f"the engine needs {device / GiB:.2f} GiB on the device ({what}: cache "
-                         f"{layout.device_bytes / GiB:.2f} GiB, logits {layout.logits_bytes / GiB:.2f} GiB, weights "
-                         f"{weights_bytes / GiB:.2f} GiB) but the device has {device_limit / GiB:.2f} GiB: {fix}")
+    cache, logits = layout.device_bytes // s.shards, layout.logits_bytes // s.shards
+    if cache + logits + weights_bytes > device_limit:
+        raise ValueError(f"the engine needs {(cache + logits + weights_bytes) / GiB:.2f} GiB on each device ({what}: "
+                         f"cache {cache / GiB:.2f} GiB, logits {logits / GiB:.2f} GiB, weights "
+                         f"{weights_bytes / GiB:.2f} GiB) but a device has {device_limit / GiB:.2f} GiB: {fix}")
     if layout.host_bytes > host_limit:
         raise ValueError(f"the host store needs {layout.host_bytes / GiB:.2f} GiB ({what}) but this machine has "
                          f"{host_limit / GiB:.2f} GiB: {fix}, or set --host-cache-mb")
@@ -266,34 +272,79 @@ def _placed(layout: mesh.Layout | None, cache):
     return layout.constrain(cache) if layout else cache
 
 
+def _on_shards(fn, layout: mesh.Layout | None, in_specs, out_specs):
+    """``fn`` per data shard on the engine's mesh (``mesh.per_shard``; ``layout``: the cache's shardings);
+    on one device (None) ``fn`` itself, its arguments then those of the one shard."""
+    return mesh.per_shard(fn, layout.mesh, in_specs, out_specs) if layout else fn
+
+
+_ROWS, _ALL = PartitionSpec("data"), PartitionSpec()  # a batch-row-major argument split over the shards; replicated
+
+
 def _prefill(graphdef, kernels: str, params, tokens_BT, meta: StepMeta, cache, last_B, sampling, layout=None):
-    """One prefill chunk. Returns the token sampled after each row's last real token ``i32[B]``, the
-    top-k ids of the chunk's last ``WARMUP_QUERIES`` real tokens ``i32[L, B, T, K]`` (-1 before the
-    chunk) and the cache (in ``layout``'s shardings, as every step returns its cache)."""
-    logits_BTV, ids_LBTK, cache = nnx.merge(graphdef, params).step(tokens_BT, meta, cache, kernels=kernels)
-    logits_BV = jnp.take_along_axis(logits_BTV, last_B[:, None, None], axis=1)[:, 0]
-    window_BT = last_B[:, None] - tier.WARMUP_QUERIES + 1 + jnp.arange(tier.WARMUP_QUERIES)
-    ids_LBTK = jnp.take_along_axis(ids_LBTK, jnp.maximum(window_BT, 0)[None, :, :, None], axis=2)
-    ids_LBTK = jnp.where((window_BT >= 0)[None, :, :, None], ids_LBTK, -1)
-    return sample(logits_BV, *sampling), logits_BV, ids_LBTK, _placed(layout, cache)
+    """One prefill chunk, a row per data shard (on the shards the request is not on: not valid, nothing
+    written). Returns the token sampled after each row's last real token ``i32[B]``, the top-k ids of the
+    chunk's last ``WARMUP_QUERIES`` real tokens ``i32[L, B, T, K]`` (-1 before the chunk) and the cache (in
+    ``layout``'s shardings, as every step returns its cache)."""
+    def run(params, tokens_BT, meta, cache, last_B, sampling):
+        logits_BTV, ids_LBTK, cache = nnx.merge(graphdef, params).step(tokens_BT, meta, cache, kernels=kernels)
+        logits_BV = jnp.take_along_axis(logits_BTV, last_B[:, None, None], axis=1)[:, 0]
+        window_BT = last_B[:, None] - tier.WARMUP_QUERIES + 1 + jnp.arange(tier.WARMUP_QUERIES)
+        ids_LBTK = jnp.take_along_axis(ids_LBTK, jnp.maximum(window_BT, 0)[None, :, :, None], axis=2)
+        ids_LBTK = jnp.where((window_BT >= 0)[None, :, :, None], ids_LBTK, -1)
+        return sample(logits_BV, *sampling), logits_BV, ids_LBTK, cache
+
+    specs = layout and layout.specs
+    token, logits_BV, ids_LBTK, cache = _on_shards(
+        run, layout, (_ALL, _ROWS, _ROWS, specs, _ROWS, _ROWS), (_ROWS, _ROWS, PartitionSpec(None, "data"), specs))(
+        params, tokens_BT, meta, cache, last_B, sampling)
+    return token, logits_BV, ids_LBTK, _placed(layout, cache)
 
 
 def _decode(graphdef, kernels: str, params, tokens_BT, meta: StepMeta, cache, sampling, layout=None):
     """One decode step for every batch row; the sampled tokens ``i32[B]``."""
-    logits_BTV, _, cache = nnx.merge(graphdef, params).step(tokens_BT, meta, cache.begin_step(), kernels=kernels)
-    return sample(logits_BTV[:, -1], *sampling), logits_BTV[:, -1], _placed(layout, cache)
+    def run(params, tokens_BT, meta, cache, sampling):
+        logits_BTV, _, cache = nnx.merge(graphdef, params).step(tokens_BT, meta, cache.begin_step(), kernels=kernels)
+        return sample(logits_BTV[:, -1], *sampling), logits_BTV[:, -1], cache
+
+    specs = layout and layout.specs
+    tokens, logits_BV, cache = _on_shards(run, layout, (_ALL, _ROWS, _ROWS, specs, _ROWS), (_ROWS, _ROWS, specs))(
+        params, tokens_BT, meta, cache, sampling)
+    return tokens, logits_BV, _placed(layout, cache)
 
 
-def _handoff(family: families.Family, cache, scratch, table_X, pages_X, row, entries, ids_LTK, layout=None):
-    return _placed(layout, family.handoff(cache, scratch, table_X, pages_X, row, entries, ids_LTK))
+def _handoff(family: families.Family, cache, scratch, table_DX, pages_DX, row_D, entries_D, ids_LDTK, layout=None,
+             scratch_layout=None):
+    """The prompt prefilled on each data shard's scratch row into that shard's decode cache (``Family.handoff``):
+    per shard its scratch pages ``table_DX``, its pages ``pages_DX``, its batch row ``row_D`` (past the last:
+    none, the shards the request is not on), its entries and the top-k ids of the last prompt queries."""
+    def run(cache, scratch, table_X, pages_X, row, entries, ids_LTK):
+        rows = family.store_of(cache).pool.shape[1]
+        ids_LTK = jnp.where(row[0] < rows, ids_LTK[:, 0], -1)  # none on the shards the request is not on
+        return family.handoff(cache, scratch, table_X[0], pages_X[0], row[0], entries[0], ids_LTK)
+
+    specs = layout and layout.specs
+    cache = _on_shards(run, layout, (specs, scratch_layout and scratch_layout.specs, _ROWS, _ROWS, _ROWS, _ROWS,
+                                     PartitionSpec(None, "data")), specs)(
+        cache, scratch, table_DX, pages_DX, row_D, entries_D, ids_LDTK)
+    return _placed(layout, cache)
 
 
 def _flush(family: families.Family, cache, layout=None):
-    return _placed(layout, family.with_store(cache, family.store_of(cache).begin_step()))
+    def run(cache):
+        return family.with_store(cache, family.store_of(cache).begin_step())
+
+    specs = layout and layout.specs
+    return _placed(layout, _on_shards(run, layout, (specs,), specs)(cache))
 
 
-def _release(family: families.Family, cache, row, pages_X, layout=None):
-    return _placed(layout, family.with_store(cache, family.store_of(cache).release(row, pages_X)))
+def _release(family: families.Family, cache, row_D, pages_DX, layout=None):
+    """Empty each data shard's batch row ``row_D`` (past the last: none) and the residency of its pages."""
+    def run(cache, row, pages_X):
+        return family.with_store(cache, family.store_of(cache).release(row[0], pages_X[0]))
+
+    specs = layout and layout.specs
+    return _placed(layout, _on_shards(run, layout, (specs, _ROWS, _ROWS), specs)(cache, row_D, pages_DX))
 
 
 # Module-level jits: engines over the same model and shapes share compiled executables (the split backend's
@@ -301,7 +352,7 @@ def _release(family: families.Family, cache, row, pages_X, layout=None):
 # shardings on the engine's mesh.
 _PREFILL = jax.jit(_prefill, static_argnums=(0, 1), static_argnames="layout", donate_argnums=5)
 _DECODE = jax.jit(_decode, static_argnums=(0, 1), static_argnames="layout", donate_argnums=5)
-_HANDOFF = jax.jit(_handoff, static_argnums=0, static_argnames="layout", donate_argnums=1)
+_HANDOFF = jax.jit(_handoff, static_argnums=0, static_argnames=("layout", "scratch_layout"), donate_argnums=1)
 _FLUSH = jax.jit(_flush, static_argnums=0, static_argnames="layout", donate_argnums=1)
 _RELEASE = jax.jit(_release, static_argnums=0, static_argnames="layout", donate_argnums=1)
 
@@ -323,35 +374,36 @@ class Engine:
         self.latent_dtype = latent_dtype(module, config)
         # sizes and bytes from the config, checked against the machine before any cache array exists
         layout = cache_layout(cfg, config, jnp.dtype(module.dtype).name)
-        check_memory(layout, sum(int(x.nbytes) for x in jax.tree.leaves(model.params)))
+        shape = mesh.parse(config.mesh) if config.mesh else mesh.MeshShape()
+        check_memory(layout, mesh.param_bytes_per_device(model.params, shape))
         self.max_seq_len, self.pages_per_row, size = layout.max_seq_len, layout.pages_per_row, layout.size
         self.parts, part, self.pool_slots = layout.parts, layout.offloaded, layout.pool_slots
         self.offloaded_part, self.row_bytes = part, part.row_bytes  # the tier's part with ess
         self.scratch = None
         ops.resolve_kernels(config.kernels)  # Pallas where this backend has no kernels for it: refused here
         self.kernels = config.kernels  # static in the compiled steps
-        # a mesh: the parameters placed by ess_jax.mesh's rules (a copy unless the model's already are)
-        self.mesh = mesh.make(mesh.parse(config.mesh)) if config.mesh else None
+        # a mesh: the parameters placed by ess_jax.mesh's rules (a copy unless the model's already are); every
+        # data shard has its own batch rows and pages (ess_jax.allocator), the steps run per shard
+        self.mesh = mesh.make(shape) if config.mesh else None
+        self.shards, self.rows_per_shard = size.shards, config.max_batch // size.shards
         self.layout = self.scratch_layout = None  # the caches' shardings on the mesh (mesh.Layout)
         self.params = mesh.place_params(model.params, self.mesh) if self.mesh else model.params
+        # prefill computes on a device scratch for one prompt per data shard (a prefill node's view), then hands off
+        scratch_size = dataclasses.replace(size, rows=size.shards, pages=size.shards * (self.pages_per_row + 1))
         with self.on_mesh():
             self.cache = decode_cache(module, size, config, layout)
             if config.offload == "ess":
-                # prefill computes on a device scratch for one prompt (a prefill node's view), then hands off
-                self.scratch = self.family.resident_cache(
-                    module, dataclasses.replace(size, rows=1, pages=self.pages_per_row + 1), self.latent_dtype)
+                self.scratch = self.family.resident_cache(module, scratch_size, self.latent_dtype)
             if self.mesh:
-                axes = mesh.row_axes(lambda rows: decode_cache(module, dataclasses.replace(size, rows=rows, pages=2),
-                                                               config, layout))
-                shardings = mesh.cache_shardings(self.cache, axes, self.mesh)
-                self.cache, self.layout = jax.device_put(self.cache, shardings), mesh.Layout.of(shardings)
+                self.cache, self.layout = self._shard(self.cache, lambda rows, pages: decode_cache(
+                    module, dataclasses.replace(size, rows=rows, pages=pages), config, layout))
                 if self.scratch is not None:
-                    shardings = mesh.replicated(self.scratch, self.mesh)
-                    self.scratch = jax.device_put(self.scratch, shardings)
-                    self.scratch_layout = mesh.Layout.of(shardings)
+                    self.scratch, self.scratch_layout = self._shard(self.scratch, lambda rows, pages: (
+                        self.family.resident_cache(module, dataclasses.replace(size, rows=rows, pages=pages),
+                                                   self.latent_dtype)))
         self.size = size
-        self.allocator = PageAllocator(size.pages, config.page_size)
-        self.admission = Admission(self.allocator, max_batch=config.max_batch,
+        self.allocators = [PageAllocator(size.pages // size.shards, config.page_size) for _ in range(size.shards)]
+        self.admission = Admission(self.allocators, max_batch=config.max_batch,
                                    max_position_embeddings=self.max_seq_len)
         self.buckets = _buckets(config.prefill_chunk)
         self.requests: dict[int, Request] = {}  # unfinished requests by id (added from any thread)
@@ -371,6 +423,12 @@ class Engine:
         self._inbox_lock = threading.Lock()  # guards requests, _inbox, _aborts, _next_id across threads
         self._step_lock = threading.Lock()  # held while the engine's state changes (step, abort)
         self._decode = None  # compiled on the first step
+
+    def _shard(self, cache, build):
+        """``cache`` placed on the mesh, each array over ``data`` on its batch-row or page axis (``build(rows,
+        pages)`` makes such a cache, for ``mesh.shard_axes``), and its ``mesh.Layout``."""
+        shardings = mesh.cache_shardings(cache, mesh.shard_axes(build), self.mesh)
+        return jax.device_put(cache, shardings), mesh.Layout.of(shardings)
 
     def on_mesh(self):
         """The context the engine's arrays are made and its steps run in: ``jax.set_mesh`` of its mesh."""
@@ -496,10 +554,14 @@ class Engine:
         return [requests[i] for i in sorted(requests)]
 
     def usage(self) -> dict[str, int]:
-        """What the admitted requests hold now: pages (of the device cache, or V3.2's host store with
-        offload), batch rows, and device pool slots in use (read from the device)."""
-        out = {"pages_in_use": self.allocator.capacity - self.allocator.num_free, "pages_total": self.allocator.capacity,
-               "rows_in_use": self.config.max_batch - self.admission.num_free_slots, "rows_total": self.config.max_batch}
+        """What the admitted requests hold now: pages (of the device cache, or the host store with offload),
+        batch rows, and device pool slots in use (read from the device); in all and per data shard
+        (``per_shard``: pages and rows)."""
+        shards = [{"shard": d, "pages_in_use": a.capacity - a.num_free, "pages_total": a.capacity,
+                   "rows_in_use": self.rows_per_shard - len(self.admission.free_slots(d)),
+                   "rows_total": self.rows_per_shard} for d, a in enumerate(self.allocators)]
+        out = {k: sum(s[k] for s in shards) for k in ("pages_in_use", "pages_total", "rows_in_use", "rows_total")}
+        out["per_shard"] = shards
         if self.scratch is not None:
             out["pool_slots_in_use"] = int((mesh.host_array(self.family.store_of(self.cache).lru.slot_entry) >= 0).sum())
             out["host_pages_in_use"] = out["pages_in_use"]  # the host store has the cache's pages
@@ -512,7 +574,7 @@ class Engine:
         served to the end. Call it on an idle engine, before serving."""
         if self.has_unfinished():
             raise RuntimeError("warm_up needs an idle engine: requests are unfinished")
-        room = min(self.max_seq_len, self.allocator.capacity * self.config.page_size) - 1
+        room = min(self.max_seq_len, self.allocators[0].capacity * self.config.page_size) - 1
         self.add_request([0] * min(2 * self.config.prefill_chunk - 1, room), 1, ignore_eos=True)
         self.run()
         self.stats["peak_reserved_pages"] = self.stats["reserved_pages"]  # the warm-up request is no workload
@@ -570,24 +632,37 @@ class Engine:
         pages_X[: pages.size] = pages
         return pages_X, np.where(pages_X > 0, np.arange(1, self.pages_per_row + 1), 0).astype(np.int32)
 
+    def _on_shard(self, shard: int, value, none) -> np.ndarray:
+        """``[shards, ...]``: ``value`` on data shard ``shard``, ``none`` on the others (a step's per-shard
+        argument for a request on one shard)."""
+        value = np.asarray(value)
+        out = np.full((self.shards, *value.shape), none, value.dtype)
+        out[shard] = value
+        return out
+
     def _prefill_piece(self, entry, request: Request, real: int, new: dict[int, tuple[Request, list]]):
+        """The next ``real`` prompt tokens of the request, on its data shard (a row per shard; the others do
+        not run)."""
         request_id, slot, pages = entry
+        shard, local = divmod(slot, self.rows_per_shard)
         prompt = np.asarray(request.prompt_ids, np.int32)
         pages_X, table_X = self._tables(pages)
         offloaded = self.scratch is not None
         cache, layout = (self.scratch, self.scratch_layout) if offloaded else (self.cache, self.layout)
-        row = 0 if offloaded else slot  # an offloaded prompt fills the scratch's first row (V4's one row)
+        row = 0 if offloaded else local  # an offloaded prompt fills its shard's scratch row (V4's one row)
         start_time, start = time.perf_counter(), request.prefilled
-        meta = StepMeta(jnp.asarray((start + np.arange(real, dtype=np.int32))[None]), jnp.ones((1, real), bool),
-                        jnp.asarray((table_X if offloaded else pages_X)[None]), jnp.asarray([row], jnp.int32))
+        positions = np.broadcast_to(start + np.arange(real, dtype=np.int32), (self.shards, real))
+        meta = StepMeta(jnp.asarray(positions), jnp.asarray(self._on_shard(shard, np.ones(real, bool), False)),
+                        jnp.asarray(self._on_shard(shard, table_X if offloaded else pages_X, 0)),
+                        jnp.asarray(self._on_shard(shard, row, 0)))
         token, logits_BV, ids_LBTK, cache = _PREFILL(self.model.graphdef, self.kernels, self.params,
-                                                     jnp.asarray(prompt[None, start:start + real]), meta, cache,
-                                                     jnp.asarray([real - 1], jnp.int32),
-                                                     self._sampling_arrays([request]), layout=layout)
+                                                     jnp.asarray(self._on_shard(shard, prompt[start:start + real], 0)),
+                                                     meta, cache, jnp.full((self.shards,), real - 1, jnp.int32),
+                                                     self._sampling_arrays([request] * self.shards), layout=layout)
         token.block_until_ready()  # stats["prefill_s"] times the piece, not its dispatch
         if offloaded:
             self.scratch = cache
-            request.windows = request.windows[-1:] + [(real, ids_LBTK[:, 0])]  # the warm-up reads the last two
+            request.windows = request.windows[-1:] + [(real, ids_LBTK)]  # the warm-up reads the last two
         else:
             self.cache = cache
         request.prefilled += real
@@ -598,14 +673,17 @@ class Engine:
         self._prefilling.popleft()
         if offloaded:
             entries = self.offloaded_part.entries(len(prompt))
-            self.cache = _HANDOFF(self.family, self.cache, self.scratch, jnp.asarray(table_X), jnp.asarray(pages_X),
-                                  slot, entries, _last_queries(request.windows), layout=self.layout)
+            self.cache = _HANDOFF(self.family, self.cache, self.scratch, jnp.asarray(self._on_shard(shard, table_X, 0)),
+                                  jnp.asarray(self._on_shard(shard, pages_X, 0)),
+                                  jnp.asarray(self._on_shard(shard, local, self.rows_per_shard)),
+                                  jnp.asarray(self._on_shard(shard, entries, 0)), _last_queries(request.windows),
+                                  layout=self.layout, scratch_layout=self.scratch_layout)
             self.stats["prompt_rows_to_host"] += entries * self.offloaded_part.layers
         request.windows = []
         self.stats["prefill_s"] += time.perf_counter() - start_time
         self._lengths[slot] = len(prompt)
         self._decoding[request_id] = slot
-        self._append(request_id, slot, int(mesh.host_array(token)[0]), logits_BV, 0, new)
+        self._append(request_id, slot, int(mesh.host_array(token)[shard]), logits_BV, shard, new)
 
     def _decode_step(self, new: dict[int, tuple[Request, list]]) -> int:
         rows: list[Request | None] = [None] * self.config.max_batch
@@ -627,7 +705,7 @@ class Engine:
     def _decode_meta(self, active_B: np.ndarray) -> StepMeta:
         return StepMeta(jnp.asarray(self._lengths[:, None]), jnp.asarray(active_B[:, None]),
                         jnp.asarray(self.admission.page_table(self.pages_per_row)),
-                        jnp.arange(self.config.max_batch, dtype=jnp.int32))
+                        jnp.asarray(np.arange(self.config.max_batch, dtype=np.int32) % self.rows_per_shard))
 
     def _append(self, request_id: int, slot: int, token: int, logits_BV: jax.Array, b: int,
                 new: dict[int, tuple[Request, list]]):
@@ -658,8 +736,10 @@ class Engine:
         elif request_id in self.admission.running:
             _, slot, pages = self.admission.running[request_id]
             if self.scratch is not None:
-                self.cache = _RELEASE(self.family, self.cache, slot, jnp.asarray(self._tables(pages)[0]),
-                                      layout=self.layout)
+                shard, row = divmod(slot, self.rows_per_shard)
+                self.cache = _RELEASE(self.family, self.cache,
+                                      jnp.asarray(self._on_shard(shard, row, self.rows_per_shard)),
+                                      jnp.asarray(self._on_shard(shard, self._tables(pages)[0], 0)), layout=self.layout)
             self.admission.finish(request_id)
             self._decoding.pop(request_id, None)
             self._prefilling = deque(e for e in self._prefilling if e.request_id != request_id)
@@ -734,10 +814,10 @@ def _token_logprob(token: int, logits_V: np.ndarray, top: int) -> TokenLogprob:
 
 
 def _last_queries(windows: list[tuple[int, jax.Array]]) -> jax.Array:
-    """The top-k ids ``i32[L, T, K]`` of the prompt's last ``WARMUP_QUERIES`` positions, from the
-    per-chunk windows (each chunk's last Q real tokens, -1 before the chunk)."""
+    """The top-k ids ``i32[L, D, T, K]`` (a row per data shard) of the prompt's last ``WARMUP_QUERIES``
+    positions, from the per-chunk windows (each chunk's last Q real tokens, -1 before the chunk)."""
     q = tier.WARMUP_QUERIES
     real, ids = windows[-1]
     if real >= q or len(windows) == 1:
         return ids
-    return jnp.concatenate([windows[-2][1][:, real:], ids[:, q - real:]], axis=1)
+    return jnp.concatenate([windows[-2][1][:, :, real:], ids[:, :, q - real:]], axis=2)

@@ -43,9 +43,10 @@ class CacheSize:
     """The geometry of an engine cache."""
 
     rows: int  # batch rows
-    pages: int  # pages of the global pool, the null page included
+    pages: int  # pages of every data shard's pool together, each shard's null page included
     page_size: int  # tokens per page
     max_seq_len: int  # positions per request
+    shards: int = 1  # data shards: each has rows / shards batch rows and pages / shards pages
 _SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 _CSA, _HCA = config.V4_LAYER_TYPES[1:]
 
@@ -89,17 +90,18 @@ def resident_bytes(parts: list[Part], size: CacheSize, reserved_pages: int) -> i
 
 
 def fit_host_budget(size: CacheSize, part: Part, host_cache_mb: float) -> CacheSize:
-    """``size`` with the page count a host store budget of ``host_cache_mb`` MiB sets (of the host store, the
-    resident paged parts and the allocator); raises ValueError naming the numbers when the longest request
-    cannot fit."""
+    """``size`` with the page count a host store budget of ``host_cache_mb`` MiB per data shard sets (of the host
+    store, the resident paged parts and the allocators); raises ValueError naming the numbers when the longest
+    request cannot fit."""
     page_bytes = part.page_bytes(size.page_size)
     pages, pages_per_row = int(host_cache_mb * 2**20 // page_bytes), math.ceil(size.max_seq_len / size.page_size)
     if pages < 1 + pages_per_row:
+        per = " per data shard" if size.shards > 1 else ""
         raise ValueError(
-            f"--host-cache-mb {host_cache_mb} holds {max(pages - 1, 0)} pages of {page_bytes / 2**20:.3f} MiB; the "
-            f"longest request needs {pages_per_row}: raise it to at least "
+            f"--host-cache-mb {host_cache_mb} holds {max(pages - 1, 0)} pages{per} of {page_bytes / 2**20:.3f} MiB; "
+            f"the longest request needs {pages_per_row}: raise it to at least "
             f"{math.ceil((1 + pages_per_row) * page_bytes / 2**20)}")
-    return dataclasses.replace(size, pages=pages)
+    return dataclasses.replace(size, pages=pages * size.shards)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,7 +205,8 @@ class Family:
 
     def admit_resident(self, cache, scratch, table_X, pages_X, row):
         """The prompt's resident parts from the prefill scratch (its pages ``table_X``, batch row 0) into the
-        decode cache (the request's pages ``pages_X``, batch row ``row``)."""
+        decode cache (the request's pages ``pages_X``, batch row ``row``; a row past the last: none, on a data
+        shard the request is not on)."""
         raise NotImplementedError
 
     def offloaded_cache(self, module, size: CacheSize, part: Part, dtype, *, slots: int, fetch: str):
@@ -220,7 +223,8 @@ class Family:
     def handoff(self, cache, scratch, table_X, pages_X, row, entries, ids_LTK):
         """After an offloaded prefill on ``scratch`` (the prompt in its pages ``table_X``): the prompt's resident
         parts into batch row ``row`` and pages ``pages_X`` of the decode cache, its offloaded rows into the host
-        store's ``pages_X`` and the row's pools warmed with its ``entries`` entries."""
+        store's ``pages_X`` and the row's pools warmed with its ``entries`` entries. On the data shards the request
+        is not on: ``row`` past the last, no pages (the null page) and no entries: nothing changes."""
         rows = self.store_of(scratch).pages
         # pending rows first: a finished request's last row must not land on reused pages
         tiered = self.store_of(cache).begin_step().store_prompt(rows, table_X, pages_X)
@@ -304,8 +308,8 @@ class _DeepseekV4(Family):
         return dataclasses.replace(cache, csa=dataclasses.replace(cache.csa, entries=store))
 
     def admit_resident(self, cache, scratch, table_X, pages_X, row):
-        def put_row(x, new):  # the scratch's batch row 0 -> batch row ``row``
-            return x.at[:, row].set(new[:, 0])
+        def put_row(x, new):  # the scratch's batch row 0 -> batch row ``row`` (past the last: none)
+            return x.at[:, row].set(new[:, 0], mode="drop")
 
         def put_pages(x, new):
             return x.at[:, pages_X].set(new[:, table_X])

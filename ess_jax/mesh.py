@@ -9,9 +9,12 @@
   ``experts.down_proj [..., E, D, F]``, and the values and scales of their release formats, expert axis
   third from last) over ``expert``; everything else (attention, indexer, router, shared experts,
   embeddings) replicated.
-- Caches (``cache_shardings``): every array with a batch-row axis (V3.2 and V4 ESS pools, slot tables and
-  staged rows; V4's window and compressor rings) over ``data`` on that axis; the page pools, the residency
-  map, the host store (in its own memory kind) and the prefill scratch replicated.
+- Caches (``cache_shardings``): every array over ``data``, on its batch-row axis (V3.2 and V4 ESS pools, slot
+  tables and staged rows; V4's window and compressor rings) or its page axis (the page pools, the residency
+  map, the host store in its own memory kind: each data shard's rows in its own devices' host memory; the
+  prefill scratch, one row and one request's pages per shard). Each shard has its own pages (the engine's
+  allocator per shard, page ids local to it, its own null page), and the steps run per shard
+  (``per_shard``: ``shard_map`` over ``data``), so no page ever crosses shards.
 
 The model is exact on any mesh: sharding moves data, never changes what a row computes, so greedy tokens
 equal one device's.
@@ -148,6 +151,12 @@ def param_spec(names: list[str], shape: tuple[int, ...]) -> PartitionSpec:
     return PartitionSpec()
 
 
+def param_bytes_per_device(params, shape: MeshShape) -> int:
+    """Bytes of ``params`` (an NNX state) on each device of a mesh of ``shape`` (``param_spec``)."""
+    return sum(int(x.nbytes) // (shape.expert if param_spec(path_names(p), x.shape) else 1)
+               for p, x in jax.tree_util.tree_leaves_with_path(params))
+
+
 def check_experts(experts: int, expert_size: int, where: str = "") -> None:
     """ValueError unless ``experts`` routed experts divide over an ``expert`` axis of ``expert_size`` (whole
     experts on each device); ``where`` names the parameter."""
@@ -172,19 +181,20 @@ def place_params(params, mesh: jax.sharding.Mesh):
         lambda path, x: jax.device_put(x, param_sharding(mesh, path_names(path), x.shape)), params)
 
 
-def row_axes(build: Callable[[int], object]) -> list[int | None]:
-    """Each array's batch-row axis (None: it has none) in the cache ``build(rows)`` makes, in leaf order: the
-    axis whose size is the row count, at 2 rows and at 3 (shapes only: nothing is allocated but leafless
-    parts, such as the split backend's NumPy store)."""
-    two, three = (jax.tree.leaves(jax.eval_shape(lambda: build(rows))) for rows in (2, 3))
-    return [next((i for i, sizes in enumerate(zip(a.shape, b.shape)) if sizes == (2, 3)), None)
-            for a, b in zip(two, three, strict=True)]
+def shard_axes(build: Callable[[int, int], object]) -> list[int | None]:
+    """Each array's data-shard axis (None: it has none) in the cache ``build(rows, pages)`` makes, in leaf order:
+    the batch-row axis or the page axis, found as the axis that follows the row count (2, then 3) or the page
+    count (5, then 7) (shapes only: nothing is allocated but leafless parts, such as the split backend's NumPy
+    store)."""
+    small, large = (jax.tree.leaves(jax.eval_shape(lambda: build(rows, pages))) for rows, pages in ((2, 5), (3, 7)))
+    return [next((i for i, sizes in enumerate(zip(a.shape, b.shape)) if sizes in ((2, 3), (5, 7))), None)
+            for a, b in zip(small, large, strict=True)]
 
 
 def cache_shardings(cache, axes: list[int | None], mesh: jax.sharding.Mesh):
-    """Shardings of ``cache``'s arrays (a pytree like it): the batch-row axis ``axes`` gives (``row_axes``) over
-    ``data``, the rest replicated, each array kept in its memory kind (device, or the host store's
-    pinned_host; an array's shape, ``jax.ShapeDtypeStruct``, has none: the default). ``mesh`` may be a
+    """Shardings of ``cache``'s arrays (a pytree like it): the batch-row or page axis ``axes`` gives
+    (``shard_axes``) over ``data``, the rest replicated, each array kept in its memory kind (device, or the host
+    store's pinned_host; an array's shape, ``jax.ShapeDtypeStruct``, has none: the default). ``mesh`` may be a
     ``jax.sharding.AbstractMesh`` (shapes per device without the devices)."""
     def sharding(x, axis):
         spec = [None] * x.ndim
@@ -194,11 +204,6 @@ def cache_shardings(cache, axes: list[int | None], mesh: jax.sharding.Mesh):
 
     leaves, treedef = jax.tree.flatten(cache)
     return jax.tree.unflatten(treedef, [sharding(x, axis) for x, axis in zip(leaves, axes, strict=True)])
-
-
-def replicated(cache, mesh: jax.sharding.Mesh):
-    """Shardings replicating every array of ``cache`` over ``mesh``, each in its memory kind."""
-    return jax.tree.map(lambda x: NamedSharding(mesh, PartitionSpec(), memory_kind=x.sharding.memory_kind), cache)
 
 
 def batch_rows(requests: int, max_batch: int, mesh: str | None) -> int:
@@ -216,8 +221,9 @@ def check_rows(shape: MeshShape, max_batch: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """The shardings of a cache's arrays, hashable: a static argument of the compiled steps, which constrain
-    the cache they return to them (so every step gets the cache in the shardings it was compiled for)."""
+    """The shardings of a cache's arrays, hashable: a static argument of the compiled steps, which run per
+    data shard on them (``per_shard``) and constrain the cache they return to them (so every step gets the
+    cache in the shardings it was compiled for)."""
 
     treedef: jax.tree_util.PyTreeDef
     shardings: tuple[NamedSharding, ...]
@@ -227,7 +233,43 @@ class Layout:
         leaves, treedef = jax.tree.flatten(shardings)
         return cls(treedef, tuple(leaves))
 
+    @property
+    def specs(self):
+        """The cache's partition specs (a pytree like it): ``shard_map``'s specs of the cache."""
+        return jax.tree.unflatten(self.treedef, [s.spec for s in self.shardings])
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        return self.shardings[0].mesh
+
     def constrain(self, cache):
         leaves = jax.tree.leaves(cache)
         return jax.tree.unflatten(self.treedef, [jax.lax.with_sharding_constraint(x, s)
                                                  for x, s in zip(leaves, self.shardings, strict=True)])
+
+
+def per_shard(fn: Callable, mesh: jax.sharding.Mesh, in_specs, out_specs) -> Callable:
+    """``fn`` run on each data shard's part of its arguments (``jax.shard_map`` over ``data``, the other axes
+    left to the partitioner: the routed experts stay split over ``expert``). Its batch-row and page arguments
+    are the shard's own: page ids local to the shard's pool, batch rows numbered from 0 on each shard. Every
+    result is per shard (``out_specs`` over ``data``): values are not tracked as varying over it
+    (``check_vma=False``), so the models' scans may start from constants."""
+    manual = {"data"} | {name for name, size in mesh.shape.items() if size == 1}  # an axis of one device: nothing to split
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=manual, check_vma=False)
+
+
+def data_shard() -> jax.Array | int:
+    """The data shard the computation runs on (inside ``per_shard``), else 0."""
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    return jax.lax.axis_index("data") if "data" in manual else 0
+
+
+def all_manual(fn: Callable) -> Callable:
+    """``fn`` where every mesh axis is manual: inside ``per_shard`` a nested ``jax.shard_map`` over the axes
+    still left to the partitioner, its arguments and results the same on each of their devices (host callbacks
+    run only where every axis is manual; each device of the shard calls them alike). Elsewhere ``fn``."""
+    abstract = jax.sharding.get_abstract_mesh()
+    rest = set(abstract.axis_names) - set(abstract.manual_axes) if not abstract.empty else set()
+    if not rest:
+        return fn
+    return jax.shard_map(fn, in_specs=PartitionSpec(), out_specs=PartitionSpec(), axis_names=rest, check_vma=False)

@@ -28,19 +28,20 @@ Capacity, for a context of ``S`` tokens and a pool ratio ``r`` (GB = 1e9 bytes t
 On a device mesh (``--mesh data=D,expert=E``, ess_jax.mesh; default expert=32, ESS's EP 32, or fewer for
 a model whose routed experts 32 does not divide: the largest divisor of 32 that divides them) the bytes
 per device follow the engine's sharding rules: the routed experts split over ``expert`` (whole experts:
-E must divide them), every other weight replicated; a request's batch-row state (V4's SWA window and
-compressor tails; the tier's pools, slot tables, staged rows and counters) on its data shard's devices
-only, everything paged (the resident parts' pages, the residency map, the host store) on every device:
+E must divide them), every other weight replicated; a request's whole cache (its pages of the resident
+parts, of the residency map and of the host store in each data shard's own pool; its batch-row state: V4's
+SWA window and compressor tails, the tier's pools, slot tables, staged rows and counters) on its data
+shard's devices only:
 
-    bytes per device   = B * (request - rows) + B / D * rows     B requests in all, a multiple of D
-    max batch          = D * floor(KV budget / (D * (request - rows) + rows))
+    bytes per device   = B / D * request                  B requests in all, a multiple of D
+    max batch          = D * floor(KV budget / request)
     KV budget          = --kv-budget-gb, or --gpu-mem-gb * --mem-fraction - weights per device
                          (release formats: V3.2 FP8 with fp32 128x128 block scales; V4 FP4 experts,
                          FP8 attention and shared experts, bf16 compressors / indexers / embeddings)
 
-With D = 1 every device holds every request: the mesh serves ``max batch`` requests in all. (ESS's figures
-are per GPU, each GPU attending for its own requests; on the engine's mesh the pages are on every device, so
-more data shards add batch rows, not room for pages.)
+Each data shard serves ``floor(KV budget / request)`` requests; its host store holds theirs (each of its
+devices' host memory holds a copy of the shard's store). ESS's figures are per GPU, each GPU attending for
+its own requests: data shards of one device each.
 
 ``--accounting ess_jax`` (the default) adds what ess_jax's tier keeps on the device besides rows: the
 residency map (4 bytes per entry of each offloaded layer), two int32 slot tables (8 bytes per pool
@@ -93,14 +94,12 @@ def cache_parts(cfg: ModelConfig, cache_dtype: str, index_dtype: str = "auto") -
 
 @dataclasses.dataclass(frozen=True)
 class RequestBytes:
-    """One request's bytes; of them, ``*_rows`` are in batch-row arrays (on its data shard's devices only)."""
+    """One request's bytes."""
 
     resident: int  # the whole cache on the device
     device: int  # with offload: resident + fixed parts, pools and (ess_jax) tier tables
     host: int  # with offload: the host store (every offloaded row)
     pool_slots: int | None  # per offloaded layer
-    resident_rows: int  # of resident: the fixed parts
-    device_rows: int  # of device: the fixed parts, pools and (ess_jax) slot tables, staged rows and counters
 
 
 def request_bytes(parts: list[Part], context: int, ratio: float, accounting: str = "ess_jax") -> RequestBytes:
@@ -108,37 +107,32 @@ def request_bytes(parts: list[Part], context: int, ratio: float, accounting: str
     if accounting not in ACCOUNTINGS:
         raise ValueError(f"--accounting {accounting!r} is not one of {', '.join(ACCOUNTINGS)}")
     resident = sum(p.bytes(context) for p in parts)
-    fixed = sum(p.bytes(context) for p in parts if p.where == "fixed")
     device = sum(p.bytes(context) for p in parts if p.where != "offloaded")
-    host, slots, rows = 0, None, fixed
+    host, slots = 0, None
     for p in parts:
         if p.where != "offloaded":
             continue
         entries = p.entries(context)
         slots = tier.pool_slots(entries, p.topk, pool_ratio=ratio)
-        pools = p.layers * slots * p.row_bytes
-        device += pools
-        rows += pools
+        device += p.layers * slots * p.row_bytes
         if accounting == "ess_jax":
-            tables = p.layers * (slots * SLOT_TABLE_BYTES + p.row_bytes + COUNTER_BYTES) + STAGED_BYTES
-            device += p.layers * entries * MAP_BYTES + tables
-            rows += tables
+            device += p.layers * (entries * MAP_BYTES + slots * SLOT_TABLE_BYTES + p.row_bytes + COUNTER_BYTES)
+            device += STAGED_BYTES
         host += p.bytes(context)
-    return RequestBytes(resident, device, host, slots, fixed, rows)
+    return RequestBytes(resident, device, host, slots)
 
 
-def bytes_per_device(request: int, rows: int, batch: int, data: int) -> int:
+def bytes_per_device(request: int, batch: int, data: int) -> int:
     """Bytes on each device of a mesh of ``data`` data shards serving ``batch`` requests (a multiple of
-    ``data``) of ``request`` bytes each, ``rows`` of them in batch-row arrays (split over the data shards;
-    the rest on every device)."""
+    ``data``: each shard ``batch / data`` of them, on its own devices) of ``request`` bytes each."""
     if batch % data:
         raise ValueError(f"{batch} requests do not divide over {data} data shards")
-    return batch * (request - rows) + batch // data * rows
+    return batch // data * request
 
 
-def max_batch(request: int, rows: int, budget: float, data: int) -> int:
+def max_batch(request: int, budget: float, data: int) -> int:
     """The most requests (a multiple of ``data``) whose ``bytes_per_device`` fit in ``budget``."""
-    return data * int(budget // bytes_per_device(request, rows, data, data))
+    return data * int(budget // bytes_per_device(request, data, data))
 
 
 # ---- weights per device ------------------------------------------------------------------------
@@ -271,15 +265,15 @@ def plan(args: argparse.Namespace) -> dict:
             for context in args.context:
                 for ratio in args.pool_ratio:
                     req = request_bytes(parts, context, ratio, args.accounting)
-                    resident_batch = max_batch(req.resident, req.resident_rows, kv_budget, shape.data)
-                    offload_batch = max_batch(req.device, req.device_rows, kv_budget, shape.data)
+                    resident_batch = max_batch(req.resident, kv_budget, shape.data)
+                    offload_batch = max_batch(req.device, kv_budget, shape.data)
                     rows.append({
                         "model": name, "mesh": str(shape), "context": context, "pool_ratio": ratio, "cache_dtype": dtype,
                         "index_dtype": dtype if args.index_dtype == "auto" else args.index_dtype,
                         "accounting": args.accounting, "kv_budget_bytes": kv_budget,
                         "max_batch_resident": resident_batch, "max_batch_offload": offload_batch,
                         "capacity_gain": offload_batch / resident_batch if resident_batch else None,
-                        "host_bytes_per_device": offload_batch * req.host, "pool_slots": req.pool_slots,
+                        "host_bytes_per_device": offload_batch // shape.data * req.host, "pool_slots": req.pool_slots,
                         "resident_bytes_per_request": req.resident, "device_bytes_per_request": req.device,
                         "host_bytes_per_request": req.host,
                     })

@@ -371,8 +371,8 @@ class Metrics:
     def set_queue(self, engine: Engine, *, waiting: int):
         self.running.set(engine.config.max_batch - engine.admission.num_free_slots)
         self.waiting.set(waiting)
-        self.pages_in_use.set(engine.allocator.capacity - engine.allocator.num_free)
-        self.pages_total.set(engine.allocator.capacity)
+        self.pages_total.set(sum(a.capacity for a in engine.allocators))  # every data shard's
+        self.pages_in_use.set(sum(a.capacity for a in engine.allocators) - engine.admission.num_free_pages)
 
     def read_device(self, engine: Engine):
         """Snapshot what lives on the device: tier counters and pool slots (one read each)."""

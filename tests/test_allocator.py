@@ -72,7 +72,7 @@ def test_allocator_rejects_bad_sizes(kwargs, match):
 
 
 def make_admission(num_pages=9, page_size=4, max_batch=3, max_position_embeddings=64) -> Admission:
-    return Admission(PageAllocator(num_pages, page_size), max_batch=max_batch,
+    return Admission([PageAllocator(num_pages, page_size)], max_batch=max_batch,
                      max_position_embeddings=max_position_embeddings)
 
 
@@ -146,19 +146,49 @@ def test_page_table_rows_follow_slots_and_pad_with_the_null_page():
         adm.page_table(pages_per_row=1)
 
 
+def test_data_shards_route_to_the_least_loaded_shard_with_their_own_pages_and_rows():
+    shards = [PageAllocator(9, 4) for _ in range(2)]
+    adm = Admission(shards, max_batch=4, max_position_embeddings=64)  # rows 0-1: shard 0, rows 2-3: shard 1
+    adm.submit("a", 20, 4)  # 6 pages: shard 0 (a tie: the lowest shard)
+    adm.submit("b", 2, 2)  # 1 page: shard 1, the most free pages
+    adm.submit("c", 2, 2)  # 1 page: shard 1 again (7 free pages against 2)
+    adm.submit("d", 10, 2)  # 3 pages: shard 0 has a row but 2 pages, shard 1 no row: it waits
+    adm.submit("e", 6, 2)  # 2 pages: would fit shard 0, but must not overtake d
+    adm.submit("f", 2, 2)
+    admitted = {e.request_id: e for e in adm.admit(10)}
+    assert {r: e.slot for r, e in admitted.items()} == {"a": 0, "b": 2, "c": 3}
+    assert [adm.shard_of(s) for s in range(4)] == [0, 0, 1, 1] and adm.waiting == ("d", "e", "f")
+    # page ids are local to each shard's pool: both hand out page 1 first, never the null page
+    assert admitted["a"].pages.tolist() == [1, 2, 3, 4, 5, 6]
+    assert admitted["b"].pages.tolist() == [1] and admitted["c"].pages.tolist() == [2]
+    adm.finish("c")  # shard 1 has a row and 7 pages again
+    assert [(e.request_id, e.slot, e.pages.tolist()) for e in adm.admit(10)] == [("d", 3, [2, 3, 4]),
+                                                                                 ("e", 1, [7, 8])]
+    assert [a.num_free for a in shards] == [0, 4] and adm.num_free_pages == 4 and adm.waiting == ("f",)
+    adm.finish("a")
+    [f] = adm.admit(10)
+    assert (f.request_id, f.slot, f.pages.tolist()) == ("f", 0, [1])
+    np.testing.assert_array_equal(adm.page_table(pages_per_row=3)[3], [2, 3, 4])  # d, on shard 1's pages
+    with pytest.raises(ValueError, match="do not divide over 3 data shards"):
+        Admission([PageAllocator(9, 4) for _ in range(3)], max_batch=4, max_position_embeddings=64)
+    with pytest.raises(ValueError, match=r"the pool of each data shard has 8 allocatable pages.*--num-pages "
+                                         r"\(per data shard\) to at least 10"):
+        adm.submit("big", 30, 3)
+
+
 class AdmissionMachine(RuleBasedStateMachine):
     """Random submit / admit / finish sequences against a model of the FIFO queue."""
 
     @initialize(num_pages=st.integers(2, 24), page_size=st.integers(1, 8), max_batch=st.integers(1, 5))
     def setup(self, num_pages, page_size, max_batch):
-        self.adm = Admission(PageAllocator(num_pages, page_size), max_batch=max_batch, max_position_embeddings=96)
+        self.adm = Admission([PageAllocator(num_pages, page_size)], max_batch=max_batch, max_position_embeddings=96)
         self.queue: list[int] = []  # the expected FIFO order
         self.pages_needed: dict[int, int] = {}
         self.next_id = 0
 
     @rule(prompt_len=st.integers(0, 80), max_new=st.integers(0, 40))
     def submit(self, prompt_len, max_new):
-        alloc = self.adm.allocator
+        alloc = self.adm.allocators[0]
         fits = (prompt_len >= 1 and max_new >= 1 and prompt_len + max_new <= 96
                 and alloc.pages_for(prompt_len + max_new) <= alloc.capacity)
         if fits:
@@ -188,7 +218,7 @@ class AdmissionMachine(RuleBasedStateMachine):
 
     @invariant()
     def pages_are_owned_once(self):
-        alloc = self.adm.allocator
+        alloc = self.adm.allocators[0]
         owned = [p for e in self.adm.running.values() for p in e.pages.tolist()]
         everything = owned + alloc._free  # the free list itself: no page may be both free and owned
         assert NULL_PAGE not in everything
@@ -207,7 +237,7 @@ class AdmissionMachine(RuleBasedStateMachine):
             return
         for request_id in list(self.adm.running):
             self.adm.finish(request_id)
-        assert self.adm.num_free_pages == self.adm.allocator.capacity
+        assert self.adm.num_free_pages == self.adm.allocators[0].capacity
         assert self.adm.num_free_slots == self.adm.max_batch
 
 

@@ -50,7 +50,13 @@ for run in ["none:inline:", "ess:inline:", *sys.argv[2:]]:
                 "counters": offload and {"total": counts(offload), "per_shard": [counts(c) for c in offload["per_shard"]]},
                 "expert_shard": list(experts.addressable_shards[0].data.shape), "expert_shape": list(experts.shape),
                 "cache_specs": sorted({str(x.sharding.spec) for x in jax.tree.leaves(engine.cache)
-                                       if hasattr(x.sharding, "spec")})}
+                                       if hasattr(x.sharding, "spec")}),
+                "host_pages": engine.size.pages, "host_shard": None}
+    store = engine.scratch is not None and engine.family.store_of(engine.cache).host
+    if store and hasattr(store.array, "sharding"):  # the pinned store: each device holds its shard's pages
+        out[run]["host_shard"] = store.array.addressable_shards[0].data.shape[1]
+    elif store:  # the split backend's NumPy store: every shard's pages, each shard's callbacks reach its own
+        out[run]["host_shard"] = store.array.shape[1] // (engine.mesh.shape["data"] if engine.mesh else 1)
 # a model loaded onto the mesh: the engine takes its parameters as they are, no second copy
 placed = ess_jax.load_model(sys.argv[1], mesh=config(sys.argv[2]).mesh)
 engine = Engine(placed, config(sys.argv[2]))
@@ -72,7 +78,7 @@ def _run(checkpoint: str, runs: list[str]) -> dict:
 
 @pytest.mark.parametrize("family, runs, experts, entries", [
     # one latent row per token; 8 routed experts
-    ("v32", ["none:inline:expert=8", "ess:inline:data=2,expert=4"], 8, 48),
+    ("v32", ["none:inline:expert=8", "ess:inline:data=2,expert=4", "ess:split:data=2,expert=4"], 8, 48),
     # one CSA entry per 4 tokens; 4 routed experts
     ("v4", ["none:inline:data=2,expert=4", "ess:split:data=8"], 4, 12),
 ])
@@ -98,9 +104,10 @@ def test_mesh_tokens_equal_one_device(family, runs, experts, entries):
             assert len(counters["per_shard"]) == shape.data
             assert [sum(c) for c in zip(*counters["per_shard"])] == counters["total"] == alone_counters["total"]
             assert alone_counters["total"][0] > 0 and (shape.data == 1 or sum(c[0] > 0 for c in counters["per_shard"]) >= 2)
-        # V3.2's resident cache has no batch-row arrays (its pages are global); its tier and V4's caches have
-        row_sharded = any("'data'" in s for s in got["cache_specs"])
-        assert row_sharded == (shape.data > 1 and (offload == "ess" or family == "v4")), got["cache_specs"]
+        # every cache array is split over the data shards: on its batch-row axis or its page axis (each shard's
+        # own pool, residency map and host store)
+        assert all("'data'" in s for s in got["cache_specs"]) == (shape.data > 1), got["cache_specs"]
+        assert got["host_shard"] == (None if offload == "none" else got["host_pages"] // shape.data)
 
 
 @pytest.mark.parametrize("flag, message", [

@@ -7,6 +7,11 @@ pages), behind one contract with two backends (DESIGN.md §5), tested for identi
 - ``NumpyHostStore`` (``--fetch split``): a NumPy array. ``fetch`` is a host callback at the fetch point
   (one batched transfer per layer); ``backup`` and ``store_prompt`` are ordered io callbacks. Portable.
 
+On a mesh the steps run per data shard (``ess_jax.mesh.per_shard``) with page ids local to the shard: the
+pinned store is sharded over ``data`` on its page axis (each shard's pages in its own devices' host memory);
+the NumPy store maps a shard's pages to its part of the array, its callbacks run where every mesh axis is
+manual (``mesh.all_manual``).
+
 Every method is called inside a traced step and returns the (possibly new) store.
 """
 
@@ -17,6 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import io_callback
 from jax.experimental.compute_on import compute_on
+
+from ess_jax import mesh
 
 FETCH_BACKENDS = ("inline", "split")
 
@@ -79,21 +86,30 @@ class NumpyHostStore:
     def rows(self) -> np.ndarray:
         return self.array
 
+    def _pages(self, page: jax.Array) -> jax.Array:
+        """Page ids of the running data shard (inside ``mesh.per_shard``) -> pages of the whole array."""
+        abstract = jax.sharding.get_abstract_mesh()
+        if "data" not in abstract.manual_axes:
+            return page
+        return page + mesh.data_shard() * (self.array.shape[1] // abstract.shape["data"])
+
     def fetch(self, layer, page_BK: jax.Array, offset_BK: jax.Array) -> jax.Array:
         shape = jax.ShapeDtypeStruct(page_BK.shape + self.array.shape[-1:], self.array.dtype)
-        return jax.pure_callback(lambda l, p, o: self.array[int(l), np.asarray(p), np.asarray(o)], shape,
-                                 jnp.asarray(layer, jnp.int32), page_BK, offset_BK)
+        read = mesh.all_manual(lambda l, p, o: jax.pure_callback(
+            lambda l, p, o: self.array[int(l), np.asarray(p), np.asarray(o)], shape, l, p, o))
+        return read(jnp.asarray(layer, jnp.int32), self._pages(page_BK), offset_BK)
 
     def backup(self, page_B: jax.Array, offset_B: jax.Array, rows_LBW: jax.Array) -> NumpyHostStore:
         def write(p, o, rows):
             self.array[:, np.asarray(p), np.asarray(o)] = np.asarray(rows)
-        io_callback(write, None, page_B, offset_B, rows_LBW, ordered=True)
+        mesh.all_manual(lambda *args: io_callback(write, None, *args, ordered=True))(
+            self._pages(page_B), offset_B, rows_LBW)
         return self
 
     def store_prompt(self, rows_LXEW: jax.Array, pages_X: jax.Array) -> NumpyHostStore:
         def write(rows, p):
             self.array[:, np.asarray(p)] = np.asarray(rows)
-        io_callback(write, None, rows_LXEW, pages_X, ordered=True)
+        mesh.all_manual(lambda *args: io_callback(write, None, *args, ordered=True))(rows_LXEW, self._pages(pages_X))
         return self
 
 

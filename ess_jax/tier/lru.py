@@ -157,10 +157,11 @@ class LruPool:
         resident = self.resident_slot.at[:, pages_X].set(-1)
         resident = resident.at[jnp.arange(layers)[:, None], jnp.where(entry_LP >= 0, page_LP, g), offset_LP].set(
             jnp.broadcast_to(jnp.arange(self.slots, dtype=jnp.int32), entry_LP.shape), mode="drop")
-        return LruPool(self.slot_entry.at[:, row].set(entry_LP), self.slot_order.at[:, row].set(order_LP), resident)
+        return LruPool(self.slot_entry.at[:, row].set(entry_LP, mode="drop"),
+                       self.slot_order.at[:, row].set(order_LP, mode="drop"), resident)
 
     def release(self, row, pages_X) -> LruPool:
         """Empty batch row ``row``'s pools and the residency of the request's pages ``pages_X`` (0 = none)."""
-        return LruPool(self.slot_entry.at[:, row].set(-1),
-                       self.slot_order.at[:, row].set(jnp.arange(self.slots, dtype=jnp.int32)),
+        return LruPool(self.slot_entry.at[:, row].set(-1, mode="drop"),
+                       self.slot_order.at[:, row].set(jnp.arange(self.slots, dtype=jnp.int32), mode="drop"),
                        self.resident_slot.at[:, pages_X].set(-1))

@@ -116,7 +116,8 @@ class Tier:
 
     def warm(self, scratch_pages_LGEW, scratch_table_X, pages_X, row, count, ids_LTK) -> Tier:
         """Fill batch row ``row``'s pools (every layer) from the prefill scratch: ESS LRU-Warmup with the top-k
-        ids of the last prompt queries, or all ``count`` entries of the prompt when they fit."""
+        ids of the last prompt queries, or all ``count`` entries of the prompt when they fit (a row past the
+        last: none)."""
         capacity = pages_X.shape[0] * entries_per_page(self.page_size, self.rate)
         entry_LP, order_LP = jax.vmap(lru.warm_layer, in_axes=(0, None, None, None))(ids_LTK, count, self.lru.slots,
                                                                                     capacity)
@@ -125,12 +126,13 @@ class Tier:
         rows_LPW = jax.vmap(lambda pages, g, e: pages[g, e])(scratch_pages_LGEW, scratch_page_LP, offset_LP)
         page_LP, _ = self._locate(pages_X[None], entry_LP.reshape(1, -1))
         return dataclasses.replace(
-            self, pool=self.pool.at[:, row].set(rows_LPW.astype(self.pool.dtype)),
+            self, pool=self.pool.at[:, row].set(rows_LPW.astype(self.pool.dtype), mode="drop"),
             lru=self.lru.warm(row, entry_LP, order_LP, page_LP.reshape(entry_LP.shape), offset_LP, pages_X))
 
     def release(self, row, pages_X) -> Tier:
         """Empty batch row ``row``'s pools and the residency of the request's host pages ``pages_X`` (0 = none),
-        when the request finishes or is aborted: the tier then holds nothing of it."""
+        when the request finishes or is aborted: the tier then holds nothing of it (a row past the last:
+        none)."""
         return dataclasses.replace(self, lru=self.lru.release(row, pages_X))
 
 

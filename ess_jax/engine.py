@@ -6,11 +6,14 @@ text), ``abort``, ``has_unfinished``; ``run`` steps until every added request is
 
 The host does bookkeeping (pages, batch rows, stop rules) in NumPy; the device runs two jitted
 functions, both donating the cache:
-- ``prefill``: one piece of one request's prompt, ``[1, T]``: pieces of ``prefill_chunk`` tokens,
-  the remainder cut into power-of-two pieces (exact, never padded, so compiles stay bounded),
-  and the token sampled after the prompt's last token;
+- ``prefill``: one piece of one request's prompt, ``[D, T]`` (a row per ``--mesh`` data shard, the
+  request's on its shard, the others not running): pieces of ``prefill_chunk`` tokens, the remainder
+  cut into power-of-two pieces (exact, never padded, so compiles stay bounded), and the token sampled
+  after the prompt's last token;
 - ``decode``: one token for every batch row, ``[max_batch, 1]``; inactive rows are masked (a row
   whose prompt is mid-prefill keeps its cache).
+On a mesh both run per data shard (``mesh.per_shard``): each shard has its own batch rows, page pool and
+tier (``ess_jax.allocator``), and a request lives on one shard.
 Requests join the batch when admitted (their pages reserved for prompt + max_new_tokens) and
 leave when they stop or are aborted, while the others keep decoding. A request's tokens do not
 depend on what else is in the batch or when it arrived: every row is computed independently, its

@@ -383,7 +383,7 @@ class Metrics:
         if not self._tier:
             self._tier["host_bytes_capacity"] = engine.cache_bytes()["host_bytes"]
         capacity = self._tier["host_bytes_capacity"]
-        page_bytes = capacity // (usage["host_pages_total"] + 1)  # the store holds the null page too
+        page_bytes = capacity // (usage["host_pages_total"] + engine.shards)  # each shard's store has its null page
         self._tier.update(offload=offload, pool_slots_in_use=usage["pool_slots_in_use"],
                           pool_slots_total=engine.pool_slots * engine.config.max_batch * len(offload["per_layer"]),
                           host_bytes_in_use=usage["host_pages_in_use"] * page_bytes)

@@ -80,7 +80,7 @@ def _run(checkpoint: str, runs: list[str]) -> dict:
     # one latent row per token; 8 routed experts
     ("v32", ["none:inline:expert=8", "ess:inline:data=2,expert=4", "ess:split:data=2,expert=4"], 8, 48),
     # one CSA entry per 4 tokens; 4 routed experts
-    ("v4", ["none:inline:data=2,expert=4", "ess:split:data=8"], 4, 12),
+    ("v4", ["none:inline:data=2,expert=4", "ess:split:data=8", "ess:inline:data=2,expert=4"], 4, 12),
 ])
 def test_mesh_tokens_equal_one_device(family, runs, experts, entries):
     """Resident and ESS (both fetch backends) on meshes sharding the experts, the batch rows or both: the

@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec
 from tqdm import tqdm
 
 from ess_jax import families, mesh, ops, tier
-from ess_jax.allocator import Admission, PageAllocator
+from ess_jax.allocator import Admission, Admitted, PageAllocator
 from ess_jax.cache import StepMeta, check_geometry
 from ess_jax.sampling import SamplingParams, sample
 from ess_jax.tokenizer import IncrementalDetokenizer
@@ -322,9 +322,7 @@ def _handoff(family: families.Family, cache, scratch, table_DX, pages_DX, row_D,
     per shard its scratch pages ``table_DX``, its pages ``pages_DX``, its batch row ``row_D`` (past the last:
     none, the shards the request is not on), its entries and the top-k ids of the last prompt queries."""
     def run(cache, scratch, table_X, pages_X, row, entries, ids_LTK):
-        rows = family.store_of(cache).pool.shape[1]
-        ids_LTK = jnp.where(row[0] < rows, ids_LTK[:, 0], -1)  # none on the shards the request is not on
-        return family.handoff(cache, scratch, table_X[0], pages_X[0], row[0], entries[0], ids_LTK)
+        return family.handoff(cache, scratch, table_X[0], pages_X[0], row[0], entries[0], ids_LTK[:, 0])
 
     specs = layout and layout.specs
     cache = _on_shards(run, layout, (specs, scratch_layout and scratch_layout.specs, _ROWS, _ROWS, _ROWS, _ROWS,
@@ -615,78 +613,104 @@ class Engine:
                 jnp.asarray(steps, jnp.int32))
 
     def _prefill_pieces(self, new: dict[int, tuple[Request, list]]):
-        """Prefill the admitted prompts in order, one exact piece at a time (the largest bucket that fits the
-        rest of the prompt, so a prompt's pieces never depend on the others), while the step's
-        ``prefill_chunk`` tokens last. Offloaded engines prefill one prompt at a time on their scratch."""
-        budget = self.config.prefill_chunk
-        while self._prefilling:
-            entry = self._prefilling[0]
-            request = self.requests[entry.request_id]
-            real = max(b for b in self.buckets if b <= len(request.prompt_ids) - request.prefilled)
-            if real > budget:
+        """Prefill the admitted prompts, each data shard its own in admission order, one exact piece at a time
+        (the largest bucket that fits the rest of the prompt, so a prompt's pieces never depend on the others),
+        while the shard's ``prefill_chunk`` tokens of the step last. The shards' pieces of one size run as one
+        call, a row per shard (offloaded engines prefill a prompt per shard on their scratch)."""
+        budget = [self.config.prefill_chunk] * self.shards
+        while True:
+            heads: dict[int, tuple[Admitted, Request, int]] = {}  # each shard's first prompt and its next piece
+            for entry in self._prefilling:
+                shard = entry.slot // self.rows_per_shard
+                if shard not in heads:
+                    request = self.requests[entry.request_id]
+                    real = max(b for b in self.buckets if b <= len(request.prompt_ids) - request.prefilled)
+                    heads[shard] = (entry, request, real)
+            runs = {shard: head for shard, head in heads.items() if head[2] <= budget[shard]}
+            if not runs:
                 return
-            budget -= real
-            self._prefill_piece(entry, request, real, new)
+            for real in sorted({head[2] for head in runs.values()}, reverse=True):
+                group = {shard: head[:2] for shard, head in runs.items() if head[2] == real}
+                for shard in group:
+                    budget[shard] -= real
+                self._prefill_piece(group, real, new)
 
     def _tables(self, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """A request's page table ``pages_X`` and its scratch table ``table_X`` (offloaded V3.2 prompts fill
-        the scratch's pages 1..n, then move to their global pages)."""
+        """A request's page table ``pages_X`` and its scratch table ``table_X`` (offloaded prompts fill their
+        shard's scratch pages 1..n, then move to their own pages)."""
         pages_X = np.zeros(self.pages_per_row, np.int32)
         pages_X[: pages.size] = pages
         return pages_X, np.where(pages_X > 0, np.arange(1, self.pages_per_row + 1), 0).astype(np.int32)
 
-    def _on_shard(self, shard: int, value, none) -> np.ndarray:
-        """``[shards, ...]``: ``value`` on data shard ``shard``, ``none`` on the others (a step's per-shard
-        argument for a request on one shard)."""
-        value = np.asarray(value)
-        out = np.full((self.shards, *value.shape), none, value.dtype)
-        out[shard] = value
-        return out
-
-    def _prefill_piece(self, entry, request: Request, real: int, new: dict[int, tuple[Request, list]]):
-        """The next ``real`` prompt tokens of the request, on its data shard (a row per shard; the others do
-        not run)."""
-        request_id, slot, pages = entry
-        shard, local = divmod(slot, self.rows_per_shard)
-        prompt = np.asarray(request.prompt_ids, np.int32)
-        pages_X, table_X = self._tables(pages)
-        offloaded = self.scratch is not None
+    def _prefill_piece(self, group: dict[int, tuple[Admitted, Request]], real: int,
+                       new: dict[int, tuple[Request, list]]):
+        """The next ``real`` prompt tokens of one request per data shard in ``group`` (shard -> request), as one
+        call; the shards without one do not run. Requests whose prompt is then all cached join the decode."""
+        shards, offloaded = self.shards, self.scratch is not None
+        tokens, positions = np.zeros((shards, real), np.int32), np.zeros((shards, real), np.int32)
+        valid, rows = np.zeros((shards, real), bool), np.zeros(shards, np.int32)
+        table = np.zeros((shards, self.pages_per_row), np.int32)
+        requests: list[Request | None] = [None] * shards
+        for shard, (entry, request) in group.items():
+            pages_X, table_X = self._tables(entry.pages)
+            start = request.prefilled
+            tokens[shard] = request.prompt_ids[start:start + real]
+            positions[shard], valid[shard] = start + np.arange(real), True
+            table[shard] = table_X if offloaded else pages_X
+            rows[shard] = 0 if offloaded else entry.slot % self.rows_per_shard  # offloaded: the shard's scratch row
+            requests[shard] = request
         cache, layout = (self.scratch, self.scratch_layout) if offloaded else (self.cache, self.layout)
-        row = 0 if offloaded else local  # an offloaded prompt fills its shard's scratch row (V4's one row)
-        start_time, start = time.perf_counter(), request.prefilled
-        positions = np.broadcast_to(start + np.arange(real, dtype=np.int32), (self.shards, real))
-        meta = StepMeta(jnp.asarray(positions), jnp.asarray(self._on_shard(shard, np.ones(real, bool), False)),
-                        jnp.asarray(self._on_shard(shard, table_X if offloaded else pages_X, 0)),
-                        jnp.asarray(self._on_shard(shard, row, 0)))
+        start_time = time.perf_counter()
+        meta = StepMeta(*(jnp.asarray(x) for x in (positions, valid, table, rows)))
         token, logits_BV, ids_LBTK, cache = _PREFILL(self.model.graphdef, self.kernels, self.params,
-                                                     jnp.asarray(self._on_shard(shard, prompt[start:start + real], 0)),
-                                                     meta, cache, jnp.full((self.shards,), real - 1, jnp.int32),
-                                                     self._sampling_arrays([request] * self.shards), layout=layout)
+                                                     jnp.asarray(tokens), meta, cache,
+                                                     jnp.full((shards,), real - 1, jnp.int32),
+                                                     self._sampling_arrays(requests), layout=layout)
         token.block_until_ready()  # stats["prefill_s"] times the piece, not its dispatch
+        done: dict[int, tuple[Admitted, Request]] = {}
+        for shard, (entry, request) in group.items():
+            if offloaded:  # the warm-up reads the last two pieces' windows
+                request.windows = request.windows[-1:] + [(real, ids_LBTK[:, shard])]
+            request.prefilled += real
+            self.stats["prefill_tokens"] += real
+            if request.prefilled == len(request.prompt_ids):
+                done[shard] = (entry, request)
         if offloaded:
             self.scratch = cache
-            request.windows = request.windows[-1:] + [(real, ids_LBTK)]  # the warm-up reads the last two
+            if done:
+                self._handoff(done)
         else:
             self.cache = cache
-        request.prefilled += real
-        self.stats["prefill_tokens"] += real
-        if request.prefilled < len(prompt):
-            self.stats["prefill_s"] += time.perf_counter() - start_time
-            return
-        self._prefilling.popleft()
-        if offloaded:
-            entries = self.offloaded_part.entries(len(prompt))
-            self.cache = _HANDOFF(self.family, self.cache, self.scratch, jnp.asarray(self._on_shard(shard, table_X, 0)),
-                                  jnp.asarray(self._on_shard(shard, pages_X, 0)),
-                                  jnp.asarray(self._on_shard(shard, local, self.rows_per_shard)),
-                                  jnp.asarray(self._on_shard(shard, entries, 0)), _last_queries(request.windows),
-                                  layout=self.layout, scratch_layout=self.scratch_layout)
-            self.stats["prompt_rows_to_host"] += entries * self.offloaded_part.layers
-        request.windows = []
         self.stats["prefill_s"] += time.perf_counter() - start_time
-        self._lengths[slot] = len(prompt)
-        self._decoding[request_id] = slot
-        self._append(request_id, slot, int(mesh.host_array(token)[shard]), logits_BV, shard, new)
+        if not done:
+            return
+        finished = {entry.request_id for entry, _ in done.values()}
+        self._prefilling = deque(e for e in self._prefilling if e.request_id not in finished)
+        sampled = mesh.host_array(token)
+        for shard, (entry, request) in done.items():
+            request.windows = []
+            self._lengths[entry.slot] = len(request.prompt_ids)
+            self._decoding[entry.request_id] = entry.slot
+            self._append(entry.request_id, entry.slot, int(sampled[shard]), logits_BV, shard, new)
+
+    def _handoff(self, done: dict[int, tuple[Admitted, Request]]):
+        """The prompts prefilled on their shards' scratch rows (``done``: shard -> request) into the decode cache:
+        one call, a request per shard (the others: no row, no pages, no entries)."""
+        shards, width = self.shards, self.pages_per_row
+        table, pages = np.zeros((shards, width), np.int32), np.zeros((shards, width), np.int32)
+        rows, entries = np.full(shards, self.rows_per_shard, np.int32), np.zeros(shards, np.int32)
+        ids = {}
+        for shard, (entry, request) in done.items():
+            pages[shard], table[shard] = self._tables(entry.pages)
+            rows[shard] = entry.slot % self.rows_per_shard
+            entries[shard] = self.offloaded_part.entries(len(request.prompt_ids))
+            ids[shard] = _last_queries(request.windows)
+            self.stats["prompt_rows_to_host"] += int(entries[shard]) * self.offloaded_part.layers
+        none = jnp.full_like(next(iter(ids.values())), -1)
+        ids_LDTK = jnp.stack([ids.get(shard, none) for shard in range(shards)], axis=1)
+        self.cache = _HANDOFF(self.family, self.cache, self.scratch, jnp.asarray(table), jnp.asarray(pages),
+                              jnp.asarray(rows), jnp.asarray(entries), ids_LDTK, layout=self.layout,
+                              scratch_layout=self.scratch_layout)
 
     def _decode_step(self, new: dict[int, tuple[Request, list]]) -> int:
         rows: list[Request | None] = [None] * self.config.max_batch
@@ -739,10 +763,12 @@ class Engine:
         elif request_id in self.admission.running:
             _, slot, pages = self.admission.running[request_id]
             if self.scratch is not None:
-                shard, row = divmod(slot, self.rows_per_shard)
-                self.cache = _RELEASE(self.family, self.cache,
-                                      jnp.asarray(self._on_shard(shard, row, self.rows_per_shard)),
-                                      jnp.asarray(self._on_shard(shard, self._tables(pages)[0], 0)), layout=self.layout)
+                shard, row = divmod(slot, self.rows_per_shard)  # on its shard; the others: no row, no pages
+                rows_D = np.full(self.shards, self.rows_per_shard, np.int32)
+                pages_DX = np.zeros((self.shards, self.pages_per_row), np.int32)
+                rows_D[shard], pages_DX[shard] = row, self._tables(pages)[0]
+                self.cache = _RELEASE(self.family, self.cache, jnp.asarray(rows_D), jnp.asarray(pages_DX),
+                                      layout=self.layout)
             self.admission.finish(request_id)
             self._decoding.pop(request_id, None)
             self._prefilling = deque(e for e in self._prefilling if e.request_id != request_id)
@@ -817,10 +843,10 @@ def _token_logprob(token: int, logits_V: np.ndarray, top: int) -> TokenLogprob:
 
 
 def _last_queries(windows: list[tuple[int, jax.Array]]) -> jax.Array:
-    """The top-k ids ``i32[L, D, T, K]`` (a row per data shard) of the prompt's last ``WARMUP_QUERIES``
-    positions, from the per-chunk windows (each chunk's last Q real tokens, -1 before the chunk)."""
+    """The top-k ids ``i32[L, T, K]`` of the prompt's last ``WARMUP_QUERIES`` positions, from the
+    per-chunk windows (each chunk's last Q real tokens, -1 before the chunk)."""
     q = tier.WARMUP_QUERIES
     real, ids = windows[-1]
     if real >= q or len(windows) == 1:
         return ids
-    return jnp.concatenate([windows[-2][1][:, :, real:], ids[:, :, q - real:]], axis=2)
+    return jnp.concatenate([windows[-2][1][:, real:], ids[:, q - real:]], axis=1)

@@ -41,12 +41,13 @@ for run in ["none:inline:", "ess:inline:", *sys.argv[2:]]:
     engine = Engine(model, config(run))
     for prompt, new in requests:
         engine.add_request(prompt, new)
+    first = sorted(out.request_id for out in engine.step())  # the requests whose prefill ended in the first step
     tokens = [r.output_ids for r in engine.run()]
     experts = next(x for p, x in jax.tree_util.tree_leaves_with_path(engine.params)
                    if "['experts']" in jax.tree_util.keystr(p))
     offload = engine.offload_metrics()
     counts = lambda c: [c["lookups"], c["hits"], c["misses"]]
-    out[run] = {"tokens": tokens, "pool_slots": engine.pool_slots,
+    out[run] = {"tokens": tokens, "pool_slots": engine.pool_slots, "first_step": first,
                 "counters": offload and {"total": counts(offload), "per_shard": [counts(c) for c in offload["per_shard"]]},
                 "expert_shard": list(experts.addressable_shards[0].data.shape), "expert_shape": list(experts.shape),
                 "cache_specs": sorted({str(x.sharding.spec) for x in jax.tree.leaves(engine.cache)
@@ -96,6 +97,10 @@ def test_mesh_tokens_equal_one_device(family, runs, experts, entries):
         got = out[run]
         assert got["tokens"] == alone["tokens"], run
         shape = mesh.parse(spec)
+        # each data shard prefills its own requests (its own prefill_chunk of 16 tokens a step): on one device the
+        # first 16-token prompt alone ends its prefill in the first step; on data=8 both 16-token prompts, each on
+        # its own shard (the 32-token one on a third)
+        assert got["first_step"] == {1: [0], 2: [0], 8: [0, 2]}[shape.data], run
         assert got["expert_shard"][-3] == experts // shape.expert  # the routed experts are sharded ([(L,) E, out, in])
         if offload == "ess":
             assert got["pool_slots"] < entries  # the pools evict: the tier is exercised, not a resident copy

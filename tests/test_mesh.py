@@ -72,16 +72,18 @@ def _run(checkpoint: str, runs: list[str]) -> dict:
             "--xla_llvm_disable_expensive_passes=true"
     env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, "-c", SCRIPT, checkpoint, *runs], env=env, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
 
 
 @pytest.mark.parametrize("family, runs, experts, entries", [
     # one latent row per token; 8 routed experts
-    ("v32", ["none:inline:expert=8", "ess:inline:data=2,expert=4", "ess:split:data=2,expert=4"], 8, 48),
+    ("v32", ["none:inline:expert=8", "ess:inline:data=2,expert=4", "ess:split:data=2,expert=4", "ess:split:expert=8",
+             "ess:inline:data=8"], 8, 48),
     # one CSA entry per 4 tokens; 4 routed experts
-    ("v4", ["none:inline:data=2,expert=4", "ess:split:data=8", "ess:inline:data=2,expert=4"], 4, 12),
+    ("v4", ["none:inline:data=2,expert=4", "none:inline:data=8", "ess:split:data=8", "ess:inline:data=2,expert=4"],
+     4, 12),
 ])
 def test_mesh_tokens_equal_one_device(family, runs, experts, entries):
     """Resident and ESS (both fetch backends) on meshes sharding the experts, the batch rows or both: the

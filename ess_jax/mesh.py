@@ -253,7 +253,11 @@ def per_shard(fn: Callable, mesh: jax.sharding.Mesh, in_specs, out_specs) -> Cal
     left to the partitioner: the routed experts stay split over ``expert``). Its batch-row and page arguments
     are the shard's own: page ids local to the shard's pool, batch rows numbered from 0 on each shard. Every
     result is per shard (``out_specs`` over ``data``): values are not tracked as varying over it
-    (``check_vma=False``), so the models' scans may start from constants."""
+    (``check_vma=False``), so the models' scans may start from constants. One data shard: ``fn`` itself, on the
+    whole mesh (an axis of size 1 is made manual otherwise: the partitioner refuses the split backend's host
+    callbacks under a ``shard_map`` whose only Auto axes have one device)."""
+    if mesh.shape["data"] == 1:  # one shard: the step as it is, the partitioner splitting the experts
+        return fn
     manual = {"data"} | {name for name, size in mesh.shape.items() if size == 1}  # an axis of one device: nothing to split
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=manual, check_vma=False)
 

@@ -140,6 +140,35 @@ def test_data_shards_hold_their_own_requests(capsys):
         plan.bytes_per_device(1000, 3, 2)
 
 
+def test_text_output_names_the_budget_and_the_batches(capsys):
+    assert plan.main(ESS + ["--context", "32768", "--pool-ratio", "0.21"]) == 0
+    out = capsys.readouterr().out
+    assert "KV budget 82.00 GB" in out and "48,068.00" in out and "83.25 %" in out
+    assert out.rstrip().splitlines()[-1].split()[7:9] == ["52", "152"]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--context", "0"], "--context 0"),
+    (["--pool-ratio", "1.5"], "--pool-ratio 1.5"),
+    (["--kv-budget-gb", "-1"], "--kv-budget-gb"),
+    (["--model", "no-such-model"], "no-such-model"),
+    (["--cache-dtype", "fp16"], "--cache-dtype"),
+    (["--model", "deepseek-v3.2", "--context", "200000"], "max_position_embeddings"),
+    (["--model", "deepseek-v3.2", "--gpu-mem-gb", "40", "--mesh", "expert=1"], "weights take"),
+    (["--model", "deepseek-v3.2", "--gpu-mem-gb", "141", "--mesh", "expert=7"], "--mesh expert=7 does not divide"),
+    (["--mesh", "tensor=2"], "tensor parallelism is not served"),
+    (["--context", "abc"], "--context"),
+])
+def test_bad_arguments_exit_2_with_one_line(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exc:
+        code = plan.main(argv + (["--kv-budget-gb", "80"] if "--gpu-mem-gb" not in argv and "--kv-budget-gb" not in argv
+                                 else []))
+        raise SystemExit(code)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and needle in err and err.count("\n") == 1
+
+
 def test_module_entry_point():
     proc = subprocess.run([sys.executable, "-m", "ess_jax.plan", "--pool-ratio", "2"], capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and proc.stderr.count("\n") == 1

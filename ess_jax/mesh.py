@@ -262,12 +262,6 @@ def per_shard(fn: Callable, mesh: jax.sharding.Mesh, in_specs, out_specs) -> Cal
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=manual, check_vma=False)
 
 
-def data_shard() -> jax.Array | int:
-    """The data shard the computation runs on (inside ``per_shard``), else 0."""
-    manual = jax.sharding.get_abstract_mesh().manual_axes
-    return jax.lax.axis_index("data") if "data" in manual else 0
-
-
 def all_manual(fn: Callable) -> Callable:
     """``fn`` where every mesh axis is manual: inside ``per_shard`` a nested ``jax.shard_map`` over the axes
     still left to the partitioner, its arguments and results the same on each of their devices (host callbacks

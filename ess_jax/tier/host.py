@@ -91,7 +91,7 @@ class NumpyHostStore:
         abstract = jax.sharding.get_abstract_mesh()
         if "data" not in abstract.manual_axes:
             return page
-        return page + mesh.data_shard() * (self.array.shape[1] // abstract.shape["data"])
+        return page + jax.lax.axis_index("data") * (self.array.shape[1] // abstract.shape["data"])
 
     def fetch(self, layer, page_BK: jax.Array, offset_BK: jax.Array) -> jax.Array:
         shape = jax.ShapeDtypeStruct(page_BK.shape + self.array.shape[-1:], self.array.dtype)

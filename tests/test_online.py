@@ -74,9 +74,10 @@ def drive(eng: Engine, arrivals: dict[int, list], on_step=None) -> tuple[dict, d
 
 
 def idle_usage(eng: Engine) -> dict:
-    offloaded = {"pool_slots_in_use": 0, "host_pages_in_use": 0} if eng.scratch is not None else {}
+    offloaded = ({"pool_slots_in_use": 0, "host_pages_in_use": 0, "host_bytes_in_use": 0} if eng.scratch is not None
+                 else {})
     shards = [dict(s, pages_in_use=0, rows_in_use=0) for s in eng.usage()["per_shard"]]
-    return dict(eng.usage(), pages_in_use=0, rows_in_use=0, per_shard=shards, **offloaded)
+    return dict(eng.usage(), pages_in_use=0, rows_in_use=0, requests_waiting=0, per_shard=shards, **offloaded)
 
 
 REQUEST = st.tuples(st.integers(0, 8), st.integers(1, LONGEST), st.integers(1, NEW))  # arrival step, length, new

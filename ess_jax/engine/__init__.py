@@ -563,10 +563,15 @@ class Engine:
                    "rows_total": self.rows_per_shard} for d, a in enumerate(self.allocators)]
         out = {k: sum(s[k] for s in shards) for k in ("pages_in_use", "pages_total", "rows_in_use", "rows_total")}
         out["per_shard"] = shards
+        out["requests_waiting"] = len(self.admission.waiting)
         if self.scratch is not None:
             out["pool_slots_in_use"] = int((mesh.host_array(self.family.store_of(self.cache).lru.slot_entry) >= 0).sum())
+            out["pool_slots_total"] = self.pool_slots * self.config.max_batch * self.offloaded_part.layers
             out["host_pages_in_use"] = out["pages_in_use"]  # the host store has the cache's pages
             out["host_pages_total"] = out["pages_total"]
+            page_bytes = self.offloaded_part.page_bytes(self.config.page_size)
+            out["host_bytes_in_use"] = out["pages_in_use"] * page_bytes
+            out["host_bytes_total"] = (out["pages_total"] + self.shards) * page_bytes  # with each shard's null page
         return out
 
     def warm_up(self) -> None:

@@ -12,7 +12,7 @@ page, page ids local to the shard: the devices of shard ``d`` hold its pages and
 ``max_batch / D`` batch rows: rows ``d * R .. (d + 1) * R - 1`` read only shard ``d``'s pages.
 
 Admission. A request reserves ``pages_for(prompt_len + max_new_tokens)`` pages of one shard when it is
-admitted, so a running request never runs out mid-decode, and holds one batch row (slot) of that shard
+admitted, so a running request never runs out mid-decode, and holds one batch row of that shard
 until it finishes. Waiting requests are admitted in strict FIFO order, each to the least-loaded shard that
 has a free row and its pages (the most free pages; then the fewest rows in use; then the lowest shard).
 """
@@ -93,7 +93,7 @@ class Admitted(NamedTuple):
     the pool of the row's data shard)."""
 
     request_id: Hashable
-    slot: int
+    row: int
     pages: np.ndarray
 
 
@@ -128,7 +128,7 @@ class Admission:
         self._running: dict[Hashable, Admitted] = {}
         # per shard a heap of its free rows: the lowest free row is taken first
         r = self.rows_per_shard
-        self._free_slots: list[list[int]] = [list(range(d * r, (d + 1) * r)) for d in range(len(allocators))]
+        self._free_rows: list[list[int]] = [list(range(d * r, (d + 1) * r)) for d in range(len(allocators))]
 
     @property
     def waiting(self) -> tuple[Hashable, ...]:
@@ -145,16 +145,16 @@ class Admission:
         return sum(a.num_free for a in self.allocators)
 
     @property
-    def num_free_slots(self) -> int:
-        return sum(map(len, self._free_slots))
+    def num_free_rows(self) -> int:
+        return sum(map(len, self._free_rows))
 
-    def free_slots(self, shard: int) -> list[int]:
+    def free_rows(self, shard: int) -> list[int]:
         """Data shard ``shard``'s free batch rows (a copy)."""
-        return sorted(self._free_slots[shard])
+        return sorted(self._free_rows[shard])
 
-    def shard_of(self, slot: int) -> int:
-        """The data shard of batch row ``slot``."""
-        return slot // self.rows_per_shard
+    def shard_of(self, row: int) -> int:
+        """The data shard of batch row ``row``."""
+        return row // self.rows_per_shard
 
     def submit(self, request_id: Hashable, prompt_len: int, max_new_tokens: int) -> None:
         """Queue a request. Raises ``ValueError`` when it could never run (``check``) or was already queued."""
@@ -199,8 +199,8 @@ class Admission:
 
     def _shard_for(self, pages: int) -> int | None:
         """The least-loaded shard with a free row and ``pages`` free pages (None: no shard has them)."""
-        fits = [d for d, a in enumerate(self.allocators) if self._free_slots[d] and pages <= a.num_free]
-        return min(fits, key=lambda d: (-self.allocators[d].num_free, -len(self._free_slots[d]), d), default=None)
+        fits = [d for d, a in enumerate(self.allocators) if self._free_rows[d] and pages <= a.num_free]
+        return min(fits, key=lambda d: (-self.allocators[d].num_free, -len(self._free_rows[d]), d), default=None)
 
     def admit(self, max_new: int) -> list[Admitted]:
         """Admit up to ``max_new`` requests from the head of the queue while pages and batch rows allow;
@@ -215,7 +215,7 @@ class Admission:
                 break
             request_id, pages = self._queue.popleft()
             self._waiting_ids.remove(request_id)
-            entry = Admitted(request_id, heapq.heappop(self._free_slots[shard]), self.allocators[shard].allocate(pages))
+            entry = Admitted(request_id, heapq.heappop(self._free_rows[shard]), self.allocators[shard].allocate(pages))
             self._running[request_id] = entry
             admitted.append(entry)
         return admitted
@@ -225,17 +225,17 @@ class Admission:
         if request_id not in self._running:
             raise KeyError(f"request {request_id!r} is not running")
         entry = self._running.pop(request_id)
-        shard = self.shard_of(entry.slot)
+        shard = self.shard_of(entry.row)
         self.allocators[shard].free(entry.pages)
-        heapq.heappush(self._free_slots[shard], entry.slot)
+        heapq.heappush(self._free_rows[shard], entry.row)
 
     def page_table(self, pages_per_row: int) -> np.ndarray:
-        """The per-step page table ``i32[max_batch, pages_per_row]``: row ``slot`` lists the pages of the
+        """The per-step page table ``i32[max_batch, pages_per_row]``: row ``row`` lists the pages of the
         request in that batch row in token order (ids in its shard's pool); free rows and unused columns hold
         the null page."""
         table = np.full((self.max_batch, pages_per_row), NULL_PAGE, np.int32)
         for entry in self._running.values():
             if entry.pages.size > pages_per_row:
                 raise ValueError(f"request {entry.request_id!r} holds {entry.pages.size} pages > {pages_per_row=}")
-            table[entry.slot, : entry.pages.size] = entry.pages
+            table[entry.row, : entry.pages.size] = entry.pages
         return table

@@ -12,10 +12,10 @@ What is measured, per configuration:
   reported. Measured steps are the decode steps in which every request decodes (a later prompt's
   prefill pieces interleave with the first requests' decode, so the first steps may serve fewer
   rows), less the first ``--warmup-steps`` of them; decode is compiled before the first step.
-- step latency p50 / p99: every measured step of every repetition. A step is one call of
-  ``Engine._decode_step`` (host bookkeeping, the compiled step, reading the sampled tokens back, and
-  for ``split`` the host backup), timed with ``time.perf_counter`` by ``TimedEngine``, a subclass
-  that wraps that method and changes nothing else.
+- step latency p50 / p99: every measured step of every repetition. A step is the engine's decode step
+  (the compiled step, reading the sampled tokens back, the host bookkeeping, and for ``split`` the host
+  backup), timed with ``time.perf_counter`` by the engine itself (``record_steps=True``:
+  ``EngineStats.steps``).
 - hit rate, overall and per layer, and h2d bytes per step: the tier's device counters
   (Engine.offload_metrics) over every decode step of every repetition; h2d = misses x row bytes;
   per step = per decoded token x batch.
@@ -239,45 +239,9 @@ def _config_of(name: str):
 
 # ---- timing ------------------------------------------------------------------------------------
 
-def _timed_engine_class():
-    from ess_jax.engine import Engine
-
-    class TimedEngine(Engine):
-        """An Engine whose decode steps are timed one by one; ``steps`` holds (seconds, rows decoded) of each,
-        ``dispatch_s`` the seconds each call of the compiled decode step took to return (the host's part:
-        arguments in, the step enqueued), ``pieces_s`` the seconds of each prefill piece (its compile included
-        when it is the first of its size)."""
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.steps: list[tuple[float, int]] = []
-            self.dispatch_s: list[float] = []
-            self.pieces_s: list[float] = []
-
-        def _compile_decode(self):
-            super()._compile_decode()
-            compiled = self._decode
-
-            def dispatch(*args):
-                start = time.perf_counter()
-                out = compiled(*args)
-                self.dispatch_s.append(time.perf_counter() - start)
-                return out
-
-            self._decode = dispatch
-
-        def _decode_step(self, new) -> int:
-            start = time.perf_counter()
-            served = super()._decode_step(new)
-            self.steps.append((time.perf_counter() - start, served))
-            return served
-
-        def _prefill_piece(self, *args):
-            start = time.perf_counter()
-            super()._prefill_piece(*args)
-            self.pieces_s.append(time.perf_counter() - start)
-
-    return TimedEngine
+def decode_steps(engine) -> list[tuple[float, int]]:
+    """(seconds, rows decoded) of each decode step an engine built with ``record_steps=True`` ran."""
+    return [(t.decode_s, t.decode_rows) for t in engine.stats.steps if t.decode_s is not None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,16 +257,15 @@ class Setting:
 
 def run_settings(model, settings: list[Setting], prompts: list[list[int]], args, log) -> list[dict]:
     """Run every setting ``args.repeats`` times side by side; one result dict per setting."""
-    from ess_jax.engine import EngineConfig
+    from ess_jax.engine import Engine, EngineConfig
 
-    TimedEngine = _timed_engine_class()
     engines = []
     for s in settings:
         config = EngineConfig(max_batch=len(prompts), max_seq_len=args.context + args.new_tokens,
                               prefill_chunk=args.prefill_chunk, offload=s.offload,
                               pool_ratio=s.pool_ratio if s.pool_ratio is not None else 0.2, fetch=s.fetch or "inline",
                               kernels=args.kernels, cache_dtype=args.cache_dtype, mesh=args.mesh)
-        engines.append(TimedEngine(model, config))
+        engines.append(Engine(model, config, record_steps=True))
     tok_s = [[] for _ in settings]
     steps_ms = [[] for _ in settings]
     prefill_tok_s = [[] for _ in settings]
@@ -316,16 +279,15 @@ def run_settings(model, settings: list[Setting], prompts: list[list[int]], args,
             engine = engines[i]
             for prompt in prompts:
                 engine.add_request(prompt, args.new_tokens, ignore_eos=True)  # decode every --new-tokens step
-            first, prefill = len(engine.steps), (engine.stats["prefill_tokens"], engine.stats["prefill_s"])
+            first, prefill = len(decode_steps(engine)), (engine.stats.prefill_tokens, engine.stats.prefill_s)
             requests = engine.run()[-len(prompts):]
-            prefill_tok_s[i].append((engine.stats["prefill_tokens"] - prefill[0])
-                                    / (engine.stats["prefill_s"] - prefill[1]))
+            prefill_tok_s[i].append((engine.stats.prefill_tokens - prefill[0]) / (engine.stats.prefill_s - prefill[1]))
             if outputs[i] is None:
                 outputs[i] = [r.output_ids for r in requests]
             if cache_bytes[i] is None:  # resident_device_bytes sums every request submitted so far: read it once
                 cache_bytes[i] = engine.cache_bytes()
             # full-batch steps only: a later prompt's prefill interleaves with the first requests' decode
-            measured = [t for t, rows in engine.steps[first:] if rows == len(prompts)][args.warmup_steps:]
+            measured = [t for t, rows in decode_steps(engine)[first:] if rows == len(prompts)][args.warmup_steps:]
             tok_s[i].append(len(prompts) * len(measured) / sum(measured))
             steps_ms[i] += [1e3 * t for t in measured]
             log(f"repeat {rep + 1}/{args.repeats}  {settings[i].label:<22} {tok_s[i][-1]:8.1f} tok/s")
@@ -333,11 +295,11 @@ def run_settings(model, settings: list[Setting], prompts: list[list[int]], args,
     results = []
     for s, engine, rates, ms, cb, prefill, output in zip(settings, engines, tok_s, steps_ms, cache_bytes, prefill_tok_s,
                                                          outputs):
-        steps = len(engine.steps)
-        full_steps = engine.stats["decode_tokens"] / len(prompts)  # decode steps of the whole batch, equivalently
+        steps = len(decode_steps(engine))
+        full_steps = engine.stats.decode_tokens / len(prompts)  # decode steps of the whole batch, equivalently
         metrics = engine.offload_metrics()
         result = {
-            "offload": s.offload, "pool_ratio": s.pool_ratio, "fetch": s.fetch, "pool_slots": engine.pool_slots,
+            "offload": s.offload, "pool_ratio": s.pool_ratio, "fetch": s.fetch, "pool_slots": engine.layout.pool_slots,
             "decode_tokens_per_s": statistics.median(rates), "decode_tokens_per_s_runs": rates,
             "relative_to_resident": statistics.median(rates) / resident_tok_s if resident_tok_s else None,
             "step_ms_p50": float(np.percentile(ms, 50)), "step_ms_p99": float(np.percentile(ms, 99)),
@@ -350,7 +312,7 @@ def run_settings(model, settings: list[Setting], prompts: list[list[int]], args,
             "device_bytes": cb["device_bytes"], "host_bytes": cb["host_bytes"],
             "resident_device_bytes": cb["resident_device_bytes"],
             "prefill_scratch_bytes": cb.get("prefill_scratch_bytes", 0),
-            "prefill_tokens_per_s": statistics.median(prefill), "compile_s": engine.stats.get("compile_s"),
+            "prefill_tokens_per_s": statistics.median(prefill), "compile_s": engine.stats.compile_s,
             "tokens_match_resident": output == outputs[0], "output_ids": output,
         }
         results.append(result)
@@ -390,13 +352,13 @@ def prefill_stall(model, prompts: list[list[int]], args, log) -> dict:
     for step in range(args.stall_steps + 16):
         if step == 8:
             engine.add_request(prompts[0], 1, ignore_eos=True)
-        tokens, seconds = engine.stats["prefill_tokens"], engine.stats["prefill_s"]
+        tokens, seconds = engine.stats.prefill_tokens, engine.stats.prefill_s
         start = time.perf_counter()
         engine.step()
         ms = 1e3 * (time.perf_counter() - start)
-        if engine.stats["prefill_tokens"] > tokens and step >= 8:
+        if engine.stats.prefill_tokens > tokens and step >= 8:
             prefill_ms.append(ms)
-            piece_ms.append(1e3 * (engine.stats["prefill_s"] - seconds))
+            piece_ms.append(1e3 * (engine.stats.prefill_s - seconds))
         elif step >= 2:
             decode_ms.append(ms)
     engine.run()
@@ -409,10 +371,10 @@ def depth_sweep(args, log) -> dict:
     """``--depth-sweep``: the model's config with ``num_hidden_layers`` set to each given count (random weights
     from ``--weights-seed``), served resident and with ESS (the first ``--ratios`` and ``--fetch``): ``--batch``
     prompts of ``--context`` tokens (``prompt_source``), ``--new-tokens`` each. Per depth and mode:
-    - decode compile s: ``Engine._compile_decode`` (lowering and compiling the decode step);
+    - decode compile s: ``Runner.compile_decode`` (lowering and compiling the decode step);
     - prefill compile s: the first prefill piece's time less the median of the later ones of the same size
       (every prompt is cut into the same pieces; with ESS the first handoff's compile is in it too);
-    - ms per decode step: the median ``Engine._decode_step`` of the whole batch, the first one dropped;
+    - ms per decode step: the median decode step of the whole batch (``EngineStats.steps``), the first one dropped;
     - dispatch ms: the median time a call of the compiled decode step takes to return (the host's part).
     The persistent compilation cache is off for the sweep, so every compile is measured."""
     import jax.numpy as jnp
@@ -421,7 +383,7 @@ def depth_sweep(args, log) -> dict:
     from ess_jax.api import Model
     from ess_jax.cli import use_compile_cache
     from ess_jax.config import CHECKPOINTS, PRESETS, ModelConfig, preset_dict, shipped_checkpoint
-    from ess_jax.engine import EngineConfig
+    from ess_jax.engine import Engine, EngineConfig
     from ess_jax.families import get as family_of
     from ess_jax.tokenizer import load_tokenizer
 
@@ -431,7 +393,6 @@ def depth_sweep(args, log) -> dict:
     else:
         path = shipped_checkpoint(args.model) if args.model in CHECKPOINTS else Path(args.model)
         raw = json.loads((path / "config.json").read_text())
-    TimedEngine = _timed_engine_class()
     rows = []
     # a V4 config's per-layer lists give way to transformers' default pattern at every depth (HCA x 2, then HCA /
     # CSA alternating; 3 hash-routed layers)
@@ -446,17 +407,18 @@ def depth_sweep(args, log) -> dict:
                                   prefill_chunk=args.prefill_chunk, offload=offload, pool_ratio=args.ratios[0],
                                   fetch=args.fetch[0], kernels=args.kernels, cache_dtype=args.cache_dtype,
                                   mesh=args.mesh)
-            engine = TimedEngine(model, config)
-            engine._compile_decode()
+            engine = Engine(model, config, record_steps=True)
+            engine.runner.compile_decode()
             for prompt in prompts:
                 engine.add_request(prompt, args.new_tokens, ignore_eos=True)
             engine.run()
-            pieces = len(engine.pieces_s) // len(prompts)  # each prompt's pieces, the same sizes in the same order
-            later = [engine.pieces_s[i * pieces] for i in range(1, len(prompts))]
-            steps = [t for t, served in engine.steps if served == len(prompts)][1:]
-            dispatch = engine.dispatch_s[-len(steps):] if steps else []
-            row = {"layers": layers, "offload": offload, "decode_compile_s": engine.stats["compile_s"],
-                   "prefill_compile_s": engine.pieces_s[0] - statistics.median(later) if later else None,
+            pieces_s = [t for step in engine.stats.steps for t in step.prefill_s]
+            pieces = len(pieces_s) // len(prompts)  # each prompt's pieces, the same sizes in the same order
+            later = [pieces_s[i * pieces] for i in range(1, len(prompts))]
+            full = [t for t in engine.stats.steps if t.decode_s is not None and t.decode_rows == len(prompts)][1:]
+            steps, dispatch = [t.decode_s for t in full], [t.decode_dispatch_s for t in full]
+            row = {"layers": layers, "offload": offload, "decode_compile_s": engine.stats.compile_s,
+                   "prefill_compile_s": pieces_s[0] - statistics.median(later) if later else None,
                    "decode_step_ms": 1e3 * statistics.median(steps) if steps else None,
                    "dispatch_ms": 1e3 * statistics.median(dispatch) if dispatch else None,
                    "measured_steps": len(steps)}
@@ -531,8 +493,10 @@ def topk_trace(model, prompt: list[int], steps: int, *, chunk: int, page_size: i
     for this request): the prompt runs through the engine's own prefill function in the engine's pieces
     (``--prefill-chunk``, the rest in powers of two), so the warm-up ids are those an ESS engine's
     warm-up reads; then ``steps`` decode steps of the model's step."""
+    import jax
     import jax.numpy as jnp
-    from ess_jax import engine as engine_lib, families
+    from ess_jax import families, tier
+    from ess_jax.engine import CACHE_DTYPES, steps as engine_steps
     from ess_jax.cache import StepMeta
 
     cfg, module = model.cfg, model.module
@@ -542,24 +506,25 @@ def topk_trace(model, prompt: list[int], steps: int, *, chunk: int, page_size: i
                 if p.where == "offloaded")
     max_seq_len = len(prompt) + steps + 1
     pages = math.ceil(max_seq_len / page_size)
-    dtype = engine_lib.CACHE_DTYPES[cache_dtype] if cache_dtype else module.dtype
+    dtype = CACHE_DTYPES[cache_dtype] if cache_dtype else module.dtype
     cache = family.resident_cache(module, families.CacheSize(rows=1, pages=pages + 1, page_size=page_size,
                                                              max_seq_len=max_seq_len), dtype)
     table_BX = jnp.arange(1, pages + 1, dtype=jnp.int32)[None]  # the scratch's pages 1..X (0 is the null page)
     row_B = jnp.zeros((1,), jnp.int32)
-    greedy = (jnp.zeros(1, jnp.float32), jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.float32), jnp.zeros(1, jnp.uint32),
-              jnp.zeros(1, jnp.int32))
-    buckets, windows, start = engine_lib._buckets(chunk), [], 0
-    while start < len(prompt):  # Engine._prefill_pieces: the largest piece that fits the rest
-        real = max(b for b in buckets if b <= len(prompt) - start)
+    greedy = engine_steps.SamplingBatch(jnp.zeros(1, jnp.float32), jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.float32),
+                                        jnp.zeros(1, jnp.uint32), jnp.zeros(1, jnp.int32))
+    window, start = None, 0
+    for real in engine_steps.prefill_pieces(len(prompt), chunk):  # the engine's pieces
         meta = StepMeta(jnp.asarray(start + np.arange(real, dtype=np.int32))[None], jnp.ones((1, real), bool),
                         table_BX, row_B)
-        token, _, ids_LBTK, cache = engine_lib._PREFILL(model.graphdef, kernels, model.params,
-                                                        jnp.asarray([prompt[start:start + real]], jnp.int32), meta,
-                                                        cache, jnp.asarray([real - 1], jnp.int32), greedy)
-        windows = windows[-1:] + [(real, ids_LBTK[:, 0])]
+        tokens = jnp.asarray([prompt[start:start + real]], jnp.int32)
+        if window is None:  # the window's shape: the top-k ids of the model's layers that select
+            ids_LBTK = jax.eval_shape(lambda t, m, c: module.step(t, m, c, kernels=kernels)[1], tokens, meta, cache)
+            window = jnp.full((ids_LBTK.shape[0], 1, tier.WARMUP_QUERIES, ids_LBTK.shape[3]), -1, jnp.int32)
+        token, _, window, cache = engine_steps.prefill(model.graphdef, kernels, model.params, tokens, meta, cache,
+                                                       greedy, window)
         start += real
-    warm_LTK = np.asarray(engine_lib._last_queries(windows))
+    warm_LTK = np.asarray(window[:, 0])
     token, m = int(token[0]), part.tokens_per_row
     ids, new = [], []
     for t in range(steps):

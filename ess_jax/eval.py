@@ -132,7 +132,7 @@ def evaluate(model, ids: Sequence[int], *, context: int, paths: Sequence[str] = 
                 engine, offload="ess" if path == "ess" else "none"))
             if path == "ess":
                 metrics = server.offload_metrics()
-                offload = {"pool_size": server.pool_slots, "fetch": engine.fetch,
+                offload = {"pool_size": server.layout.pool_slots, "fetch": engine.fetch,
                            **{k: metrics[k] for k in ("lookups", "hits", "misses", "hit_rate", "h2d_bytes")}}
         wall = time.perf_counter() - start
         flat = np.concatenate(nll)

@@ -369,10 +369,11 @@ class Metrics:
         r.register(_TierCollector(self))
 
     def set_queue(self, engine: Engine, *, waiting: int):
-        self.running.set(engine.config.max_batch - engine.admission.num_free_slots)
+        usage = engine.scheduler.usage()  # host bookkeeping only: no device read
+        self.running.set(usage["rows_in_use"])
         self.waiting.set(waiting)
-        self.pages_total.set(sum(a.capacity for a in engine.allocators))  # every data shard's
-        self.pages_in_use.set(sum(a.capacity for a in engine.allocators) - engine.admission.num_free_pages)
+        self.pages_total.set(usage["pages_total"])  # every data shard's
+        self.pages_in_use.set(usage["pages_in_use"])
 
     def read_device(self, engine: Engine):
         """Snapshot what lives on the device: tier counters and pool slots (one read each)."""
@@ -380,13 +381,9 @@ class Metrics:
         if offload is None:
             return
         usage = engine.usage()
-        if not self._tier:
-            self._tier["host_bytes_capacity"] = engine.cache_bytes()["host_bytes"]
-        capacity = self._tier["host_bytes_capacity"]
-        page_bytes = capacity // (usage["host_pages_total"] + engine.shards)  # each shard's store has its null page
         self._tier.update(offload=offload, pool_slots_in_use=usage["pool_slots_in_use"],
-                          pool_slots_total=engine.pool_slots * engine.config.max_batch * len(offload["per_layer"]),
-                          host_bytes_in_use=usage["host_pages_in_use"] * page_bytes)
+                          pool_slots_total=usage["pool_slots_total"], host_bytes_in_use=usage["host_bytes_in_use"],
+                          host_bytes_capacity=usage["host_bytes_total"])
 
 
 class _TierCollector:

@@ -123,24 +123,24 @@ def test_admit_respects_max_new_and_batch_rows():
     for name in "abcd":
         adm.submit(name, 2, 1)
     assert [e.request_id for e in adm.admit(1)] == ["a"]
-    assert [(e.request_id, e.slot) for e in adm.admit(5)] == [("b", 1)]  # only two rows
+    assert [(e.request_id, e.row) for e in adm.admit(5)] == [("b", 1)]  # only two rows
     adm.finish("a")
-    assert [(e.request_id, e.slot) for e in adm.admit(5)] == [("c", 0)]  # the freed row is reused
+    assert [(e.request_id, e.row) for e in adm.admit(5)] == [("c", 0)]  # the freed row is reused
     with pytest.raises(KeyError, match="'d' is not running"):
         adm.finish("d")
     with pytest.raises(ValueError, match="max_new=-1"):
         adm.admit(-1)
 
 
-def test_page_table_rows_follow_slots_and_pad_with_the_null_page():
+def test_page_table_rows_follow_batch_rows_and_pad_with_the_null_page():
     adm = make_admission()
     adm.submit("a", 5, 2)  # 2 pages
     adm.submit("b", 1, 1)  # 1 page
     a, b = adm.admit(2)
     table = adm.page_table(pages_per_row=3)
     assert table.dtype == np.int32 and table.shape == (3, 3)
-    np.testing.assert_array_equal(table[a.slot], [*a.pages, NULL_PAGE])
-    np.testing.assert_array_equal(table[b.slot], [*b.pages, NULL_PAGE, NULL_PAGE])
+    np.testing.assert_array_equal(table[a.row], [*a.pages, NULL_PAGE])
+    np.testing.assert_array_equal(table[b.row], [*b.pages, NULL_PAGE, NULL_PAGE])
     np.testing.assert_array_equal(table[2], [NULL_PAGE] * 3)
     with pytest.raises(ValueError, match="holds 2 pages > pages_per_row=1"):
         adm.page_table(pages_per_row=1)
@@ -156,18 +156,18 @@ def test_data_shards_route_to_the_least_loaded_shard_with_their_own_pages_and_ro
     adm.submit("e", 6, 2)  # 2 pages: would fit shard 0, but must not overtake d
     adm.submit("f", 2, 2)
     admitted = {e.request_id: e for e in adm.admit(10)}
-    assert {r: e.slot for r, e in admitted.items()} == {"a": 0, "b": 2, "c": 3}
+    assert {r: e.row for r, e in admitted.items()} == {"a": 0, "b": 2, "c": 3}
     assert [adm.shard_of(s) for s in range(4)] == [0, 0, 1, 1] and adm.waiting == ("d", "e", "f")
     # page ids are local to each shard's pool: both hand out page 1 first, never the null page
     assert admitted["a"].pages.tolist() == [1, 2, 3, 4, 5, 6]
     assert admitted["b"].pages.tolist() == [1] and admitted["c"].pages.tolist() == [2]
     adm.finish("c")  # shard 1 has a row and 7 pages again
-    assert [(e.request_id, e.slot, e.pages.tolist()) for e in adm.admit(10)] == [("d", 3, [2, 3, 4]),
+    assert [(e.request_id, e.row, e.pages.tolist()) for e in adm.admit(10)] == [("d", 3, [2, 3, 4]),
                                                                                  ("e", 1, [7, 8])]
     assert [a.num_free for a in shards] == [0, 4] and adm.num_free_pages == 4 and adm.waiting == ("f",)
     adm.finish("a")
     [f] = adm.admit(10)
-    assert (f.request_id, f.slot, f.pages.tolist()) == ("f", 0, [1])
+    assert (f.request_id, f.row, f.pages.tolist()) == ("f", 0, [1])
     np.testing.assert_array_equal(adm.page_table(pages_per_row=3)[3], [2, 3, 4])  # d, on shard 1's pages
     with pytest.raises(ValueError, match="do not divide over 3 data shards"):
         Admission([PageAllocator(9, 4) for _ in range(3)], max_batch=4, max_position_embeddings=64)
@@ -209,7 +209,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         for entry in admitted:
             assert entry.pages.dtype == np.int32 and entry.pages.size == self.pages_needed[entry.request_id]
         if len(ids) < max_new and self.queue:  # stopped early: the head must not fit
-            assert self.adm.num_free_slots == 0 or self.pages_needed[self.queue[0]] > self.adm.num_free_pages
+            assert self.adm.num_free_rows == 0 or self.pages_needed[self.queue[0]] > self.adm.num_free_pages
 
     @precondition(lambda self: self.adm.running)
     @rule(data=st.data())
@@ -226,10 +226,10 @@ class AdmissionMachine(RuleBasedStateMachine):
         assert self.adm.num_free_pages == alloc.num_pages - 1 - len(owned)
 
     @invariant()
-    def slots_are_unique(self):
-        slots = [e.slot for e in self.adm.running.values()]
-        assert len(set(slots)) == len(slots) and all(0 <= s < self.adm.max_batch for s in slots)
-        assert self.adm.num_free_slots == self.adm.max_batch - len(slots)
+    def rows_are_unique(self):
+        rows = [e.row for e in self.adm.running.values()]
+        assert len(set(rows)) == len(rows) and all(0 <= s < self.adm.max_batch for s in rows)
+        assert self.adm.num_free_rows == self.adm.max_batch - len(rows)
         assert self.adm.waiting == tuple(self.queue)
 
     def teardown(self):
@@ -238,7 +238,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         for request_id in list(self.adm.running):
             self.adm.finish(request_id)
         assert self.adm.num_free_pages == self.adm.allocators[0].capacity
-        assert self.adm.num_free_slots == self.adm.max_batch
+        assert self.adm.num_free_rows == self.adm.max_batch
 
 
 AdmissionMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -181,7 +181,7 @@ def test_lru_replay_equals_the_tier_counters(checkpoint):
         engine.add_request(prompt, steps + 1, ignore_eos=True)
     engine.run()
     traces = [bench.topk_trace(model, prompt, steps, chunk=1024) for prompt in prompts]
-    replay = sum(bench.simulate_lru(trace, engine.pool_slots) for trace in traces)
+    replay = sum(bench.simulate_lru(trace, engine.layout.pool_slots) for trace in traces)
     assert replay.tolist() == _counters(engine)
     assert 0 < replay[:, 1].sum() < replay[:, 0].sum()  # hits and misses both
 
@@ -211,7 +211,7 @@ def test_lru_replay_equals_the_hisparse_counters():
     trace = bench.topk_trace(model, prompt, steps, chunk=128)
     assert trace.layers == [0] and (trace.prompt_entries, trace.entries) == (32, 34)
     assert trace.new_S.tolist() == [-1, -1, -1, 32, -1, -1, -1, 33, -1, -1]  # windows close at positions 131, 135
-    replay = bench.simulate_lru(trace, engine.pool_slots)
+    replay = bench.simulate_lru(trace, engine.layout.pool_slots)
     assert replay.tolist() == _counters(engine)
     assert 0 < replay[:, 1].sum() < replay[:, 0].sum()
 

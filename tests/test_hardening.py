@@ -423,12 +423,12 @@ def test_engine_forgets_finished_requests_and_its_figures_stay_bounded(model):
     assert fresh["resident_device_bytes"] == fresh["resident_device_bytes_now"] == 0
     for _ in range(3):
         ids = [engine.add_request([1, 2, 3], 10) for _ in range(40)]  # 13 tokens: one page each
-        assert engine.stats["reserved_pages"] == 40
+        assert engine.stats.reserved_pages == 40
         for i in ids:
             engine.abort(i)
-        assert not engine.requests and not engine._reserved and engine.stats["reserved_pages"] == 0
-        engine._pending.clear()  # what the next step would hand out
+        assert not engine.requests and engine.stats.reserved_pages == 0
+        assert sorted(out.request_id for out in engine.step()) == ids  # the aborts, reported by the next step
     report = engine.cache_bytes()
-    page = families.resident_bytes(engine.parts, engine.size, 1)  # one page of latent rows and keys
+    page = families.resident_bytes(engine.layout.parts, engine.layout.size, 1)  # one page of latent rows and keys
     assert report["resident_device_bytes_now"] == 0
     assert report["resident_device_bytes"] == 40 * page  # the peak of one wave, not the sum of three

@@ -51,7 +51,7 @@ def test_offloaded_equals_resident_and_counts_add_up(model, resident, pool, fetc
     engine, requests = _serve(model, offload="ess", fetch=fetch, **size)
     ref_engine, ref = resident
     slots = {"ratio 0.1": 27, "ratio 0.5": 133}.get(pool, next(iter(size.values())))
-    assert engine.pool_slots == slots
+    assert engine.layout.pool_slots == slots
     for got, want in zip(requests, ref):
         assert got.output_ids == want.output_ids
         scale = np.abs(np.asarray(want.logits)).max()
@@ -129,7 +129,7 @@ def test_fp8_entries_bounded_exact_through_the_tier_and_counted(model):
     np.testing.assert_allclose(runs["fp8 tier"][1], runs["fp8"][1], rtol=0, atol=1e-5 * scale)
     engine = runs["fp8 tier"][0]
     metrics = engine.offload_metrics()
-    assert engine.row_bytes == 88 and metrics["misses"] > 0
+    assert engine.layout.offloaded.row_bytes == 88 and metrics["misses"] > 0
     assert metrics["h2d_bytes"] == metrics["misses"] * 88
     pages = 530 // 64 + 2  # 9 pages of 16 entries and the null page
     assert engine.cache_bytes()["host_bytes"] == len(CSA_LAYERS) * pages * 16 * 88
@@ -147,14 +147,14 @@ def test_a_short_request_occupies_its_pages_not_a_whole_row(model, offload):
                                         pool_size=model.cfg.index_topk + 1))
     engine.add_request(np.random.default_rng(3).integers(0, model.cfg.vocab_size, 300).tolist(), 32)
     engine.step()  # admitted, prefilled in one piece
-    pages, total = engine.usage()["pages_in_use"], engine.size.pages
+    pages, total = engine.usage()["pages_in_use"], engine.layout.size.pages
     assert pages == 6
     if offload == "none":  # every paged part on the device: CSA entries and indexer keys, HCA entries
-        paged = [p for p in engine.parts if p.tokens_per_row]
-        arrays = [x for x in jax.tree.leaves(engine.cache) if x.ndim == 4 and x.shape[1] == total]
+        paged = [p for p in engine.layout.parts if p.tokens_per_row]
+        arrays = [x for x in jax.tree.leaves(engine.runner.cache) if x.ndim == 4 and x.shape[1] == total]
     else:  # the CSA entries in the host store
-        paged = [engine.offloaded_part]
-        arrays = [engine.cache.csa.entries.host.array]
+        paged = [engine.layout.offloaded]
+        arrays = [engine.runner.cache.csa.entries.host.array]
     assert len(arrays) == len(paged)
     occupied = sum(x.nbytes * pages // total for x in arrays)  # the request's pages of each paged array
     assert occupied == sum(p.page_bytes(64) * pages for p in paged)

@@ -22,6 +22,7 @@ SCRIPT = r"""
 import dataclasses, json, sys
 import jax, numpy as np
 import ess_jax
+from ess_jax import families
 from ess_jax.engine import Engine, EngineConfig
 
 model = ess_jax.load_model(sys.argv[1])
@@ -43,25 +44,25 @@ for run in ["none:inline:", "ess:inline:", *sys.argv[2:]]:
         engine.add_request(prompt, new)
     first = sorted(out.request_id for out in engine.step())  # the requests whose prefill ended in the first step
     tokens = [r.output_ids for r in engine.run()]
-    experts = next(x for p, x in jax.tree_util.tree_leaves_with_path(engine.params)
+    experts = next(x for p, x in jax.tree_util.tree_leaves_with_path(engine.runner.params)
                    if "['experts']" in jax.tree_util.keystr(p))
     offload = engine.offload_metrics()
     counts = lambda c: [c["lookups"], c["hits"], c["misses"]]
-    out[run] = {"tokens": tokens, "pool_slots": engine.pool_slots, "first_step": first,
+    out[run] = {"tokens": tokens, "pool_slots": engine.layout.pool_slots, "first_step": first,
                 "counters": offload and {"total": counts(offload), "per_shard": [counts(c) for c in offload["per_shard"]]},
                 "expert_shard": list(experts.addressable_shards[0].data.shape), "expert_shape": list(experts.shape),
-                "cache_specs": sorted({str(x.sharding.spec) for x in jax.tree.leaves(engine.cache)
+                "cache_specs": sorted({str(x.sharding.spec) for x in jax.tree.leaves(engine.runner.cache)
                                        if hasattr(x.sharding, "spec")}),
-                "host_pages": engine.size.pages, "host_shard": None}
-    store = engine.scratch is not None and engine.family.store_of(engine.cache).host
+                "host_pages": engine.layout.size.pages, "host_shard": None}
+    store = engine.config.offload == "ess" and families.get(model.cfg.family).store_of(engine.runner.cache).host
     if store and hasattr(store.array, "sharding"):  # the pinned store: each device holds its shard's pages
         out[run]["host_shard"] = store.array.addressable_shards[0].data.shape[1]
     elif store:  # the split backend's NumPy store: every shard's pages, each shard's callbacks reach its own
-        out[run]["host_shard"] = store.array.shape[1] // (engine.mesh.shape["data"] if engine.mesh else 1)
+        out[run]["host_shard"] = store.array.shape[1] // engine.layout.size.shards
 # a model loaded onto the mesh: the engine takes its parameters as they are, no second copy
 placed = ess_jax.load_model(sys.argv[1], mesh=config(sys.argv[2]).mesh)
 engine = Engine(placed, config(sys.argv[2]))
-out["placed once"] = all(a is b for a, b in zip(jax.tree.leaves(placed.params), jax.tree.leaves(engine.params)))
+out["placed once"] = all(a is b for a, b in zip(jax.tree.leaves(placed.params), jax.tree.leaves(engine.runner.params)))
 print(json.dumps(out))
 """
 

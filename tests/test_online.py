@@ -2,16 +2,19 @@
 streamed as text deltas; chunked prefill interleaved with decode."""
 
 import collections
+import dataclasses
 import functools
 import threading
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax._src import dispatch
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 import ess_jax
@@ -74,7 +77,7 @@ def drive(eng: Engine, arrivals: dict[int, list], on_step=None) -> tuple[dict, d
 
 
 def idle_usage(eng: Engine) -> dict:
-    offloaded = ({"pool_slots_in_use": 0, "host_pages_in_use": 0, "host_bytes_in_use": 0} if eng.scratch is not None
+    offloaded = ({"pool_slots_in_use": 0, "host_pages_in_use": 0, "host_bytes_in_use": 0} if eng.config.offload == "ess"
                  else {})
     shards = [dict(s, pages_in_use=0, rows_in_use=0) for s in eng.usage()["per_shard"]]
     return dict(eng.usage(), pages_in_use=0, rows_in_use=0, requests_waiting=0, per_shard=shards, **offloaded)
@@ -183,13 +186,13 @@ def test_long_prompt_stalls_running_requests_by_at_most_one_chunk():
     running = eng.add_request(prompt(10, 30), 40)
     eng.step()  # its prefill
     long = eng.add_request(prompt(LONGEST - 40, 31), 1)
-    prefilled, steps = eng.stats["prefill_tokens"], 0
+    prefilled, steps = eng.stats.prefill_tokens, 0
     while long in eng.requests and eng.requests[long].prefilled < LONGEST - 40:
         outs = {o.request_id: o for o in eng.step()}
         steps += 1
         assert len(outs[running].new_token_ids) == 1
-        assert eng.stats["prefill_tokens"] - prefilled <= BASE.prefill_chunk
-        prefilled = eng.stats["prefill_tokens"]
+        assert eng.stats.prefill_tokens - prefilled <= BASE.prefill_chunk
+        prefilled = eng.stats.prefill_tokens
     assert steps >= (LONGEST - 40) // BASE.prefill_chunk
     eng.run()
 
@@ -276,3 +279,34 @@ def test_logprobs_follow_the_logits():
         assert len(lp.top) == 3 and lp.top[0][0] == lp.token_id == int(np.argmax(logits))
         np.testing.assert_allclose(lp.logprob, ref[lp.token_id], atol=1e-4)
         np.testing.assert_allclose([v for _, v in lp.top], np.sort(ref)[::-1][:3], atol=1e-4)
+
+
+@pytest.mark.parametrize("family,mode", COMBOS)
+def test_nothing_compiles_after_warm_up(family, mode):
+    """After ``warm_up`` a mixed workload lowers no program: prompts of several lengths (every piece size),
+    two finishing their prefill in one step, two waiting for a row, an abort mid-decode, requests leaving
+    while others decode. Every compiled program is dropped first (``jax.clear_caches``), so the warm-up
+    alone must have made what the workload runs (the earlier tests' compiles come back from the persistent
+    cache, so it stays cheap)."""
+    jax.clear_caches()
+    eng = Engine(model(family), MODES[mode])
+    eng.warm_up()
+    lowered = []
+
+    def listen(event: str, seconds: float, **_):
+        if event == dispatch.JAXPR_TO_MLIR_MODULE_EVENT:
+            lowered.append(event)
+
+    def on_step(step, ids):
+        if step == 3:
+            eng.abort(ids["b"])
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        arrivals = {0: [("a", (prompt(10, 1), 6)), ("b", (prompt(20, 2), 8))],  # both prefilled in step 0
+                    1: [("c", (prompt(150, 3), 4)), ("d", (prompt(37, 4), 3))]}  # waiting for rows
+        got, reasons = drive(eng, arrivals, on_step)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert reasons == {"a": "length", "b": "abort", "c": "length", "d": "length"}
+    assert lowered == []

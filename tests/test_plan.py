@@ -192,6 +192,7 @@ def test_bytes_per_device_equal_the_sharded_engine_cache(preset, cache_dtype, of
     from jax.sharding import AbstractMesh, AxisType
 
     from ess_jax import engine, families
+    from ess_jax.engine import offload as offload_modes
 
     cfg, shape = ModelConfig.from_preset(preset), mesh.parse(spec)
     family = families.get(cfg.family)
@@ -201,8 +202,9 @@ def test_bytes_per_device_equal_the_sharded_engine_cache(preset, cache_dtype, of
                                  pool_ratio=0.2, cache_dtype=cache_dtype, mesh=spec)
     layout = engine.cache_layout(cfg, config, "bfloat16")
     assert layout.size.pages == shape.data * (1 + batch // shape.data * context // page)  # a pool per data shard
-    cache = jax.eval_shape(lambda: engine.decode_cache(module, layout.size, config, layout))
-    axes = mesh.shard_axes(lambda rows, pages: engine.decode_cache(
+    decode_cache = offload_modes.MODES[config.offload].decode_cache
+    cache = jax.eval_shape(lambda: decode_cache(module, layout.size, config, layout))
+    axes = mesh.shard_axes(lambda rows, pages: decode_cache(
         module, dataclasses.replace(layout.size, rows=rows, pages=pages), config, layout))
     abstract = AbstractMesh((shape.data, shape.expert), mesh.AXES, axis_types=(AxisType.Auto,) * 2)
     shardings = mesh.cache_shardings(cache, axes, abstract)

@@ -83,7 +83,7 @@ def test_offload_is_exact(model, resident, offloaded, pool, fetch):
     assert metrics["d2h_bytes"] == (sum(LENGTHS) + decode_rows) * model.cfg.num_hidden_layers * row_bytes
     assert metrics["decode_d2h_bytes"] == decode_rows * model.cfg.num_hidden_layers * row_bytes
     if pool == "top_k+1":
-        assert metrics["misses"] > 0 and engine.pool_slots == 17
+        assert metrics["misses"] > 0 and engine.layout.pool_slots == 17
     if pool == "every entry":
         assert metrics["misses"] == 0  # warm-up put every prompt entry in the pool; nothing is evicted
 
@@ -95,7 +95,7 @@ def test_split_and_inline_move_the_same_rows(offloaded):
 
 def test_device_bytes_are_the_real_arrays(model, offloaded):
     engine, _ = offloaded("ratio 0.1", "inline")
-    cache, cfg = engine.cache, model.cfg
+    cache, cfg = engine.runner.cache, model.cfg
     latent = cache.latent
     lru = latent.lru
     expected = (cache.index_keys.nbytes + latent.pool.nbytes + lru.slot_entry.nbytes + lru.slot_order.nbytes
@@ -103,7 +103,7 @@ def test_device_bytes_are_the_real_arrays(model, offloaded):
                 + latent.staged_offset.nbytes + latent.counters.nbytes)
     report = engine.cache_bytes()
     assert report["device_bytes"] == expected
-    assert report["host_bytes"] == latent.host.array.nbytes == cfg.num_hidden_layers * engine.allocators[0].num_pages * 16 * \
+    assert report["host_bytes"] == latent.host.array.nbytes == cfg.num_hidden_layers * engine.scheduler.allocators[0].num_pages * 16 * \
         cfg.latent_dim * 4
     assert latent.host.array.sharding.memory_kind == "pinned_host"
     # the pool holds a fraction of what the resident latent pages would
@@ -213,19 +213,19 @@ def test_fp8_cache_error_is_bounded_and_bytes_shrink(tiny):
         engine.add_request(prompt, 6)
         runs[cache_dtype] = (engine, engine.run()[0])
     (bf16, bf16_req), (fp8, fp8_req) = runs["bfloat16"], runs["fp8"]
-    assert (bf16.row_bytes, fp8.row_bytes) == (160, 100)
+    assert (bf16.layout.offloaded.row_bytes, fp8.layout.offloaded.row_bytes) == (160, 100)
     ref = bf16_req.logits[0]
     assert 0 < np.abs(fp8_req.logits[0] - ref).max() <= 5e-3 * np.abs(ref).max()
-    assert fp8.cache.latent.pool.dtype == jnp.uint8 and fp8.cache.latent.pool.shape[-1] == 100
+    assert fp8.runner.cache.latent.pool.dtype == jnp.uint8 and fp8.runner.cache.latent.pool.shape[-1] == 100
     # indexer keys (J 32): float32 in the bf16 run (the model's dtype), 32 e4m3 + one f32 scale in FP8
-    assert bf16.cache.index_keys.shape[-1] * bf16.cache.index_keys.itemsize == 128
-    assert fp8.cache.index_keys.dtype == jnp.uint8 and fp8.cache.index_keys.shape[-1] == 36
+    assert bf16.runner.cache.index_keys.shape[-1] * bf16.runner.cache.index_keys.itemsize == 128
+    assert fp8.runner.cache.index_keys.dtype == jnp.uint8 and fp8.runner.cache.index_keys.shape[-1] == 36
     # resident bytes per token and layer: 160 + 128 against 100 + 36
     assert fp8.cache_bytes()["resident_device_bytes"] * 288 == bf16.cache_bytes()["resident_device_bytes"] * 136
     for engine in (bf16, fp8):
         metrics, cache = engine.offload_metrics(), engine.cache_bytes()
-        assert metrics["h2d_bytes"] == metrics["misses"] * engine.row_bytes
-        assert cache["host_bytes"] == engine.cache.latent.host.array.nbytes
+        assert metrics["h2d_bytes"] == metrics["misses"] * engine.layout.offloaded.row_bytes
+        assert cache["host_bytes"] == engine.runner.cache.latent.host.array.nbytes
     assert fp8.cache_bytes()["host_bytes"] * 160 == bf16.cache_bytes()["host_bytes"] * 100
 
 

@@ -1,0 +1,85 @@
+"""The engine's configuration: ``EngineConfig`` and the enums of its modes (they compare equal to the CLI
+strings, so ``config.offload == "ess"`` reads as the flag does)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+
+import numpy as np
+import jax.numpy as jnp
+
+from ess_jax import mesh, ops, tier
+
+CACHE_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "fp8": jnp.uint8}  # fp8: 656-byte-style rows
+
+
+class Offload(enum.StrEnum):
+    NONE = "none"  # every cache part on the device
+    ESS = "ess"  # the offloaded part (V3.2 latent rows, V4 CSA entries) in host memory behind an LRU device pool
+
+
+class Fetch(enum.StrEnum):
+    INLINE = "inline"  # misses gathered from the pinned-host store inside the step
+    SPLIT = "split"  # misses through host callbacks into a NumPy store
+
+
+assert tuple(Fetch) == tier.FETCH_BACKENDS
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    max_batch: int = 8  # decode batch rows
+    page_size: int = 64  # tokens per cache page
+    num_pages: int | None = None  # pages in each data shard's pool incl. its null page; default: its rows' requests
+    # at full length
+    max_seq_len: int | None = None  # longest prompt + max_new_tokens served; default: max_position_embeddings
+    prefill_chunk: int = 256  # longest prefill piece; a shorter remainder is cut into power-of-two pieces
+    offload: Offload = Offload.NONE  # "ess": the offloaded part in host memory behind an LRU device pool
+    pool_size: int | None = None  # ess: pool slots per (layer, request); wins over pool_ratio
+    pool_ratio: float = 0.2  # ess: pool slots as a fraction of the longest request's entries
+    fetch: Fetch = Fetch.INLINE  # ess: how misses reach the device (ess_jax.tier)
+    host_cache_mb: float | None = None  # ess: host store budget per data shard; sets the page count when given
+    keep_logits: bool = False  # keep each output token's float32 logits in Request.logits
+    kernels: str = "xla"  # attention kernels: "xla", "pallas", "auto" (Pallas on GPU, XLA elsewhere)
+    cache_dtype: str | None = None  # offloaded part's rows: None = the model's dtype, or a CACHE_DTYPES key
+    mesh: str | None = None  # "data=D,expert=E": a device mesh over every device (ess_jax.mesh); None: one device
+
+    def __post_init__(self):
+        for name in ("max_batch", "page_size", "prefill_chunk", "num_pages", "max_seq_len", "pool_size"):
+            value = getattr(self, name)
+            if value is None and name in ("num_pages", "max_seq_len", "pool_size"):
+                continue
+            low = 2 if name == "num_pages" else 1
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                why = " (page 0 is the reserved null page)" if name == "num_pages" else ""
+                raise ValueError(f"{flag(name)} {value!r} must be an integer >= {low}{why}")
+        if (isinstance(self.pool_ratio, bool) or not isinstance(self.pool_ratio, (int, float))
+                or not 0 < self.pool_ratio <= 1):
+            raise ValueError(f"--pool-ratio {self.pool_ratio!r} must be a number in (0, 1]")
+        if self.host_cache_mb is not None and (
+                isinstance(self.host_cache_mb, bool) or not isinstance(self.host_cache_mb, (int, float))
+                or not math.isfinite(self.host_cache_mb) or self.host_cache_mb <= 0):
+            raise ValueError(f"--host-cache-mb {self.host_cache_mb!r} must be a finite number of MiB > 0")
+        if not isinstance(self.keep_logits, bool):
+            raise ValueError(f"keep_logits={self.keep_logits!r} must be True or False")
+        if self.offload not in tuple(Offload):
+            raise ValueError(f"--offload {self.offload!r} is not a mode; use 'ess' or 'none'")
+        ops.check_kernels(self.kernels)  # the backend is asked when the engine is built (a config starts no backend)
+        if self.cache_dtype not in (None, *CACHE_DTYPES):
+            raise ValueError(f"--cache-dtype {self.cache_dtype!r} is not a cache dtype; use one of "
+                             f"{', '.join(CACHE_DTYPES)}")
+        if self.fetch not in tuple(Fetch):
+            raise ValueError(f"--fetch {self.fetch!r} is not a fetch backend; use one of {', '.join(Fetch)}")
+        object.__setattr__(self, "offload", Offload(self.offload))
+        object.__setattr__(self, "fetch", Fetch(self.fetch))
+        if self.mesh is not None:
+            mesh.check_rows(mesh.parse(self.mesh), self.max_batch)
+        # The ESS-only fields are ignored with offload "none" (one config serves both paths through
+        # dataclasses.replace); the CLIs refuse ESS-only flags given with --offload none (cli.engine_config).
+
+
+def flag(name: str) -> str:
+    """The CLI flag of an ``EngineConfig`` field."""
+    return "--" + name.replace("_", "-")

@@ -1,0 +1,185 @@
+"""The serving engine's public API: paged cache, admission, chunked prefill interleaved with continuous batched
+decode, over the parts of ``ess_jax.engine``:
+
+- ``Scheduler`` (host only): requests, admission, what each step runs, the stop rules;
+- ``Runner``: parameters, mesh, decode cache and the compiled steps (``steps``);
+- the offload mode (``offload.Resident`` or ``offload.Ess``, chosen once here): where prompts prefill and what
+  moves between the device and the host store.
+
+Online: ``add_request`` (any thread, while the engine runs), ``step`` (admission, prefill pieces of at most
+``prefill_chunk`` tokens per data shard, one decode step; each request's new tokens and text), ``abort``,
+``has_unfinished``; ``run`` steps until every added request is finished. A request's tokens do not depend on
+what else is in the batch or when it arrived: every row is computed independently, its prompt is cut into the
+same pieces (``steps.piece_size``), and it samples from its own seed."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Sequence
+
+import jax.numpy as jnp
+from tqdm import tqdm
+
+from ess_jax import families, mesh
+from ess_jax.engine import offload
+from ess_jax.engine.config import EngineConfig
+from ess_jax.engine.layout import cache_layout, check_memory
+from ess_jax.engine.request import Request, RequestOutput, check_ids, make_request
+from ess_jax.engine.runner import Runner
+from ess_jax.engine.scheduler import EngineStats, Scheduler, StepTimes
+from ess_jax.sampling import SamplingParams
+
+
+def _listed(ids):
+    """A sequence of ids as a list (a str or bytes stays itself, for ``check_ids`` to refuse)."""
+    return None if ids is None else ids if isinstance(ids, (str, bytes)) else list(ids)
+
+
+class Engine:
+    def __init__(self, model, config: EngineConfig = EngineConfig(), *, progress: bool = False,
+                 record_steps: bool = False):
+        """Sizes from the configs, checked against the machine before any cache array exists
+        (``layout.check_memory``). ``record_steps``: every step's times in ``stats.steps``."""
+        self.model, self.config, self.progress = model, config, progress
+        self.layout = cache_layout(model.cfg, config, jnp.dtype(model.module.dtype).name)
+        shape = mesh.parse(config.mesh) if config.mesh else mesh.MeshShape()
+        check_memory(self.layout, mesh.param_bytes_per_device(model.params, shape))
+        self.max_seq_len = self.layout.max_seq_len
+        self.stats = EngineStats(steps=[] if record_steps else None)
+        mode = offload.MODES[config.offload]
+        self.runner = Runner(model, config, self.layout, self.stats,
+                             lambda size: mode.decode_cache(model.module, size, config, self.layout))
+        self.offload: offload.Mode = mode(self.runner, self.layout, self.stats)
+        size = self.layout.size
+        self.scheduler = Scheduler(config, shards=size.shards, pages=size.pages // size.shards,
+                                   pages_per_row=self.layout.pages_per_row, max_seq_len=self.max_seq_len,
+                                   stats=self.stats)
+        self._step_lock = threading.Lock()  # held while the engine's state changes (step, abort)
+
+    # ---- any thread ----------------------------------------------------------------------------
+    def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+                    stop_token_ids: Sequence[int] = (), *, ignore_eos: bool = False, logprobs: int | None = None,
+                    forced_ids: Sequence[int] | None = None) -> int:
+        """Queue a request; its id. Safe to call from any thread, also while another thread steps.
+        Stops at one of the config's eos ids (unless ``ignore_eos``), one of ``stop_token_ids``, or after
+        ``max_new_tokens``. ``logprobs=N`` reports each output token's log-probability and the top N.
+        ``forced_ids`` (teacher forcing, to score a text): the request outputs exactly these tokens, one per
+        step (the prefill's, then each decode step's), each fed to the next step in place of the sampled one,
+        and reports each one's log-probability under the step's logits (``logprobs`` defaults to 0 then);
+        ``max_new_tokens`` must equal their number, and no eos or stop id ends it early.
+        Raises ValueError naming the problem if the request can never be served."""
+        prompt_ids, stop_token_ids, forced_ids = _listed(prompt_ids), _listed(stop_token_ids), _listed(forced_ids)
+        pages = self.check_request(prompt_ids, max_new_tokens, stop_token_ids, logprobs=logprobs, forced_ids=forced_ids)
+        request = make_request(self.model.tokenizer, self.model.cfg.eos_token_id, prompt_ids, max_new_tokens, sampling,
+                               stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs, forced_ids=forced_ids)
+        return self.scheduler.inbox.add(request, pages)
+
+    def check_request(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int] = (), *,
+                      logprobs: int | None = None, forced_ids: Sequence[int] | None = None) -> int:
+        """The pages a request would reserve; raises ValueError naming the problem (and the numbers) if it can
+        never be served: token ids outside the vocabulary, an empty prompt, more tokens than the engine serves,
+        more pages than the pool has, forced ids that are not ``max_new_tokens`` of them or come with stop ids.
+        ``add_request`` runs it; callers may run it first to refuse early."""
+        check_ids(self.model.cfg.vocab_size, max_new_tokens, prompt_ids, stop_token_ids, logprobs=logprobs,
+                  forced_ids=forced_ids)
+        return self.scheduler.check(len(prompt_ids), max_new_tokens)
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request: its pages, batch row, host pages and pool slots are free when this returns if
+        no step is running, else when the running step ends; the next ``step`` reports it finished with
+        reason "abort". A request that already finished is left alone. Safe from any thread."""
+        self.scheduler.inbox.abort(request_id)
+        if self._step_lock.acquire(blocking=False):
+            try:
+                with self.runner.on_mesh():
+                    self.offload.release(self.scheduler.take_inbox())
+            finally:
+                self._step_lock.release()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.inbox.has_unfinished()
+
+    @property
+    def requests(self) -> dict[int, Request]:
+        """The unfinished requests by id (a snapshot)."""
+        return self.scheduler.inbox.unfinished()
+
+    # ---- the engine's thread -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Admit what fits, run prefill pieces of up to ``prefill_chunk`` tokens per data shard (the running
+        requests wait for at most one chunk), then one decode step for every request past its prefill.
+        One output per request that produced tokens, finished or was aborted."""
+        with self._step_lock, self.runner.on_mesh():
+            self.runner.compile_decode()  # one shape, compiled ahead: no decode timing includes compilation
+            times = StepTimes() if self.stats.steps is not None else None
+            self.offload.release(self.scheduler.take_inbox())
+            for group in self.scheduler.schedule_prefill():
+                start = time.perf_counter()
+                result = self.offload.prefill(group)
+                self._timed_prefill(time.perf_counter() - start, times)
+                self.offload.release(self.scheduler.update_prefill(group, result))
+            if (batch := self.scheduler.schedule_decode()) is not None:
+                start = time.perf_counter()
+                self.offload.release(self.scheduler.update_decode(batch, self.runner.decode(batch, times)))
+                if times is not None:
+                    times.decode_s, times.decode_rows = time.perf_counter() - start, int(batch.active_B.sum())
+            if times is not None:
+                self.stats.steps.append(times)
+            return self.scheduler.outputs()
+
+    def _timed_prefill(self, seconds: float, times: StepTimes | None) -> None:
+        self.stats.prefill_s += seconds
+        if times is not None:
+            times.prefill_s.append(seconds)
+
+    def run(self) -> list[Request]:
+        """Step until every request added so far is finished; those requests in id order."""
+        requests = self.scheduler.inbox.unfinished()
+        bar = tqdm(total=sum(r.max_new_tokens for r in requests.values()), desc="generate", unit="tok",
+                   file=sys.stderr, disable=not self.progress, leave=False)
+        while self.has_unfinished():
+            bar.update(sum(len(out.new_token_ids) for out in self.step()))
+        self.offload.flush()  # the last step's rows reach the host store too
+        bar.close()
+        return [requests[i] for i in sorted(requests)]
+
+    def warm_up(self) -> None:
+        """Compile ahead on the calling thread: the decode step, every prefill piece size and the offload mode's
+        steps, through one request of ``2 x prefill_chunk - 1`` tokens (one piece of each size), served to the
+        end. Every step's arguments are placed as in serving (``Runner``), so nothing compiles afterwards. Call
+        it on an idle engine, before serving."""
+        if self.has_unfinished():
+            raise RuntimeError("warm_up needs an idle engine: requests are unfinished")
+        room = min(self.max_seq_len, self.scheduler.allocators[0].capacity * self.config.page_size) - 1
+        self.add_request([0] * min(2 * self.config.prefill_chunk - 1, room), 1, ignore_eos=True)
+        self.run()
+        self.stats.peak_reserved_pages = self.stats.reserved_pages  # the warm-up request is no workload
+        if self.stats.steps is not None:
+            self.stats.steps.clear()
+
+    # ---- reports -------------------------------------------------------------------------------
+    def usage(self) -> dict:
+        """What the admitted requests hold now: pages (of the device cache, or the host store with offload),
+        batch rows, in all and per data shard (``per_shard``), the requests waiting, and with offload the device
+        pool slots in use (read from the device) and the host store's pages and bytes."""
+        scheduled = self.scheduler.usage()
+        return {**scheduled, **self.offload.usage(scheduled)}
+
+    def cache_bytes(self) -> dict[str, int]:
+        """Bytes of the real cache arrays: device (the decode-time cache), host (the offload store), and
+        what the requests would occupy on the device without offload (from the cache parts: their reserved
+        pages of every paged part and every batch row's fixed parts): at the peak of the requests reserved at
+        once (``resident_device_bytes``; for a batch added at once, all of it) and for the unfinished requests
+        now (``resident_device_bytes_now``). Finished requests count in neither once gone, so a long-lived
+        engine's figures stay bounded. With offload also the prefill scratch's bytes."""
+        parts, size = self.layout.parts, self.layout.size
+        return {**self.offload.cache_bytes(),
+                "resident_device_bytes": int(families.resident_bytes(parts, size, self.stats.peak_reserved_pages)),
+                "resident_device_bytes_now": int(families.resident_bytes(parts, size, self.stats.reserved_pages))}
+
+    def offload_metrics(self) -> dict | None:
+        """Tier counters (read from the device once) as the ``--json`` ``metrics.offload`` object; None
+        without offload."""
+        return self.offload.metrics()

@@ -1,0 +1,231 @@
+"""Where the offloaded part of the cache lives (V3.2's latent rows, V4's CSA entries), chosen once when the
+engine is built: ``Resident`` (every part on the device) or ``Ess`` (the part in a host store behind an LRU
+device pool, ``ess_jax.tier``). Both answer the same calls, so nothing else in the engine asks which it has:
+
+- ``sizes``: the layout's sizes and bytes for the mode (``layout.cache_layout``);
+- ``decode_cache``: the empty decode cache of a size;
+- ``prefill``: run a prefill group (``Ess``: on a device scratch of one prompt per data shard, then the
+  finished prompts handed off to the decode cache and the host store);
+- ``release``: empty what ended requests held on the device; ``flush``: the last step's rows to the host;
+- ``usage``, ``metrics``, ``cache_bytes``: what the mode adds to the engine's reports."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from ess_jax import families, mesh, tier
+from ess_jax.engine import steps
+from ess_jax.engine.config import CACHE_DTYPES, EngineConfig, Offload
+from ess_jax.engine.scheduler import EngineStats, PrefillGroup, PrefillResult, Released
+
+if TYPE_CHECKING:
+    from ess_jax.engine.layout import CacheLayout
+    from ess_jax.engine.runner import Runner
+
+
+def entry_dtype(module, config: EngineConfig):
+    """The dtype of the offloaded part's rows: ``--cache-dtype``, or the model's."""
+    return CACHE_DTYPES[config.cache_dtype] if config.cache_dtype else module.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """What a mode makes of the layout's sizes."""
+
+    size: families.CacheSize
+    pool_slots: int | None  # device pool slots per (layer, request)
+    device_bytes: int
+    host_bytes: int
+
+
+class Mode(Protocol):
+    """What the engine asks of its offload mode (``Resident`` or ``Ess``)."""
+
+    def prefill(self, group: PrefillGroup) -> PrefillResult: ...
+    def release(self, released: list[Released]) -> None: ...
+    def flush(self) -> None: ...
+    def usage(self, scheduled: dict) -> dict: ...
+    def metrics(self) -> dict | None: ...
+    def cache_bytes(self) -> dict[str, int]: ...
+
+
+class Resident:
+    """Every part on the device: prompts prefill straight into the decode cache; nothing moves."""
+
+    @staticmethod
+    def sizes(cfg, config: EngineConfig, size: families.CacheSize, parts, *, lower_bound: bool) -> Sizes:
+        return Sizes(size, None, families.resident_bytes(parts, size, size.pages), 0)
+
+    @staticmethod
+    def decode_cache(module, size: families.CacheSize, config: EngineConfig, layout: CacheLayout):
+        return families.get(module.cfg.family).resident_cache(module, size, entry_dtype(module, config))
+
+    def __init__(self, runner: Runner, layout: CacheLayout, stats: EngineStats):
+        self.runner = runner
+
+    def prefill(self, group: PrefillGroup) -> PrefillResult:
+        runner = self.runner
+        table_DX = np.zeros((runner.shards, runner.layout.pages_per_row), np.int32)
+        row_D = np.zeros(runner.shards, np.int32)
+        for shard, piece in group.slices.items():
+            table_DX[shard], row_D[shard] = piece.pages_X, piece.row % runner.rows_per_shard
+        result, runner.cache = runner.prefill(runner.cache, runner.shardings, group, table_DX, row_D)
+        return result
+
+    def release(self, released: list[Released]) -> None:
+        """Nothing to empty: a freed row's pages are overwritten before they are read again."""
+
+    def flush(self) -> None:
+        """No host store."""
+
+    def usage(self, scheduled: dict) -> dict:
+        return {}
+
+    def metrics(self) -> dict | None:
+        return None
+
+    def cache_bytes(self) -> dict[str, int]:
+        return {"device_bytes": int(sum(x.nbytes for x in jax.tree.leaves(self.runner.cache))), "host_bytes": 0}
+
+
+class Ess:
+    """The offloaded part in each data shard's host store, an LRU pool of ``pool_slots`` slots per (layer, batch
+    row) of it on the device (``ess_jax.tier``). A prompt prefills on a scratch cache (one row per data shard, its
+    pages 1..n), then hands off: its rows to the host store, its resident parts into the decode cache, its pool
+    warmed from the top-k of its last prompt queries (the runner's window)."""
+
+    @staticmethod
+    def sizes(cfg, config: EngineConfig, size: families.CacheSize, parts, *, lower_bound: bool) -> Sizes:
+        """Refuses, naming the flags, a model or length with nothing to offload (unless ``lower_bound``: a CLI's
+        check before the requests are known)."""
+        part = next(p for p in parts if p.where == "offloaded")
+        entries = part.entries(size.max_seq_len)
+        if not part.layers or entries < 1:
+            if lower_bound:
+                return Resident.sizes(cfg, config, size, parts, lower_bound=True)
+            why = "no layers holding them" if not part.layers else "requests too short for one entry"
+            raise ValueError(f"--offload ess offloads the {part.name}; this {cfg.family} model has {why} "
+                             f"(max_seq_len {size.max_seq_len}): use --offload none")
+        slots = tier.pool_slots(entries, part.topk, pool_size=config.pool_size, pool_ratio=config.pool_ratio)
+        if config.host_cache_mb is not None:
+            size = families.fit_host_budget(size, part, config.host_cache_mb)
+        host = size.pages * part.page_bytes(size.page_size)
+        scratch = Ess.scratch_size(size)
+        device = (families.resident_bytes(parts, size, size.pages) - host + part.layers * size.rows * slots * part.row_bytes
+                  + families.resident_bytes(parts, scratch, scratch.pages))
+        return Sizes(size, slots, device, host)
+
+    @staticmethod
+    def scratch_size(size: families.CacheSize) -> families.CacheSize:
+        """The prefill scratch: a batch row per data shard, the longest request's pages and a null page each."""
+        pages_per_row = -(-size.max_seq_len // size.page_size)
+        return dataclasses.replace(size, rows=size.shards, pages=size.shards * (pages_per_row + 1))
+
+    @staticmethod
+    def decode_cache(module, size: families.CacheSize, config: EngineConfig, layout: CacheLayout):
+        return families.get(module.cfg.family).offloaded_cache(
+            module, size, layout.offloaded, entry_dtype(module, config), slots=layout.pool_slots, fetch=config.fetch)
+
+    def __init__(self, runner: Runner, layout: CacheLayout, stats: EngineStats):
+        self.runner, self.layout, self.stats = runner, layout, stats
+        module = runner.model.module
+        self.family = families.get(module.cfg.family)
+        dtype = entry_dtype(module, runner.config)
+        with runner.on_mesh():
+            self.scratch, self.scratch_shardings = runner.build(
+                lambda size: self.family.resident_cache(module, size, dtype), Ess.scratch_size(layout.size))
+
+    def _scratch_table(self, pages_X: np.ndarray) -> np.ndarray:
+        """A prompt's scratch pages: 1..n where it has pages."""
+        return np.where(pages_X > 0, np.arange(1, pages_X.size + 1), 0).astype(np.int32)
+
+    def prefill(self, group: PrefillGroup) -> PrefillResult:
+        runner = self.runner
+        table_DX = np.zeros((runner.shards, self.layout.pages_per_row), np.int32)
+        for shard, piece in group.slices.items():
+            table_DX[shard] = self._scratch_table(piece.pages_X)
+        result, self.scratch = runner.prefill(self.scratch, self.scratch_shardings, group, table_DX,
+                                              np.zeros(runner.shards, np.int32))
+        finished = {shard: piece for shard, piece in group.slices.items() if piece.last}
+        if finished:
+            self._handoff(finished)
+        return result
+
+    def _handoff(self, finished: dict) -> None:
+        """The prompts that finished on their shards' scratch rows into the decode cache, one call (the shards
+        without one: no row, no pages, no entries)."""
+        runner, part = self.runner, self.layout.offloaded
+        d, width = runner.shards, self.layout.pages_per_row
+        table_DX, pages_DX = np.zeros((d, width), np.int32), np.zeros((d, width), np.int32)
+        row_D, entries_D = np.full(d, runner.rows_per_shard, np.int32), np.zeros(d, np.int32)
+        for shard, piece in finished.items():
+            pages_DX[shard], table_DX[shard] = piece.pages_X, self._scratch_table(piece.pages_X)
+            row_D[shard] = piece.row % runner.rows_per_shard
+            entries_D[shard] = part.entries(piece.prompt_len)
+            self.stats.prompt_rows_to_host += int(entries_D[shard]) * part.layers
+        runner.cache = steps.handoff(self.family, runner.cache, self.scratch, *map(jnp.asarray, (
+            table_DX, pages_DX, row_D, entries_D)), runner.window, shardings=runner.shardings,
+            scratch_shardings=self.scratch_shardings)
+
+    def release(self, released: list[Released]) -> None:
+        """Each ended request's pool slots and the residency of its pages emptied, on its shard."""
+        runner = self.runner
+        for ended in released:
+            shard, row = divmod(ended.row, runner.rows_per_shard)
+            row_D = np.full(runner.shards, runner.rows_per_shard, np.int32)
+            pages_DX = np.zeros((runner.shards, self.layout.pages_per_row), np.int32)
+            row_D[shard], pages_DX[shard] = row, ended.pages_X
+            runner.cache = steps.release(self.family, runner.cache, jnp.asarray(row_D), jnp.asarray(pages_DX),
+                                         shardings=runner.shardings)
+
+    def flush(self) -> None:
+        with self.runner.on_mesh():
+            self.runner.cache = steps.flush(self.family, self.runner.cache, shardings=self.runner.shardings)
+
+    def _store(self) -> tier.Tier:
+        return self.family.store_of(self.runner.cache)
+
+    def usage(self, scheduled: dict) -> dict:
+        """Device pool slots in use (read from the device) and the host store's pages and bytes (the host store
+        has the cache's pages, each shard's null page included in its bytes)."""
+        page_bytes = self.layout.offloaded.page_bytes(self.layout.size.page_size)
+        return {"pool_slots_in_use": int((mesh.host_array(self._store().lru.slot_entry) >= 0).sum()),
+                "pool_slots_total": self.layout.pool_slots * self.layout.size.rows * self.layout.offloaded.layers,
+                "host_pages_in_use": scheduled["pages_in_use"], "host_pages_total": scheduled["pages_total"],
+                "host_bytes_in_use": scheduled["pages_in_use"] * page_bytes,
+                "host_bytes_total": (scheduled["pages_total"] + self.layout.size.shards) * page_bytes}
+
+    def metrics(self) -> dict:
+        """Tier counters (read from the device once) as the ``--json`` ``metrics.offload`` object."""
+        rows_LB4 = mesh.host_array(self._store().counters)  # lookups, hits, misses, staged per layer and row
+        counts = rows_LB4.sum(1)
+        lookups, hits, misses, staged = (int(x) for x in counts.sum(0))
+        per_shard = rows_LB4.reshape(rows_LB4.shape[0], self.layout.size.shards, -1, 4).sum((0, 2))
+        row_bytes = self.layout.offloaded.row_bytes
+        layers = self.family.sparse_layers(self.runner.model.cfg)
+        return {"lookups": lookups, "hits": hits, "misses": misses,
+                "hit_rate": hits / lookups if lookups else 0.0,
+                "h2d_bytes": misses * row_bytes,
+                "d2h_bytes": (self.stats.prompt_rows_to_host + staged) * row_bytes,
+                "decode_d2h_bytes": staged * row_bytes,
+                "pool_slots": self.layout.pool_slots,
+                "per_layer": [{"layer": i, "lookups": int(c[0]), "hits": int(c[1]), "misses": int(c[2]),
+                               "h2d_bytes": int(c[2]) * row_bytes, "decode_d2h_bytes": int(c[3]) * row_bytes}
+                              for i, c in zip(layers, counts)],
+                "per_shard": [{"shard": d, "lookups": int(c[0]), "hits": int(c[1]), "misses": int(c[2])}
+                              for d, c in enumerate(per_shard)]}
+
+    def cache_bytes(self) -> dict[str, int]:
+        host = self._store().host
+        stored = jax.tree.leaves(host)
+        device = [x for x in jax.tree.leaves(self.runner.cache) if all(x is not y for y in stored)]
+        return {"device_bytes": int(sum(x.nbytes for x in device)), "host_bytes": int(host.nbytes),
+                "prefill_scratch_bytes": int(sum(x.nbytes for x in jax.tree.leaves(self.scratch)))}
+
+
+MODES: dict[Offload, type[Resident] | type[Ess]] = {Offload.NONE: Resident, Offload.ESS: Ess}

@@ -1,0 +1,132 @@
+"""The runner owns what lives on the devices: the parameters (placed on the mesh), the decode cache and its
+shardings, the running window of prompt top-k ids, and the compiled steps. It turns the scheduler's plans
+into device calls (``prefill``, ``decode``) and their results back into host data.
+
+Every array a step takes is made the same way in warm-up and in serving: caches and windows committed to
+their shardings when they are built (a step's outputs are committed too), host arguments made by
+``jnp.asarray``. A jitted step therefore sees one signature per shape, and nothing compiles after
+``Engine.warm_up``."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Callable
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from ess_jax import families, mesh, ops, tier
+from ess_jax.cache import StepMeta
+from ess_jax.engine import steps
+from ess_jax.engine.config import EngineConfig
+from ess_jax.engine.layout import CacheLayout
+from ess_jax.engine.scheduler import DecodeBatch, DecodeResult, EngineStats, PrefillGroup, PrefillResult, StepTimes
+from ess_jax.sampling import SamplingParams
+
+
+def sampling_batch(params: tuple[SamplingParams, ...], steps_B: np.ndarray) -> steps.SamplingBatch:
+    return steps.SamplingBatch(jnp.asarray([p.temperature for p in params], jnp.float32),
+                               jnp.asarray([p.top_k for p in params], jnp.int32),
+                               jnp.asarray([p.top_p for p in params], jnp.float32),
+                               jnp.asarray([p.seed for p in params], jnp.uint32), jnp.asarray(steps_B, jnp.int32))
+
+
+class Runner:
+    def __init__(self, model, config: EngineConfig, layout: CacheLayout, stats: EngineStats,
+                 decode_cache: Callable[[families.CacheSize], object]):
+        """``decode_cache(size)``: the empty decode cache of ``size`` (the offload mode's)."""
+        self.model, self.config, self.layout, self.stats = model, config, layout, stats
+        ops.resolve_kernels(config.kernels)  # Pallas where this backend has no kernels for it: refused here
+        self.kernels = config.kernels  # static in the compiled steps
+        self.mesh = mesh.make(mesh.parse(config.mesh)) if config.mesh else None
+        self.params = mesh.place_params(model.params, self.mesh) if self.mesh else model.params
+        self.shards = layout.size.shards
+        self.rows_per_shard = config.max_batch // self.shards
+        self._compiled_decode = None
+        with self.on_mesh():
+            self.cache, self.shardings = self.build(decode_cache, layout.size)
+            self.window = self._empty_window()
+
+    def on_mesh(self):
+        """The context the engine's arrays are made and its steps run in: ``jax.set_mesh`` of its mesh."""
+        return jax.set_mesh(self.mesh) if self.mesh else contextlib.nullcontext()
+
+    def build(self, make: Callable[[families.CacheSize], object], size: families.CacheSize):
+        """The cache ``make(size)`` committed to its shardings, and those shardings (``mesh.Layout``; None: one
+        device): on a mesh each array over ``data`` on its batch-row or page axis."""
+        cache = make(size)
+        if not self.mesh:
+            return jax.tree.map(lambda x: jax.device_put(x, x.sharding), cache), None
+        axes = mesh.shard_axes(lambda rows, pages: make(dataclasses.replace(size, rows=rows, pages=pages)))
+        shardings = mesh.cache_shardings(cache, axes, self.mesh)
+        return jax.device_put(cache, shardings), mesh.Layout.of(shardings)
+
+    def _empty_window(self) -> jax.Array:
+        """No prompt positions yet on any shard: ``i32[L, D, Q, K]`` of -1, placed as ``steps.prefill`` returns it."""
+        tokens = jax.ShapeDtypeStruct((self.shards, 1), jnp.int32)
+        meta = StepMeta(tokens, jax.ShapeDtypeStruct((self.shards, 1), bool),
+                        jax.ShapeDtypeStruct((self.shards, self.layout.pages_per_row), jnp.int32),
+                        jax.ShapeDtypeStruct((self.shards,), jnp.int32))
+        module, size = self.model.module, dataclasses.replace(self.layout.size, rows=self.shards)
+
+        def prefill(tokens, meta):  # the ids' shapes of a prefill piece, on a resident cache of a row per shard
+            cache = families.get(module.cfg.family).resident_cache(module, size, module.dtype)
+            return module.step(tokens, meta, cache, kernels=self.kernels)[1]
+
+        ids_LBTK = jax.eval_shape(prefill, tokens, meta)
+        window = jnp.full((ids_LBTK.shape[0], self.shards, tier.WARMUP_QUERIES, ids_LBTK.shape[3]), -1, jnp.int32)
+        sharding = (NamedSharding(self.mesh, steps.LAYER_ROWS) if self.mesh
+                    else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+        return jax.device_put(window, sharding)
+
+    # ---- prefill -------------------------------------------------------------------------------
+    def prefill(self, cache, shardings, group: PrefillGroup, table_DX: np.ndarray, row_D: np.ndarray):
+        """Run ``group`` on ``cache`` (the decode cache, or the offload mode's scratch) with each shard's page
+        table ``table_DX`` and batch row ``row_D`` (in its shard); the result and the cache."""
+        d, t = self.shards, group.size
+        tokens, positions = np.zeros((d, t), np.int32), np.zeros((d, t), np.int32)
+        valid = np.zeros((d, t), bool)
+        params, steps_D = [SamplingParams()] * d, np.zeros(d, np.int32)
+        for shard, piece in group.slices.items():
+            tokens[shard], positions[shard], valid[shard] = piece.tokens, piece.start + np.arange(t), True
+            params[shard] = piece.sampling
+        meta = StepMeta(*(jnp.asarray(x) for x in (positions, valid, table_DX, row_D)))
+        token, logits_DV, self.window, cache = steps.prefill(
+            self.model.graphdef, self.kernels, self.params, jnp.asarray(tokens), meta, cache,
+            sampling_batch(tuple(params), steps_D), self.window, shardings=shardings)
+        sampled = mesh.host_array(token)
+        wanted = [s for s, piece in group.slices.items() if piece.last and piece.wants_logits]
+        logits = mesh.host_array(logits_DV) if wanted else None
+        return PrefillResult(sampled, {s: logits[s] for s in wanted}), cache
+
+    # ---- decode --------------------------------------------------------------------------------
+    def _decode_args(self, batch: DecodeBatch):
+        rows = np.arange(self.config.max_batch, dtype=np.int32) % self.rows_per_shard
+        meta = StepMeta(jnp.asarray(batch.lengths_B[:, None]), jnp.asarray(batch.active_B[:, None]),
+                        jnp.asarray(batch.page_table_BX), jnp.asarray(rows))
+        return (self.params, jnp.asarray(batch.tokens_B[:, None]), meta, self.cache,
+                sampling_batch(batch.sampling, batch.steps_B))
+
+    def compile_decode(self) -> None:
+        """Compile the decode step ahead (one shape), so no decode timing includes compilation."""
+        if self._compiled_decode is not None:
+            return
+        start = time.perf_counter()
+        idle = DecodeBatch.idle(self.config.max_batch, self.layout.pages_per_row)
+        self._compiled_decode = steps.decode.lower(self.model.graphdef, self.kernels, *self._decode_args(idle),
+                                                   shardings=self.shardings).compile()
+        self.stats.compile_s = time.perf_counter() - start
+
+    def decode(self, batch: DecodeBatch, times: StepTimes | None) -> DecodeResult:
+        self.compile_decode()
+        start = time.perf_counter()
+        tokens, logits_BV, self.cache = self._compiled_decode(*self._decode_args(batch))
+        if times is not None:
+            times.decode_dispatch_s = time.perf_counter() - start
+        sampled = mesh.host_array(tokens)
+        self.stats.decode_s += time.perf_counter() - start
+        return DecodeResult(sampled, mesh.host_array(logits_BV) if batch.wants_logits else None)

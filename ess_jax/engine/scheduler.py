@@ -1,0 +1,335 @@
+"""The scheduler: requests, admission, the plan of each step and its bookkeeping. Host-only, data in and data
+out: ``schedule_prefill`` / ``schedule_decode`` say what the device runs, ``update_prefill`` /
+``update_decode`` take what it returned (sampled tokens, logits where asked) and apply the stop rules; a
+request that ends comes back as a ``Released`` (its batch row and pages), for the offload mode to empty.
+
+Batch rows are engine-wide (data shard ``d`` owns rows ``d*R .. (d+1)*R-1``); page ids are local to the
+row's shard (``ess_jax.allocator``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import deque
+
+import numpy as np
+
+from ess_jax.allocator import Admission, Admitted, PageAllocator
+from ess_jax.engine.config import EngineConfig
+from ess_jax.engine.request import Request, RequestOutput, make_output
+from ess_jax.engine.steps import piece_size
+from ess_jax.sampling import SamplingParams
+
+
+@dataclasses.dataclass
+class StepTimes:
+    """One ``Engine.step``'s seconds (``EngineStats.steps``)."""
+
+    prefill_s: list[float] = dataclasses.field(default_factory=list)  # each prefill call, its handoff included
+    decode_s: float | None = None  # the decode step with its bookkeeping (None: no request was decoding)
+    decode_dispatch_s: float | None = None  # the compiled decode step's call until it returned (the host's part)
+    decode_rows: int = 0  # requests decoded
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """The engine's counters. ``reserved_pages``: what the unfinished requests reserve now;
+    ``peak_reserved_pages``: the most at once; ``steps``: per-step times when the engine records them."""
+
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    compile_s: float | None = None
+    prompt_rows_to_host: int = 0
+    reserved_pages: int = 0
+    peak_reserved_pages: int = 0
+    steps: list[StepTimes] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillSlice:
+    """The next piece of one request's prompt."""
+
+    request_id: int
+    row: int  # the request's batch row
+    start: int  # prompt position of the piece's first token
+    tokens: tuple[int, ...]
+    pages_X: np.ndarray  # i32[pages_per_row] the request's page table (null page past its pages)
+    prompt_len: int
+    last: bool  # the prompt is all in the cache after this piece
+    sampling: SamplingParams
+    wants_logits: bool  # its first output token's logits are read back (logprobs or kept logits)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillGroup:
+    """Pieces of one size, one per data shard at most: one device call."""
+
+    size: int
+    slices: dict[int, PrefillSlice]  # data shard -> its piece
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillResult:
+    sampled_D: np.ndarray  # i32[D] the token sampled after each shard's piece
+    logits: dict[int, np.ndarray]  # data shard -> f32[V], for the finishing slices that want them
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBatch:
+    """One decode step of every batch row (inactive rows masked)."""
+
+    request_ids: tuple[int | None, ...]  # per batch row: the request decoding there
+    tokens_B: np.ndarray  # i32[B] the token each row feeds
+    lengths_B: np.ndarray  # i32[B] tokens in the cache per row
+    page_table_BX: np.ndarray  # i32[B, pages_per_row]
+    sampling: tuple[SamplingParams, ...]  # per row (defaults for inactive rows)
+    steps_B: np.ndarray  # i32[B] tokens each row's request has generated
+    wants_logits: bool  # some row's logits are read back
+
+    @property
+    def active_B(self) -> np.ndarray:
+        return np.array([r is not None for r in self.request_ids])
+
+    @classmethod
+    def idle(cls, rows: int, pages_per_row: int) -> DecodeBatch:
+        """A batch with no active row (the shapes the decode step compiles for)."""
+        zeros = np.zeros(rows, np.int32)
+        return cls((None,) * rows, zeros, zeros, np.zeros((rows, pages_per_row), np.int32),
+                   (SamplingParams(),) * rows, zeros, False)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeResult:
+    sampled_B: np.ndarray  # i32[B]
+    logits_BV: np.ndarray | None  # f32[B, V] when the batch wants logits
+
+
+@dataclasses.dataclass(frozen=True)
+class Released:
+    """What an ended request held: its batch row and page table, for the offload mode to empty."""
+
+    row: int
+    pages_X: np.ndarray  # i32[pages_per_row]
+
+
+class Inbox:
+    """The unfinished requests, added and aborted from any thread; the engine's thread takes what arrived."""
+
+    def __init__(self, stats: EngineStats):
+        self.stats = stats
+        self._requests: dict[int, Request] = {}  # unfinished requests by id
+        self._reserved: dict[int, int] = {}  # pages each unfinished request reserves
+        self._next_id = 0
+        self._added: deque[int] = deque()  # added requests not yet taken
+        self._aborts: set[int] = set()  # aborts not yet taken
+        self._lock = threading.Lock()
+
+    def add(self, request: Request, pages: int) -> int:
+        """Queue a request that reserves ``pages``; its id."""
+        with self._lock:
+            request_id, self._next_id = self._next_id, self._next_id + 1
+            self._requests[request_id] = request
+            self._added.append(request_id)
+            self._reserved[request_id] = pages
+            self.stats.reserved_pages += pages
+            self.stats.peak_reserved_pages = max(self.stats.peak_reserved_pages, self.stats.reserved_pages)
+        return request_id
+
+    def abort(self, request_id: int) -> None:
+        """Queue an abort; KeyError for an id never added, nothing for one already finished."""
+        with self._lock:
+            if not 0 <= request_id < self._next_id:
+                raise KeyError(f"request {request_id} was never added")
+            if request_id in self._requests:
+                self._aborts.add(request_id)
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._requests)
+
+    def unfinished(self) -> dict[int, Request]:
+        """The unfinished requests by id (a copy)."""
+        with self._lock:
+            return dict(self._requests)
+
+    def take(self) -> tuple[list[tuple[int, Request]], list[int]]:
+        """What arrived since the last call: the added requests in order, the aborts of unfinished ones."""
+        with self._lock:
+            added = [(i, self._requests[i]) for i in self._added]
+            aborts = sorted(i for i in self._aborts if i in self._requests)
+            self._added, self._aborts = deque(), set()
+        return added, aborts
+
+    def remove(self, request_id: int) -> None:
+        """A finished request: gone, its reservation with it."""
+        with self._lock:
+            del self._requests[request_id]
+            self.stats.reserved_pages -= self._reserved.pop(request_id)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, *, shards: int, pages: int, pages_per_row: int, max_seq_len: int,
+                 stats: EngineStats):
+        """``pages``: each data shard's pool, its null page included."""
+        self.config, self.stats, self.pages_per_row = config, stats, pages_per_row
+        self.allocators = [PageAllocator(pages, config.page_size) for _ in range(shards)]
+        self.admission = Admission(self.allocators, max_batch=config.max_batch, max_position_embeddings=max_seq_len)
+        self.inbox = Inbox(stats)
+        self._requests: dict[int, Request] = {}  # the requests taken from the inbox and not finished
+        self._prefilling: deque[Admitted] = deque()  # admitted requests whose prompt is not all cached
+        self._decoding: dict[int, int] = {}  # request id -> batch row, past their prefill
+        self._lengths = np.zeros(config.max_batch, np.int32)  # tokens in the cache per batch row
+        self._last = np.zeros(config.max_batch, np.int32)  # token each row feeds next
+        self._new: dict[int, tuple[Request, list]] = {}  # this step's tokens: id -> (request, [(token, logits)])
+        self._finished: dict[int, RequestOutput] = {}  # outputs of aborts carried out between steps
+
+    def check(self, prompt_len: int, max_new_tokens: int) -> int:
+        """The pages a request would reserve (ValueError naming the numbers if it can never run). Any thread."""
+        return self.admission.check(None, prompt_len, max_new_tokens)
+
+    # ---- the engine's thread -------------------------------------------------------------------
+    def take_inbox(self) -> list[Released]:
+        """Queue the added requests for admission and carry out the aborts."""
+        added, aborts = self.inbox.take()
+        for request_id, request in added:
+            self._requests[request_id] = request
+            self.admission.submit(request_id, len(request.prompt_ids), request.max_new_tokens)
+        released = []
+        for request_id in aborts:
+            request = self._requests[request_id]
+            released += self.finish(request_id, "abort")
+            self._finished[request_id] = make_output(request_id, request, [])
+        return released
+
+    def schedule_prefill(self) -> list[PrefillGroup]:
+        """Admit what fits, then this step's prefill calls: each data shard prefills its prompts in admission
+        order, one exact piece at a time (``steps.piece_size``), while its ``prefill_chunk`` tokens last; the
+        shards' pieces of one size run as one call, largest first."""
+        self._prefilling.extend(self.admission.admit(self.config.max_batch))
+        budget = [self.config.prefill_chunk] * len(self.allocators)
+        planned = {e.request_id: self._requests[e.request_id].prefilled for e in self._prefilling}
+        groups = []
+        while True:
+            heads: dict[int, tuple[Admitted, int]] = {}  # each shard's first unfinished prompt and its next piece
+            for entry in self._prefilling:
+                shard, length = self.admission.shard_of(entry.row), len(self._requests[entry.request_id].prompt_ids)
+                if shard not in heads and planned[entry.request_id] < length:
+                    heads[shard] = (entry, piece_size(length - planned[entry.request_id], self.config.prefill_chunk))
+            runs = {shard: head for shard, head in heads.items() if head[1] <= budget[shard]}
+            if not runs:
+                return groups
+            for size in sorted({n for _, n in runs.values()}, reverse=True):
+                slices = {}
+                for shard, (entry, n) in runs.items():
+                    if n == size:
+                        budget[shard] -= size
+                        slices[shard] = self._slice(entry, planned[entry.request_id], size)
+                        planned[entry.request_id] += size
+                groups.append(PrefillGroup(size, slices))
+
+    def _slice(self, entry: Admitted, start: int, size: int) -> PrefillSlice:
+        request = self._requests[entry.request_id]
+        length = len(request.prompt_ids)
+        return PrefillSlice(entry.request_id, entry.row, start, tuple(request.prompt_ids[start:start + size]),
+                            self.page_table(entry.pages), length, start + size == length, request.sampling,
+                            self._wants_logits(request))
+
+    def update_prefill(self, group: PrefillGroup, result: PrefillResult) -> list[Released]:
+        """Record a prefill call: the prompts it finished join the decode with their first token."""
+        released = []
+        for shard, piece in group.slices.items():
+            request = self._requests[piece.request_id]
+            request.prefilled += group.size
+            self.stats.prefill_tokens += group.size
+            if piece.last:
+                self._prefilling = deque(e for e in self._prefilling if e.request_id != piece.request_id)
+                self._lengths[piece.row] = piece.prompt_len
+                self._decoding[piece.request_id] = piece.row
+                released += self._accept(piece.request_id, piece.row, int(result.sampled_D[shard]),
+                                         result.logits.get(shard))
+        return released
+
+    def schedule_decode(self) -> DecodeBatch | None:
+        """One decode step of every request past its prefill; None when there is none."""
+        if not self._decoding:
+            return None
+        ids: list[int | None] = [None] * self.config.max_batch
+        for request_id, row in self._decoding.items():
+            ids[row] = request_id
+        requests = [self._requests[i] if i is not None else None for i in ids]
+        return DecodeBatch(tuple(ids), self._last.copy(), self._lengths.copy(),
+                           self.admission.page_table(self.pages_per_row),
+                           tuple(r.sampling if r else SamplingParams() for r in requests),
+                           np.array([len(r.output_ids) if r else 0 for r in requests], np.int32),
+                           any(self._wants_logits(r) for r in requests if r))
+
+    def update_decode(self, batch: DecodeBatch, result: DecodeResult) -> list[Released]:
+        """Record a decode step: each active row's token, and the requests it ends."""
+        self._lengths += batch.active_B
+        released = []
+        for row, request_id in enumerate(batch.request_ids):
+            if request_id is not None:
+                self.stats.decode_tokens += 1
+                logits = None if result.logits_BV is None else result.logits_BV[row]
+                released += self._accept(request_id, row, int(result.sampled_B[row]), logits)
+        return released
+
+    def _wants_logits(self, request: Request) -> bool:
+        return self.config.keep_logits or request.wants_logits
+
+    def _accept(self, request_id: int, row: int, sampled: int, logits_V: np.ndarray | None) -> list[Released]:
+        request = self._requests[request_id]
+        token, reason = request.accept(sampled)
+        kept = None
+        if self._wants_logits(request):
+            kept = np.asarray(logits_V, np.float32)
+            if self.config.keep_logits:
+                request.logits.append(kept)
+        self._new.setdefault(request_id, (request, []))[1].append((token, kept))
+        self._last[row] = token
+        return self.finish(request_id, reason) if reason else []
+
+    def finish(self, request_id: int, reason: str) -> list[Released]:
+        """End a request: its queue place, or its pages and batch row (returned, for the offload mode)."""
+        request = self._requests[request_id]
+        request.finish_reason = reason
+        released = []
+        if request_id in self.admission.waiting:
+            self.admission.cancel(request_id)
+        elif request_id in self.admission.running:
+            _, row, pages = self.admission.running[request_id]
+            released.append(Released(row, self.page_table(pages)))
+            self.admission.finish(request_id)
+            self._decoding.pop(request_id, None)
+            self._prefilling = deque(e for e in self._prefilling if e.request_id != request_id)
+            self._lengths[row] = 0
+        del self._requests[request_id]
+        self.inbox.remove(request_id)
+        return released
+
+    def page_table(self, pages: np.ndarray) -> np.ndarray:
+        """A request's pages as a page-table row ``i32[pages_per_row]`` (the null page past them)."""
+        pages_X = np.zeros(self.pages_per_row, np.int32)
+        pages_X[: pages.size] = pages
+        return pages_X
+
+    def outputs(self) -> list[RequestOutput]:
+        """One output per request that produced tokens, finished or was aborted since the last call."""
+        outputs, self._finished = self._finished, {}
+        for request_id, (request, tokens) in self._new.items():
+            outputs[request_id] = make_output(request_id, request, tokens)
+        self._new = {}
+        return list(outputs.values())
+
+    def usage(self) -> dict:
+        """Pages and batch rows the admitted requests hold, in all and per data shard; the requests waiting."""
+        rows = self.admission.rows_per_shard
+        shards = [{"shard": d, "pages_in_use": a.capacity - a.num_free, "pages_total": a.capacity,
+                   "rows_in_use": rows - len(self.admission.free_rows(d)), "rows_total": rows}
+                  for d, a in enumerate(self.allocators)]
+        out = {k: sum(s[k] for s in shards) for k in ("pages_in_use", "pages_total", "rows_in_use", "rows_total")}
+        out["per_shard"] = shards
+        out["requests_waiting"] = len(self.admission.waiting)
+        return out

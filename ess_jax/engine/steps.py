@@ -1,0 +1,163 @@
+"""The engine's device steps: pure functions of parameters, step metadata and caches, jitted at module level
+so that engines over the same model and shapes share their executables, each donating the cache it returns.
+
+- ``prefill``: one exact piece of one prompt per data shard ``[D, T]`` (the shards without one do not run);
+- ``decode``: one token for every batch row ``[B, 1]``, inactive rows masked;
+- ``handoff``, ``release``, ``flush``: the offloaded tier's moves (``ess_jax.engine.offload``).
+
+``shardings`` (static): the cache's ``mesh.Layout`` on the engine's mesh; the steps then run per data shard
+(``mesh.per_shard``), their batch-row-major arguments split over ``data``. None: one device.
+
+The prefill-piece rule lives here too (``piece_size``): a prompt is cut into pieces of ``prefill_chunk``
+tokens, the remainder into powers of two, largest first; a piece never depends on other prompts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ess_jax import families, mesh, tier
+from ess_jax.cache import StepMeta
+from ess_jax.sampling import sample
+
+ROWS, ALL = PartitionSpec("data"), PartitionSpec()  # a batch-row-major argument split over the shards; replicated
+LAYER_ROWS = PartitionSpec(None, "data")  # a [L, rows, ...] argument split over the shards
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingBatch:
+    """Each row's sampling parameters (``ess_jax.sampling.sample``'s arguments)."""
+
+    temperature_B: jax.Array  # f32[B]
+    top_k_B: jax.Array  # i32[B]
+    top_p_B: jax.Array  # f32[B]
+    seed_B: jax.Array  # u32[B]
+    step_B: jax.Array  # i32[B] tokens the row's request has generated so far
+
+    def sample(self, logits_BV: jax.Array) -> jax.Array:
+        return sample(logits_BV, self.temperature_B, self.top_k_B, self.top_p_B, self.seed_B, self.step_B)
+
+
+def placed(shardings: mesh.Layout | None, cache):
+    """``cache`` in ``shardings`` (the engine's mesh; None: one device, as it is)."""
+    return shardings.constrain(cache) if shardings else cache
+
+
+def on_shards(fn, shardings: mesh.Layout | None, in_specs, out_specs):
+    """``fn`` per data shard on the engine's mesh (``mesh.per_shard``); on one device (None) ``fn`` itself."""
+    return mesh.per_shard(fn, shardings.mesh, in_specs, out_specs) if shardings else fn
+
+
+def next_window(prev_LBQK: jax.Array, ids_LBTK: jax.Array, meta: StepMeta) -> jax.Array:
+    """The top-k ids ``i32[L, B, Q, K]`` of each row's last ``Q = WARMUP_QUERIES`` prompt positions so far
+    (-1 before the prompt), after the piece whose ids are ``ids_LBTK`` (every position real): the piece's last
+    ``Q`` positions, preceded by ``prev_LBQK``'s last ones when the piece is shorter. A row whose piece starts
+    the prompt (position 0) forgets its previous window; a row that does not run keeps it."""
+    q, t = tier.WARMUP_QUERIES, ids_LBTK.shape[2]
+    window_T = t - q + jnp.arange(q)
+    ids_LBQK = jnp.where((window_T >= 0)[None, None, :, None],
+                         jnp.take(ids_LBTK, jnp.maximum(window_T, 0), axis=2), -1)
+    prev_LBQK = jnp.where((meta.positions[:, 0] == 0)[None, :, None, None], -1, prev_LBQK)
+    if t < q:
+        ids_LBQK = jnp.concatenate([prev_LBQK[:, :, t:], ids_LBQK[:, :, q - t:]], axis=2)
+    return jnp.where(meta.valid[:, 0][None, :, None, None], ids_LBQK, prev_LBQK)
+
+
+def _prefill(graphdef, kernels: str, params, tokens_BT, meta: StepMeta, cache, sampling: SamplingBatch, window_LBQK,
+             shardings=None):
+    """One prefill piece, a row per data shard (rows not valid: nothing written). Returns the token sampled after
+    each row's last token ``i32[B]``, its logits ``f32[B, V]``, each row's window of top-k ids (``next_window``)
+    and the cache."""
+    def run(params, tokens_BT, meta, cache, sampling, window_LBQK):
+        logits_BTV, ids_LBTK, cache = nnx.merge(graphdef, params).step(tokens_BT, meta, cache, kernels=kernels)
+        logits_BV = logits_BTV[:, -1]
+        window_LBQK = next_window(window_LBQK, ids_LBTK, meta).astype(window_LBQK.dtype)
+        return sampling.sample(logits_BV), logits_BV, window_LBQK, cache
+
+    specs = shardings and shardings.specs
+    token, logits_BV, window_LBQK, cache = on_shards(
+        run, shardings, (ALL, ROWS, ROWS, specs, ROWS, LAYER_ROWS), (ROWS, ROWS, LAYER_ROWS, specs))(
+        params, tokens_BT, meta, cache, sampling, window_LBQK)
+    if shardings:  # the window in the shardings it was built with, whatever the partitioner chose
+        window_LBQK = jax.lax.with_sharding_constraint(window_LBQK, NamedSharding(shardings.mesh, LAYER_ROWS))
+    return token, logits_BV, window_LBQK, placed(shardings, cache)
+
+
+def _decode(graphdef, kernels: str, params, tokens_BT, meta: StepMeta, cache, sampling: SamplingBatch,
+            shardings=None):
+    """One decode step for every batch row: the sampled tokens ``i32[B]``, their logits and the cache."""
+    def run(params, tokens_BT, meta, cache, sampling):
+        logits_BTV, _, cache = nnx.merge(graphdef, params).step(tokens_BT, meta, cache.begin_step(), kernels=kernels)
+        return sampling.sample(logits_BTV[:, -1]), logits_BTV[:, -1], cache
+
+    specs = shardings and shardings.specs
+    tokens, logits_BV, cache = on_shards(run, shardings, (ALL, ROWS, ROWS, specs, ROWS), (ROWS, ROWS, specs))(
+        params, tokens_BT, meta, cache, sampling)
+    return tokens, logits_BV, placed(shardings, cache)
+
+
+def _handoff(family: families.Family, cache, scratch, table_DX, pages_DX, row_D, entries_D, window_LDQK,
+             shardings=None, scratch_shardings=None):
+    """The prompt prefilled on each data shard's scratch row into that shard's decode cache (``Family.handoff``):
+    per shard its scratch pages ``table_DX``, its pages ``pages_DX``, its batch row ``row_D`` (past the last:
+    none, the shards without a finished prompt), its entries and the top-k ids of its last prompt queries."""
+    def run(cache, scratch, table_X, pages_X, row, entries, window_LQK):
+        return family.handoff(cache, scratch, table_X[0], pages_X[0], row[0], entries[0], window_LQK[:, 0])
+
+    specs = shardings and shardings.specs
+    cache = on_shards(run, shardings, (specs, scratch_shardings and scratch_shardings.specs, ROWS, ROWS, ROWS, ROWS,
+                                       LAYER_ROWS), specs)(
+        cache, scratch, table_DX, pages_DX, row_D, entries_D, window_LDQK)
+    return placed(shardings, cache)
+
+
+def _flush(family: families.Family, cache, shardings=None):
+    """The tier's last step's rows written to the host store."""
+    def run(cache):
+        return family.with_store(cache, family.store_of(cache).begin_step())
+
+    specs = shardings and shardings.specs
+    return placed(shardings, on_shards(run, shardings, (specs,), specs)(cache))
+
+
+def _release(family: families.Family, cache, row_D, pages_DX, shardings=None):
+    """Empty each data shard's batch row ``row_D`` (past the last: none) and the residency of its pages."""
+    def run(cache, row, pages_X):
+        return family.with_store(cache, family.store_of(cache).release(row[0], pages_X[0]))
+
+    specs = shardings and shardings.specs
+    return placed(shardings, on_shards(run, shardings, (specs, ROWS, ROWS), specs)(cache, row_D, pages_DX))
+
+
+# The split backend's NumPy store is part of a step's static identity (its engine's own).
+prefill = jax.jit(_prefill, static_argnums=(0, 1), static_argnames="shardings", donate_argnums=(5, 7))
+decode = jax.jit(_decode, static_argnums=(0, 1), static_argnames="shardings", donate_argnums=5)
+handoff = jax.jit(_handoff, static_argnums=0, static_argnames=("shardings", "scratch_shardings"), donate_argnums=1)
+flush = jax.jit(_flush, static_argnums=0, static_argnames="shardings", donate_argnums=1)
+release = jax.jit(_release, static_argnums=0, static_argnames="shardings", donate_argnums=1)
+
+
+def piece_sizes(chunk: int) -> tuple[int, ...]:
+    """Every prefill piece size: the powers of two below ``chunk``, and ``chunk``."""
+    sizes = [1]
+    while sizes[-1] < chunk:
+        sizes.append(min(sizes[-1] * 2, chunk))
+    return tuple(sizes)
+
+
+def piece_size(remaining: int, chunk: int) -> int:
+    """The next piece of a prompt with ``remaining`` tokens left: the largest size that fits."""
+    return max(s for s in piece_sizes(chunk) if s <= remaining)
+
+
+def prefill_pieces(length: int, chunk: int) -> list[int]:
+    """The pieces a prompt of ``length`` tokens is prefilled in, in order."""
+    pieces = []
+    while (done := sum(pieces)) < length:
+        pieces.append(piece_size(length - done, chunk))
+    return pieces

@@ -14,7 +14,7 @@ import json
 import math
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 PRESETS = ("tiny-v32", "deepseek-v3.2", "tiny-v4", "deepseek-v4-flash", "deepseek-v4-pro")
 # Trained checkpoints shipped as package data (ess_jax.checkpoints; tools/train_tiny.sh made them):
@@ -311,10 +311,8 @@ class ModelConfig:
     swiglu_limit: float = 10.0
 
     def __post_init__(self):
-        from ess_jax import families  # the registry imports this module
-
         check_fields(self)
-        families.get(self.model_type).check(self)
+        _family(self.model_type).check(self)
 
     # ---- derived -------------------------------------------------------------------------------
     @property
@@ -342,8 +340,6 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        from ess_jax import families  # the registry imports this module
-
         if not isinstance(raw, dict):
             raise ConfigError(f"a config must be a JSON object of fields, got {type(raw).__name__} {_short(raw)}")
         if "model_type" not in raw:
@@ -351,21 +347,13 @@ class ModelConfig:
         if not isinstance(raw["model_type"], str):
             raise ConfigError(f"config field model_type={_short(raw['model_type'])} must be a string "
                               "('deepseek_v32' or 'deepseek_v4')")
-        cfg = families.get(raw["model_type"]).from_hf_dict(cls, raw)
+        cfg = _family(raw["model_type"]).parse(cls, raw)
         check_tokens(cfg)  # a config.json's special ids (a config built in code may leave them out of range)
         return cfg
 
     @classmethod
     def from_json(cls, path: str | Path) -> ModelConfig:
-        path = Path(path)
-        if path.is_dir():
-            raise ConfigError(f"{path} is a directory, not a config.json file")
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"no config.json at {path}") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        raw = read_json(path)
         try:
             return cls.from_hf_dict(raw)
         except ConfigError as e:
@@ -376,11 +364,56 @@ class ModelConfig:
         return cls.from_hf_dict(preset_dict(name))
 
 
+def read_json(path: str | Path) -> Any:
+    """A config.json file's contents; ConfigError naming the path when it is missing, a directory or not JSON."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{path} is a directory, not a config.json file")
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"no config.json at {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+
+
 def preset_dict(name: str) -> dict[str, Any]:
     """A preset's config.json as a dict (``configs/NAME.json``)."""
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)} (or pass a checkpoint directory)")
     return json.loads(resources.files("ess_jax.configs").joinpath(f"{name}.json").read_text())
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """What a model name resolves to (``resolve_model``): a checkpoint directory (config.json, *.safetensors,
+    perhaps tokenizer.json; a shipped checkpoint's lies in the package) or a preset (a config, no weights)."""
+
+    name: str  # a shipped checkpoint's or a preset's name, or the checkpoint directory
+    checkpoint: Path | None  # the checkpoint directory; None: the preset ``name``
+
+    def raw_config(self) -> dict[str, Any]:
+        """The config.json as a dict."""
+        return preset_dict(self.name) if self.checkpoint is None else read_json(self.checkpoint / "config.json")
+
+    def config(self) -> ModelConfig:
+        if self.checkpoint is None:
+            return ModelConfig.from_preset(self.name)
+        return ModelConfig.from_json(self.checkpoint / "config.json")
+
+
+def resolve_model(name: str | Path) -> ModelSource:
+    """A shipped checkpoint's name (``CHECKPOINTS``), a checkpoint directory or a preset's name (``PRESETS``),
+    looked for in that order; ConfigError naming the three for anything else."""
+    name = str(name)
+    if name in CHECKPOINTS:
+        return ModelSource(name, shipped_checkpoint(name))
+    if Path(name).is_dir():
+        return ModelSource(str(Path(name)), Path(name))
+    if name in PRESETS:
+        return ModelSource(name, None)
+    raise ConfigError(f"{name!r} is neither a shipped checkpoint ({', '.join(CHECKPOINTS)}), a preset "
+                      f"({', '.join(PRESETS)}) nor a checkpoint directory")
 
 
 # ---- deepseek_v32 ------------------------------------------------------------------------------
@@ -563,3 +596,23 @@ def check_v4(cfg: ModelConfig) -> None:
         if not ok:
             raise ConfigError(message)
 
+
+# ---- the families' parsers and checks ----------------------------------------------------------
+
+class _Family(NamedTuple):
+    parse: Callable[[type, dict[str, Any]], ModelConfig]  # a config.json dict -> the config
+    check: Callable[[ModelConfig], None]  # fills the family's derived fields; raises ConfigError
+
+
+_FAMILIES = {"deepseek_v32": _Family(v32_from_hf_dict, check_v32), "deepseek_v4": _Family(v4_from_hf_dict, check_v4)}
+
+
+def check_model_type(model_type: str) -> None:
+    """ConfigError unless ``model_type`` is a family we serve."""
+    if model_type not in _FAMILIES:
+        raise ConfigError(f"model_type={model_type!r} is not served; supported: {', '.join(_FAMILIES)}")
+
+
+def _family(model_type: str) -> _Family:
+    check_model_type(model_type)
+    return _FAMILIES[model_type]

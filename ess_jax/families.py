@@ -1,10 +1,10 @@
 """The model families: one registry entry per ``model_type``, carrying everything that differs between
 DeepSeek-V3.2 and DeepSeek-V4 above the models.
 
-A ``Family`` holds
-- the config parser and checks (``ModelConfig`` dispatches here), the NNX module class and the
-  checkpoint's tensor renames (those two imported on first use: the models import flax, which
-  ``python -m ess_jax.plan`` never loads);
+A ``Family`` holds (its config parser and checks are ``ess_jax.config``'s, which imports nothing of
+ess_jax)
+- the NNX module class and the checkpoint's tensor renames (both imported on first use: the models
+  import flax, which ``python -m ess_jax.plan`` never loads);
 - a request's KV cache as ``Part``s with their byte sizes in given storage ``Formats``: the release
   formats (the planner) or the formats the model's ``init_cache`` stores (``stored_formats``: the
   engine's row bytes and resident byte count, the benchmark's through it);
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from ess_jax import config, tier
 from ess_jax.cache import entries_per_page
-from ess_jax.config import ConfigError, ModelConfig
+from ess_jax.config import ModelConfig
 from ess_jax.pallas_kernels import fp8_rows
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "int32": 4}
@@ -161,8 +161,6 @@ class Family:
     architecture: str  # config.json's "architectures" entry (transformers' class)
     module: str  # "package.module:Class" of the NNX module
     rename: str | None  # "package.module:function": a checkpoint's tensor name -> transformers'; None: unchanged
-    from_hf_dict: Callable[[type, dict], ModelConfig]  # a config.json dict -> the config
-    check: Callable[[ModelConfig], None]  # fills the family's derived fields; raises ConfigError
 
     @property
     def module_cls(self) -> type:
@@ -323,15 +321,14 @@ class _DeepseekV4(Family):
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    _DeepseekV32("deepseek_v32", "DeepseekV32ForCausalLM", "ess_jax.models.deepseek_v32:DeepseekV32", None, config.v32_from_hf_dict,
-                 config.check_v32),
-    _DeepseekV4("deepseek_v4", "DeepseekV4ForCausalLM", "ess_jax.models.deepseek_v4:DeepseekV4", "ess_jax.checkpoint:release_to_hf_name",
-                config.v4_from_hf_dict, config.check_v4),
+    _DeepseekV32(model_type="deepseek_v32", architecture="DeepseekV32ForCausalLM",
+                 module="ess_jax.models.deepseek_v32:DeepseekV32", rename=None),
+    _DeepseekV4(model_type="deepseek_v4", architecture="DeepseekV4ForCausalLM",
+                module="ess_jax.models.deepseek_v4:DeepseekV4", rename="ess_jax.checkpoint:release_to_hf_name"),
 )}
 
 
 def get(model_type: str) -> Family:
     """The family of ``model_type``; ConfigError if it is not served."""
-    if model_type not in FAMILIES:
-        raise ConfigError(f"model_type={model_type!r} is not served; supported: {', '.join(FAMILIES)}")
+    config.check_model_type(model_type)
     return FAMILIES[model_type]

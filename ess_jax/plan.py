@@ -76,10 +76,6 @@ REAL_PRESETS = ("deepseek-v3.2", "deepseek-v4-flash", "deepseek-v4-pro")
 CACHE_DTYPES = ("bfloat16", "fp8")
 INDEX_DTYPES = ("auto", "bfloat16", "fp8", "fp4")
 ACCOUNTINGS = ("ess_jax", "paper")
-MAP_BYTES = 4  # ess_jax residency map: int32 slot per entry (tier.LruPool.resident_slot)
-SLOT_TABLE_BYTES = 8  # ess_jax slot tables: int32 slot_entry + int32 slot_order per pool slot
-STAGED_BYTES = 8  # ess_jax staged row's int32 page and offset, per request (tier.Tier.staged_page / staged_offset)
-COUNTER_BYTES = 16  # ess_jax tier counters: four int32 per offloaded layer and request (tier.Tier.counters)
 
 
 def cache_parts(cfg: ModelConfig, cache_dtype: str, index_dtype: str = "auto") -> list[Part]:
@@ -114,10 +110,11 @@ def request_bytes(parts: list[Part], context: int, ratio: float, accounting: str
             continue
         entries = p.entries(context)
         slots = tier.pool_slots(entries, p.topk, pool_ratio=ratio)
-        device += p.layers * slots * p.row_bytes
-        if accounting == "ess_jax":
-            device += p.layers * (entries * MAP_BYTES + slots * SLOT_TABLE_BYTES + p.row_bytes + COUNTER_BYTES)
-            device += STAGED_BYTES
+        if accounting == "ess_jax":  # the tier's arrays, its residency map over the request's entries
+            device += tier.device_bytes(layers=p.layers, rows=1, slots=slots, row_bytes=p.row_bytes, pages=entries,
+                                        per_page=1)
+        else:  # the pools' rows
+            device += p.layers * slots * p.row_bytes
         host += p.bytes(context)
     return RequestBytes(resident, device, host, slots)
 

@@ -151,3 +151,11 @@ def init_tier(*, layers: int, batch: int, slots: int, num_pages: int, page_size:
         host=host_store(fetch, (layers, num_pages, per_page, width), dtype),
         page_size=page_size, rate=rate,
     )
+
+
+def device_bytes(*, layers: int, rows: int, slots: int, row_bytes: int, pages: int, per_page: int) -> int:
+    """Bytes of an ``init_tier`` tier's device arrays (all but the host store), for ``layers`` sparse layers,
+    ``rows`` batch rows of ``slots`` pool slots, rows of ``row_bytes`` and a residency map of ``pages`` pages
+    of ``per_page`` entries: per (layer, row) the pool, its two int32 slot tables, the staged row and four
+    int32 counters; per (layer, page entry) an int32 slot; per row the staged row's int32 page and offset."""
+    return layers * rows * (slots * (row_bytes + 8) + row_bytes + 16) + layers * pages * per_page * 4 + rows * 8

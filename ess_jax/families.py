@@ -212,7 +212,7 @@ class Family:
         batch row, a host store of the cache's pages), every other part resident."""
         shapes = jax.eval_shape(lambda: self.resident_cache(module, size, dtype))
         pages = self.store_of(shapes).pages
-        tiered = tier.init_tier(layers=pages.shape[0], batch=size.rows, slots=slots, num_pages=size.pages,
+        tiered = tier.init_tier(layers=pages.shape[0], rows=size.rows, slots=slots, pages=size.pages,
                                 page_size=size.page_size, rate=part.tokens_per_row, width=pages.shape[-1], dtype=dtype,
                                 fetch=fetch)
         resident = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), self.with_store(shapes, None))

@@ -161,9 +161,9 @@ def loss_fn(graphdef, stage: str, dtypes: tuple):
 
 
 def make_train_step(loss, optimizer):
-    """The jitted optimizer step ``(trained, opt_state, frozen, tokens i32[A, B, T+1]) -> (trained,
-    opt_state, mean (loss, lm, kl) over the A micro-batches, gradient norm)``: gradients averaged over
-    the micro-batches (a scan, so memory holds one micro-batch's activations)."""
+    """The jitted optimizer step ``(trained, opt_state, frozen, micro_batches i32[accum, B, T+1]) -> (trained,
+    opt_state, mean (loss, lm, kl) over the micro-batches, gradient norm)``: gradients averaged over the
+    micro-batches (a scan, so memory holds one micro-batch's activations)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -171,14 +171,14 @@ def make_train_step(loss, optimizer):
     grad_fn = jax.value_and_grad(loss, has_aux=True)
 
     @jax.jit
-    def train_step(trained, opt_state, frozen, tokens_ABT):
+    def train_step(trained, opt_state, frozen, micro_batches):
         def micro(carry, tokens_BT):
             (total, (lm, kl)), grads = grad_fn(trained, frozen, tokens_BT)
             return jax.tree.map(jnp.add, carry, (grads, jnp.stack([total, lm, kl]))), None
 
         zeros = (jax.tree.map(jnp.zeros_like, trained), jnp.zeros(3, jnp.float32))
-        (grads, sums), _ = jax.lax.scan(micro, zeros, tokens_ABT)
-        n = tokens_ABT.shape[0]
+        (grads, sums), _ = jax.lax.scan(micro, zeros, micro_batches)
+        n = micro_batches.shape[0]
         grads = jax.tree.map(lambda g: g / n, grads)
         updates, opt_state = optimizer.update(grads, opt_state, trained)
         return optax.apply_updates(trained, updates), opt_state, sums / n, optax.tree.norm(grads)

@@ -10,6 +10,7 @@ not serve is an error.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
 from importlib import resources
@@ -335,8 +336,8 @@ class ModelConfig:
     # ---- construction --------------------------------------------------------------------------
     def compress_rate(self, layer: int) -> int:
         """Tokens per compressed entry of a deepseek_v4 layer (0 for sliding-window-only layers)."""
-        return {"sliding_attention": 0, "compressed_sparse_attention": self.compress_rate_csa,
-                "heavily_compressed_attention": self.compress_rate_hca}[self.layer_types[layer]]
+        return {V4Layer.SLIDING: 0, V4Layer.CSA: self.compress_rate_csa,
+                V4Layer.HCA: self.compress_rate_hca}[self.layer_types[layer]]
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -416,6 +417,19 @@ def resolve_model(name: str | Path) -> ModelSource:
                       f"({', '.join(PRESETS)}) nor a checkpoint directory")
 
 
+def _eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
+    """config.json's ``eos_token_id`` (an id, a list or null; default 1) as a tuple."""
+    eos = raw.get("eos_token_id", 1)
+    return () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def _require(checks: list[tuple[bool, str]]) -> None:
+    """ConfigError with the message of the first check that fails."""
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+
+
 # ---- deepseek_v32 ------------------------------------------------------------------------------
 
 def v32_from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -427,8 +441,7 @@ def v32_from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         kwargs["n_routed_experts"] = raw["num_experts"]
     if raw.get("num_local_experts") is not None:
         kwargs["n_routed_experts"] = raw["num_local_experts"]
-    eos = raw.get("eos_token_id", 1)
-    kwargs["eos_token_id"] = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+    kwargs["eos_token_id"] = _eos_ids(raw)
     layers = int(raw.get("num_hidden_layers", cls.num_hidden_layers))
     if raw.get("mlp_layer_types"):
         kwargs["mlp_layer_types"] = tuple(raw["mlp_layer_types"])
@@ -464,9 +477,7 @@ def check_v32(cfg: ModelConfig) -> None:
         (cfg.index_topk >= 1, f"index_topk={cfg.index_topk} must be >= 1"),
         (cfg.q_lora_rank > 0, "q_lora_rank must be set (DeepSeek-V3.2 always uses the q LoRA)"),
     ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
+    _require(checks)
 
 
 # ---- deepseek_v4 -------------------------------------------------------------------------------
@@ -474,11 +485,20 @@ def check_v32(cfg: ModelConfig) -> None:
 V4_ONLY_FIELDS = frozenset({"head_dim", "layer_types", "compress_rate_csa", "compress_rate_hca", "sliding_window",
                             "compress_rope", "o_groups", "o_lora_rank", "hc_mult", "hc_sinkhorn_iters", "hc_eps",
                             "swiglu_limit"})
-V4_LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+
+
+class V4Layer(enum.StrEnum):
+    """A DeepSeek-V4 layer's attention: config.json's ``layer_types`` values (strings compare equal)."""
+
+    SLIDING = "sliding_attention"
+    CSA = "compressed_sparse_attention"
+    HCA = "heavily_compressed_attention"
+
+
+V4_LAYER_TYPES = tuple(kind.value for kind in V4Layer)
 V4_MLP_LAYER_TYPES = ("hash_moe", "moe")
 V4_SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
-_V4_RATIO_TO_LAYER_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention",
-                           128: "heavily_compressed_attention"}
+_V4_RATIO_TO_LAYER_TYPE = {0: V4Layer.SLIDING, 4: V4Layer.CSA, 128: V4Layer.HCA}
 
 # transformers' DeepseekV4Config defaults (V4-Flash shapes) for keys a config.json leaves out.
 _V4_HF_DEFAULTS: dict[str, Any] = dict(
@@ -505,13 +525,12 @@ def v4_from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
             kwargs["n_routed_experts"] = raw[alias]
     kwargs["intermediate_size"] = kwargs["moe_intermediate_size"]  # the shared expert's width
     kwargs["n_group"] = kwargs["topk_group"] = 1  # V4 routes without expert groups
-    eos = raw.get("eos_token_id", 1)
-    kwargs["eos_token_id"] = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+    kwargs["eos_token_id"] = _eos_ids(raw)
     n = int(kwargs["num_hidden_layers"])
 
     rates = dict(raw.get("compress_rates") or {})
-    csa = raw.get("compress_rate_csa", rates.get("compressed_sparse_attention", 4))
-    hca = raw.get("compress_rate_hca", rates.get("heavily_compressed_attention", 128))
+    csa = raw.get("compress_rate_csa", rates.get(V4Layer.CSA, 4))
+    hca = raw.get("compress_rate_hca", rates.get(V4Layer.HCA, 128))
     kwargs["compress_rate_csa"], kwargs["compress_rate_hca"] = csa, hca
 
     if raw.get("layer_types") is not None:
@@ -522,9 +541,8 @@ def v4_from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
             raise ConfigError(f"compress_ratios entries must be 0, 4 or 128; got {bad}")
         layer_types = [_V4_RATIO_TO_LAYER_TYPE[r] for r in raw["compress_ratios"]]
     else:  # transformers' fallback: 2 x HCA, then HCA / CSA alternating (HCA at layer 2)
-        layer_types = ["heavily_compressed_attention"] * min(n, 2) + [
-            "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(n - 2, 0))]
-    kwargs["layer_types"] = tuple(layer_types[:n])
+        layer_types = [V4Layer.HCA] * min(n, 2) + [V4Layer.CSA if i % 2 else V4Layer.HCA for i in range(max(n - 2, 0))]
+    kwargs["layer_types"] = tuple(str(kind) for kind in layer_types[:n])  # plain strings, as config.json has them
     if raw.get("mlp_layer_types") is not None:
         mlp_types = list(raw["mlp_layer_types"])
     else:
@@ -592,9 +610,7 @@ def check_v4(cfg: ModelConfig) -> None:
          f"hc_mult={cfg.hc_mult} and hc_sinkhorn_iters={cfg.hc_sinkhorn_iters} must be >= 1"),
         (cfg.q_lora_rank > 0, "q_lora_rank must be set (DeepSeek-V4 always uses the q LoRA)"),
     ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
+    _require(checks)
 
 
 # ---- the families' parsers and checks ----------------------------------------------------------

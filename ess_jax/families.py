@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from ess_jax import config, tier
 from ess_jax.cache import entries_per_page
-from ess_jax.config import ModelConfig
+from ess_jax.config import ModelConfig, V4Layer
 from ess_jax.pallas_kernels import fp8_rows
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "int32": 4}
@@ -48,7 +48,6 @@ class CacheSize:
     max_seq_len: int  # positions per request
     shards: int = 1  # data shards: each has rows / shards batch rows and pages / shards pages
 _SHORT = {"float32": "fp32", "bfloat16": "bf16"}
-_CSA, _HCA = config.V4_LAYER_TYPES[1:]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,7 +269,7 @@ class _DeepseekV4(Family):
     row: the SWA window and the compressor rings."""
 
     def cache_parts(self, cfg, formats):
-        n_csa, n_hca = cfg.layer_types.count(_CSA), cfg.layer_types.count(_HCA)
+        n_csa, n_hca = cfg.layer_types.count(V4Layer.CSA), cfg.layer_types.count(V4Layer.HCA)
         h, r, j = cfg.head_dim, cfg.qk_rope_head_dim, cfg.index_head_dim
         m, m_h = cfg.compress_rate_csa, cfg.compress_rate_hca
         row = _v4_row_bytes(h, r, formats.rows)
@@ -289,7 +288,7 @@ class _DeepseekV4(Family):
         return Formats(entries, index=model, rows=model, ring=model)
 
     def sparse_layers(self, cfg):
-        return [i for i, t in enumerate(cfg.layer_types) if t == _CSA]
+        return [i for i, t in enumerate(cfg.layer_types) if t == V4Layer.CSA]
 
     def release_bytes(self, names, routed, shape):
         if routed:  # e2m1 + one ue8m0 scale per 32 values

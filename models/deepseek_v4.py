@@ -34,13 +34,13 @@ from flax import nnx
 from ess_jax import ops
 from ess_jax.cache import (CsaCache, HcaCache, ResidentPages, RowSource, StepMeta, V4Cache, check_geometry,
                            entries_per_page, flat_ids, locate, request_rows)
-from ess_jax.config import ModelConfig
+from ess_jax.config import ModelConfig, V4Layer
 from ess_jax.models import mhc
 from ess_jax.models.compressor import CSACompressor, Compressor, Indexer, TailRope, visible_entries
 from ess_jax.models.layers import (Linear, MoE, RMSNorm, Router, check_stage, index_topk, indexer_kl, rms_normalize,
                                    scan_runs, stack_runs)
 
-SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+SLIDING, CSA, HCA = V4Layer
 
 
 # ---- attention ---------------------------------------------------------------------------------

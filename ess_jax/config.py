@@ -4,7 +4,11 @@ Field names and defaults follow transformers' ``DeepseekV32Config`` / ``Deepseek
 checkpoint's config.json maps onto it without translation; each family gets its own transformers
 defaults for the keys a config.json leaves out (``from_hf_dict``). Unknown keys in config.json are
 ignored (HF writes many that do not affect the forward pass); a missing ``model_type`` or one we do
-not serve is an error.
+not serve is an error. Each family's parser and checks are here, by ``model_type``: this module imports
+nothing of ess_jax (``ess_jax.families`` imports it).
+
+``resolve_model`` says what a model name is (a shipped checkpoint, a checkpoint directory or a preset),
+for every entry point that takes one.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from flax import nnx
 
 from ess_jax import checkpoint, families
 from ess_jax import mesh as device_mesh
-from ess_jax.config import CHECKPOINTS, PRESETS, ConfigError, ModelConfig, shipped_checkpoint
+from ess_jax.config import ModelConfig, resolve_model
 from ess_jax.models.deepseek_v32 import DeepseekV32
 from ess_jax.models.deepseek_v4 import DeepseekV4
 from ess_jax.engine import Engine, EngineConfig
@@ -95,27 +95,20 @@ def _load(name_or_dir: str | Path, dtype: str, seed: int, weights: str, mesh: ja
     if weights not in checkpoint.WEIGHTS:
         raise ValueError(f"weights={weights!r} is not supported; use one of {', '.join(checkpoint.WEIGHTS)}")
     jdtype = DTYPES[dtype]
-    shipped = str(name_or_dir) in CHECKPOINTS
-    path = shipped_checkpoint(str(name_or_dir)) if shipped else Path(name_or_dir)
-    if path.is_dir():
-        cfg = ModelConfig.from_json(path / "config.json")
-        cls = families.get(cfg.family).module_cls
-        module = checkpoint.load_into(lambda: cls(cfg, dtype=jdtype, rngs=nnx.Rngs(seed)), cfg, path, jdtype, weights,
-                                      mesh)
-        return Model(str(name_or_dir) if shipped else str(path), module, load_tokenizer(path, cfg),
-                     load_chat_template(path))
-    if str(name_or_dir) in PRESETS:
-        if weights == "release":
-            raise ValueError(f"weights='release' keeps a checkpoint's quantized tensors as stored; preset "
-                             f"{str(name_or_dir)!r} has random weights and no checkpoint: load it dequantized")
-        cfg = ModelConfig.from_preset(str(name_or_dir))
-        module = families.get(cfg.family).module_cls(cfg, dtype=jdtype, rngs=nnx.Rngs(seed))
-        model = Model(str(name_or_dir), module, load_tokenizer(None, cfg))
-        if mesh is not None:
-            model.params = device_mesh.place_params(model.params, mesh)
-        return model
-    raise ConfigError(f"{name_or_dir!r} is neither a shipped checkpoint ({', '.join(CHECKPOINTS)}), a preset "
-                      f"({', '.join(PRESETS)}) nor a checkpoint directory")
+    source = resolve_model(name_or_dir)
+    if source.checkpoint is None and weights == "release":
+        raise ValueError(f"weights='release' keeps a checkpoint's quantized tensors as stored; preset "
+                         f"{source.name!r} has random weights and no checkpoint: load it dequantized")
+    cfg = source.config()
+    cls = families.get(cfg.family).module_cls
+    if source.checkpoint is not None:
+        module = checkpoint.load_into(lambda: cls(cfg, dtype=jdtype, rngs=nnx.Rngs(seed)), cfg, source.checkpoint,
+                                      jdtype, weights, mesh)
+        return Model(source.name, module, load_tokenizer(source.checkpoint, cfg), load_chat_template(source.checkpoint))
+    model = Model(source.name, cls(cfg, dtype=jdtype, rngs=nnx.Rngs(seed)), load_tokenizer(None, cfg))
+    if mesh is not None:
+        model.params = device_mesh.place_params(model.params, mesh)
+    return model
 
 
 @dataclasses.dataclass

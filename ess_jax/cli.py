@@ -1,5 +1,5 @@
-"""What the command-line entry points share: an argument parser whose errors are one line, and the
-persistent compilation cache."""
+"""What the command-line entry points share: an argument parser whose errors are one line, the
+persistent compilation cache, and plain-text tables."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import math
 import os
 import sys
 import tempfile
+from collections.abc import Collection
 from pathlib import Path
 
 
@@ -63,6 +64,18 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"error: {message} (see --help)\n")
+
+
+def table(headers: list[str], rows: list[list], right: Collection[int] = ()) -> str:
+    """A plain-text table: the header, a ruler, then one line per row; cells as ``str`` gives them, padded to
+    their column's width, the columns in ``right`` right-aligned, the others left-aligned."""
+    cells = [headers] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(row: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+
+    return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]])
 
 
 def add_model_flag(p: argparse.ArgumentParser) -> None:
@@ -204,25 +217,10 @@ def check_run_flags(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} {value} must be in [{low}, {high})")
 
 
-def _model_config(name: str):
-    """The ModelConfig of ``--model`` read without loading weights, or None for a name ``load_model``
-    resolves (and refuses) itself."""
-    from ess_jax.config import CHECKPOINTS, PRESETS, ModelConfig, shipped_checkpoint
-
-    if name in CHECKPOINTS:
-        return ModelConfig.from_json(shipped_checkpoint(name) / "config.json")
-    if Path(name).is_dir():
-        return ModelConfig.from_json(Path(name) / "config.json")
-    if name in PRESETS:
-        return ModelConfig.from_preset(name)
-    return None
-
-
-def _check_prompts(prompts: list, model: str, cfg, config, max_new_tokens: int) -> None:
+def _check_prompts(prompts: list, source, cfg, config, max_new_tokens: int) -> None:
     """``generate``'s prompts against the model's vocabulary and positions, before it loads: ``--prompt-ids``
     as given, ``--prompt`` / ``--prompt-file`` through the checkpoint's tokenizer (read alone, no weights).
     A list that does not parse or a file that cannot be read is ``generate``'s to report."""
-    from ess_jax.config import CHECKPOINTS, shipped_checkpoint
     from ess_jax.tokenizer import load_tokenizer
 
     longest = min(config.max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -234,8 +232,7 @@ def _check_prompts(prompts: list, model: str, cfg, config, max_new_tokens: int) 
                 ids = [int(x) for x in value.split(",") if x.strip()]
             else:
                 if tokenizer is None:
-                    directory = shipped_checkpoint(model) if model in CHECKPOINTS else Path(model)
-                    tokenizer = load_tokenizer(directory if directory.is_dir() else None, cfg)
+                    tokenizer = load_tokenizer(source.checkpoint, cfg)
                 ids = tokenizer.encode(value if kind == "text" else Path(value).read_text())
         except (ValueError, OSError):
             continue
@@ -254,7 +251,7 @@ def check_before_load(args: argparse.Namespace, config) -> None:
     so the rows of the prompts, or one, and ``--max-seq-len``, or the new tokens + 1). ``Engine`` checks the
     sizes it gets again, exactly, before it allocates."""
     from ess_jax import mesh, ops
-    from ess_jax.config import PRESETS
+    from ess_jax.config import resolve_model
     from ess_jax.engine import cache_layout, check_memory
 
     if config.mesh:
@@ -262,17 +259,18 @@ def check_before_load(args: argparse.Namespace, config) -> None:
     ops.resolve_kernels(config.kernels)  # Pallas where the backend has no kernels for it
 
     model = getattr(args, "model", None)
-    if getattr(args, "weights", None) == "release" and str(model) in PRESETS:
+    if model is None:
+        return
+    source = resolve_model(model)
+    if getattr(args, "weights", None) == "release" and source.checkpoint is None:
         raise ValueError(f"--weights release keeps a checkpoint's quantized tensors as stored; the preset {model} "
                          "has random weights and no checkpoint: drop --weights release or pass a checkpoint")
-    cfg = _model_config(str(model)) if model is not None else None
-    if cfg is None:
-        return
+    cfg = source.config()
     prompts = getattr(args, "prompts", None)
     if config.max_seq_len is not None and config.max_seq_len > cfg.max_position_embeddings:
         raise ValueError(f"--max-seq-len {config.max_seq_len} exceeds the model's max_position_embeddings "
                          f"({cfg.max_position_embeddings}); lower it")
-    _check_prompts(prompts or [], str(model), cfg, config, getattr(args, "max_new_tokens", 1))
+    _check_prompts(prompts or [], source, cfg, config, getattr(args, "max_new_tokens", 1))
     rows = mesh.batch_rows(len(prompts) if prompts else 1, config.max_batch, config.mesh)
     tokens = config.max_seq_len or min(getattr(args, "max_new_tokens", 0) + 1, cfg.max_position_embeddings)
     least = dataclasses.replace(config, max_batch=rows, max_seq_len=tokens)

@@ -4,17 +4,22 @@ Field names and defaults follow transformers' ``DeepseekV32Config`` / ``Deepseek
 checkpoint's config.json maps onto it without translation; each family gets its own transformers
 defaults for the keys a config.json leaves out (``from_hf_dict``). Unknown keys in config.json are
 ignored (HF writes many that do not affect the forward pass); a missing ``model_type`` or one we do
-not serve is an error.
+not serve is an error. Each family's parser and checks are here, by ``model_type``: this module imports
+nothing of ess_jax (``ess_jax.families`` imports it).
+
+``resolve_model`` says what a model name is (a shipped checkpoint, a checkpoint directory or a preset),
+for every entry point that takes one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 PRESETS = ("tiny-v32", "deepseek-v3.2", "tiny-v4", "deepseek-v4-flash", "deepseek-v4-pro")
 # Trained checkpoints shipped as package data (ess_jax.checkpoints; tools/train_tiny.sh made them):
@@ -311,10 +316,8 @@ class ModelConfig:
     swiglu_limit: float = 10.0
 
     def __post_init__(self):
-        from ess_jax import families  # the registry imports this module
-
         check_fields(self)
-        families.get(self.model_type).check(self)
+        _family(self.model_type).check(self)
 
     # ---- derived -------------------------------------------------------------------------------
     @property
@@ -337,13 +340,11 @@ class ModelConfig:
     # ---- construction --------------------------------------------------------------------------
     def compress_rate(self, layer: int) -> int:
         """Tokens per compressed entry of a deepseek_v4 layer (0 for sliding-window-only layers)."""
-        return {"sliding_attention": 0, "compressed_sparse_attention": self.compress_rate_csa,
-                "heavily_compressed_attention": self.compress_rate_hca}[self.layer_types[layer]]
+        return {V4Layer.SLIDING: 0, V4Layer.CSA: self.compress_rate_csa,
+                V4Layer.HCA: self.compress_rate_hca}[self.layer_types[layer]]
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        from ess_jax import families  # the registry imports this module
-
         if not isinstance(raw, dict):
             raise ConfigError(f"a config must be a JSON object of fields, got {type(raw).__name__} {_short(raw)}")
         if "model_type" not in raw:
@@ -351,21 +352,13 @@ class ModelConfig:
         if not isinstance(raw["model_type"], str):
             raise ConfigError(f"config field model_type={_short(raw['model_type'])} must be a string "
                               "('deepseek_v32' or 'deepseek_v4')")
-        cfg = families.get(raw["model_type"]).from_hf_dict(cls, raw)
+        cfg = _family(raw["model_type"]).parse(cls, raw)
         check_tokens(cfg)  # a config.json's special ids (a config built in code may leave them out of range)
         return cfg
 
     @classmethod
     def from_json(cls, path: str | Path) -> ModelConfig:
-        path = Path(path)
-        if path.is_dir():
-            raise ConfigError(f"{path} is a directory, not a config.json file")
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"no config.json at {path}") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        raw = read_json(path)
         try:
             return cls.from_hf_dict(raw)
         except ConfigError as e:
@@ -376,11 +369,69 @@ class ModelConfig:
         return cls.from_hf_dict(preset_dict(name))
 
 
+def read_json(path: str | Path) -> Any:
+    """A config.json file's contents; ConfigError naming the path when it is missing, a directory or not JSON."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{path} is a directory, not a config.json file")
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"no config.json at {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+
+
 def preset_dict(name: str) -> dict[str, Any]:
     """A preset's config.json as a dict (``configs/NAME.json``)."""
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)} (or pass a checkpoint directory)")
     return json.loads(resources.files("ess_jax.configs").joinpath(f"{name}.json").read_text())
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """What a model name resolves to (``resolve_model``): a checkpoint directory (config.json, *.safetensors,
+    perhaps tokenizer.json; a shipped checkpoint's lies in the package) or a preset (a config, no weights)."""
+
+    name: str  # a shipped checkpoint's or a preset's name, or the checkpoint directory
+    checkpoint: Path | None  # the checkpoint directory; None: the preset ``name``
+
+    def raw_config(self) -> dict[str, Any]:
+        """The config.json as a dict."""
+        return preset_dict(self.name) if self.checkpoint is None else read_json(self.checkpoint / "config.json")
+
+    def config(self) -> ModelConfig:
+        if self.checkpoint is None:
+            return ModelConfig.from_preset(self.name)
+        return ModelConfig.from_json(self.checkpoint / "config.json")
+
+
+def resolve_model(name: str | Path) -> ModelSource:
+    """A shipped checkpoint's name (``CHECKPOINTS``), a checkpoint directory or a preset's name (``PRESETS``),
+    looked for in that order; ConfigError naming the three for anything else."""
+    name = str(name)
+    if name in CHECKPOINTS:
+        return ModelSource(name, shipped_checkpoint(name))
+    if Path(name).is_dir():
+        return ModelSource(str(Path(name)), Path(name))
+    if name in PRESETS:
+        return ModelSource(name, None)
+    raise ConfigError(f"{name!r} is neither a shipped checkpoint ({', '.join(CHECKPOINTS)}), a preset "
+                      f"({', '.join(PRESETS)}) nor a checkpoint directory")
+
+
+def _eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
+    """config.json's ``eos_token_id`` (an id, a list or null; default 1) as a tuple."""
+    eos = raw.get("eos_token_id", 1)
+    return () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def _require(checks: list[tuple[bool, str]]) -> None:
+    """ConfigError with the message of the first check that fails."""
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
 
 
 # ---- deepseek_v32 ------------------------------------------------------------------------------
@@ -394,8 +445,7 @@ def v32_from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         kwargs["n_routed_experts"] = raw["num_experts"]
     if raw.get("num_local_experts") is not None:
         kwargs["n_routed_experts"] = raw["num_local_experts"]
-    eos = raw.get("eos_token_id", 1)
-    kwargs["eos_token_id"] = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+    kwargs["eos_token_id"] = _eos_ids(raw)
     layers = int(raw.get("num_hidden_layers", cls.num_hidden_layers))
     if raw.get("mlp_layer_types"):
         kwargs["mlp_layer_types"] = tuple(raw["mlp_layer_types"])
@@ -431,9 +481,7 @@ def check_v32(cfg: ModelConfig) -> None:
         (cfg.index_topk >= 1, f"index_topk={cfg.index_topk} must be >= 1"),
         (cfg.q_lora_rank > 0, "q_lora_rank must be set (DeepSeek-V3.2 always uses the q LoRA)"),
     ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
+    _require(checks)
 
 
 # ---- deepseek_v4 -------------------------------------------------------------------------------
@@ -441,11 +489,20 @@ def check_v32(cfg: ModelConfig) -> None:
 V4_ONLY_FIELDS = frozenset({"head_dim", "layer_types", "compress_rate_csa", "compress_rate_hca", "sliding_window",
                             "compress_rope", "o_groups", "o_lora_rank", "hc_mult", "hc_sinkhorn_iters", "hc_eps",
                             "swiglu_limit"})
-V4_LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+
+
+class V4Layer(enum.StrEnum):
+    """A DeepSeek-V4 layer's attention: config.json's ``layer_types`` values (strings compare equal)."""
+
+    SLIDING = "sliding_attention"
+    CSA = "compressed_sparse_attention"
+    HCA = "heavily_compressed_attention"
+
+
+V4_LAYER_TYPES = tuple(kind.value for kind in V4Layer)
 V4_MLP_LAYER_TYPES = ("hash_moe", "moe")
 V4_SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
-_V4_RATIO_TO_LAYER_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention",
-                           128: "heavily_compressed_attention"}
+_V4_RATIO_TO_LAYER_TYPE = {0: V4Layer.SLIDING, 4: V4Layer.CSA, 128: V4Layer.HCA}
 
 # transformers' DeepseekV4Config defaults (V4-Flash shapes) for keys a config.json leaves out.
 _V4_HF_DEFAULTS: dict[str, Any] = dict(
@@ -472,13 +529,12 @@ def v4_from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
             kwargs["n_routed_experts"] = raw[alias]
     kwargs["intermediate_size"] = kwargs["moe_intermediate_size"]  # the shared expert's width
     kwargs["n_group"] = kwargs["topk_group"] = 1  # V4 routes without expert groups
-    eos = raw.get("eos_token_id", 1)
-    kwargs["eos_token_id"] = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+    kwargs["eos_token_id"] = _eos_ids(raw)
     n = int(kwargs["num_hidden_layers"])
 
     rates = dict(raw.get("compress_rates") or {})
-    csa = raw.get("compress_rate_csa", rates.get("compressed_sparse_attention", 4))
-    hca = raw.get("compress_rate_hca", rates.get("heavily_compressed_attention", 128))
+    csa = raw.get("compress_rate_csa", rates.get(V4Layer.CSA, 4))
+    hca = raw.get("compress_rate_hca", rates.get(V4Layer.HCA, 128))
     kwargs["compress_rate_csa"], kwargs["compress_rate_hca"] = csa, hca
 
     if raw.get("layer_types") is not None:
@@ -489,9 +545,8 @@ def v4_from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
             raise ConfigError(f"compress_ratios entries must be 0, 4 or 128; got {bad}")
         layer_types = [_V4_RATIO_TO_LAYER_TYPE[r] for r in raw["compress_ratios"]]
     else:  # transformers' fallback: 2 x HCA, then HCA / CSA alternating (HCA at layer 2)
-        layer_types = ["heavily_compressed_attention"] * min(n, 2) + [
-            "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(n - 2, 0))]
-    kwargs["layer_types"] = tuple(layer_types[:n])
+        layer_types = [V4Layer.HCA] * min(n, 2) + [V4Layer.CSA if i % 2 else V4Layer.HCA for i in range(max(n - 2, 0))]
+    kwargs["layer_types"] = tuple(str(kind) for kind in layer_types[:n])  # plain strings, as config.json has them
     if raw.get("mlp_layer_types") is not None:
         mlp_types = list(raw["mlp_layer_types"])
     else:
@@ -559,7 +614,25 @@ def check_v4(cfg: ModelConfig) -> None:
          f"hc_mult={cfg.hc_mult} and hc_sinkhorn_iters={cfg.hc_sinkhorn_iters} must be >= 1"),
         (cfg.q_lora_rank > 0, "q_lora_rank must be set (DeepSeek-V4 always uses the q LoRA)"),
     ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
+    _require(checks)
 
+
+# ---- the families' parsers and checks ----------------------------------------------------------
+
+class _Family(NamedTuple):
+    parse: Callable[[type, dict[str, Any]], ModelConfig]  # a config.json dict -> the config
+    check: Callable[[ModelConfig], None]  # fills the family's derived fields; raises ConfigError
+
+
+_FAMILIES = {"deepseek_v32": _Family(v32_from_hf_dict, check_v32), "deepseek_v4": _Family(v4_from_hf_dict, check_v4)}
+
+
+def check_model_type(model_type: str) -> None:
+    """ConfigError unless ``model_type`` is a family we serve."""
+    if model_type not in _FAMILIES:
+        raise ConfigError(f"model_type={model_type!r} is not served; supported: {', '.join(_FAMILIES)}")
+
+
+def _family(model_type: str) -> _Family:
+    check_model_type(model_type)
+    return _FAMILIES[model_type]

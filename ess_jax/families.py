@@ -1,10 +1,10 @@
 """The model families: one registry entry per ``model_type``, carrying everything that differs between
 DeepSeek-V3.2 and DeepSeek-V4 above the models.
 
-A ``Family`` holds
-- the config parser and checks (``ModelConfig`` dispatches here), the NNX module class and the
-  checkpoint's tensor renames (those two imported on first use: the models import flax, which
-  ``python -m ess_jax.plan`` never loads);
+A ``Family`` holds (its config parser and checks are ``ess_jax.config``'s, which imports nothing of
+ess_jax)
+- the NNX module class and the checkpoint's tensor renames (both imported on first use: the models
+  import flax, which ``python -m ess_jax.plan`` never loads);
 - a request's KV cache as ``Part``s with their byte sizes in given storage ``Formats``: the release
   formats (the planner) or the formats the model's ``init_cache`` stores (``stored_formats``: the
   engine's row bytes and resident byte count, the benchmark's through it);
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from ess_jax import config, tier
 from ess_jax.cache import entries_per_page
-from ess_jax.config import ConfigError, ModelConfig
+from ess_jax.config import ModelConfig, V4Layer
 from ess_jax.pallas_kernels import fp8_rows
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "int32": 4}
@@ -48,7 +48,6 @@ class CacheSize:
     max_seq_len: int  # positions per request
     shards: int = 1  # data shards: each has rows / shards batch rows and pages / shards pages
 _SHORT = {"float32": "fp32", "bfloat16": "bf16"}
-_CSA, _HCA = config.V4_LAYER_TYPES[1:]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,8 +160,6 @@ class Family:
     architecture: str  # config.json's "architectures" entry (transformers' class)
     module: str  # "package.module:Class" of the NNX module
     rename: str | None  # "package.module:function": a checkpoint's tensor name -> transformers'; None: unchanged
-    from_hf_dict: Callable[[type, dict], ModelConfig]  # a config.json dict -> the config
-    check: Callable[[ModelConfig], None]  # fills the family's derived fields; raises ConfigError
 
     @property
     def module_cls(self) -> type:
@@ -214,7 +211,7 @@ class Family:
         batch row, a host store of the cache's pages), every other part resident."""
         shapes = jax.eval_shape(lambda: self.resident_cache(module, size, dtype))
         pages = self.store_of(shapes).pages
-        tiered = tier.init_tier(layers=pages.shape[0], batch=size.rows, slots=slots, num_pages=size.pages,
+        tiered = tier.init_tier(layers=pages.shape[0], rows=size.rows, slots=slots, pages=size.pages,
                                 page_size=size.page_size, rate=part.tokens_per_row, width=pages.shape[-1], dtype=dtype,
                                 fetch=fetch)
         resident = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), self.with_store(shapes, None))
@@ -272,7 +269,7 @@ class _DeepseekV4(Family):
     row: the SWA window and the compressor rings."""
 
     def cache_parts(self, cfg, formats):
-        n_csa, n_hca = cfg.layer_types.count(_CSA), cfg.layer_types.count(_HCA)
+        n_csa, n_hca = cfg.layer_types.count(V4Layer.CSA), cfg.layer_types.count(V4Layer.HCA)
         h, r, j = cfg.head_dim, cfg.qk_rope_head_dim, cfg.index_head_dim
         m, m_h = cfg.compress_rate_csa, cfg.compress_rate_hca
         row = _v4_row_bytes(h, r, formats.rows)
@@ -291,7 +288,7 @@ class _DeepseekV4(Family):
         return Formats(entries, index=model, rows=model, ring=model)
 
     def sparse_layers(self, cfg):
-        return [i for i, t in enumerate(cfg.layer_types) if t == _CSA]
+        return [i for i, t in enumerate(cfg.layer_types) if t == V4Layer.CSA]
 
     def release_bytes(self, names, routed, shape):
         if routed:  # e2m1 + one ue8m0 scale per 32 values
@@ -323,15 +320,14 @@ class _DeepseekV4(Family):
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    _DeepseekV32("deepseek_v32", "DeepseekV32ForCausalLM", "ess_jax.models.deepseek_v32:DeepseekV32", None, config.v32_from_hf_dict,
-                 config.check_v32),
-    _DeepseekV4("deepseek_v4", "DeepseekV4ForCausalLM", "ess_jax.models.deepseek_v4:DeepseekV4", "ess_jax.checkpoint:release_to_hf_name",
-                config.v4_from_hf_dict, config.check_v4),
+    _DeepseekV32(model_type="deepseek_v32", architecture="DeepseekV32ForCausalLM",
+                 module="ess_jax.models.deepseek_v32:DeepseekV32", rename=None),
+    _DeepseekV4(model_type="deepseek_v4", architecture="DeepseekV4ForCausalLM",
+                module="ess_jax.models.deepseek_v4:DeepseekV4", rename="ess_jax.checkpoint:release_to_hf_name"),
 )}
 
 
 def get(model_type: str) -> Family:
     """The family of ``model_type``; ConfigError if it is not served."""
-    if model_type not in FAMILIES:
-        raise ConfigError(f"model_type={model_type!r} is not served; supported: {', '.join(FAMILIES)}")
+    config.check_model_type(model_type)
     return FAMILIES[model_type]

@@ -67,8 +67,8 @@ import sys
 from pathlib import Path
 
 from ess_jax import families, mesh, tier
-from ess_jax.cli import Parser
-from ess_jax.config import PRESETS, ConfigError, ModelConfig
+from ess_jax.cli import Parser, table
+from ess_jax.config import PRESETS, ModelConfig, resolve_model
 from ess_jax.families import Part
 
 GB = 1e9
@@ -76,10 +76,6 @@ REAL_PRESETS = ("deepseek-v3.2", "deepseek-v4-flash", "deepseek-v4-pro")
 CACHE_DTYPES = ("bfloat16", "fp8")
 INDEX_DTYPES = ("auto", "bfloat16", "fp8", "fp4")
 ACCOUNTINGS = ("ess_jax", "paper")
-MAP_BYTES = 4  # ess_jax residency map: int32 slot per entry (tier.LruPool.resident_slot)
-SLOT_TABLE_BYTES = 8  # ess_jax slot tables: int32 slot_entry + int32 slot_order per pool slot
-STAGED_BYTES = 8  # ess_jax staged row's int32 page and offset, per request (tier.Tier.staged_page / staged_offset)
-COUNTER_BYTES = 16  # ess_jax tier counters: four int32 per offloaded layer and request (tier.Tier.counters)
 
 
 def cache_parts(cfg: ModelConfig, cache_dtype: str, index_dtype: str = "auto") -> list[Part]:
@@ -114,10 +110,11 @@ def request_bytes(parts: list[Part], context: int, ratio: float, accounting: str
             continue
         entries = p.entries(context)
         slots = tier.pool_slots(entries, p.topk, pool_ratio=ratio)
-        device += p.layers * slots * p.row_bytes
-        if accounting == "ess_jax":
-            device += p.layers * (entries * MAP_BYTES + slots * SLOT_TABLE_BYTES + p.row_bytes + COUNTER_BYTES)
-            device += STAGED_BYTES
+        if accounting == "ess_jax":  # the tier's arrays, its residency map over the request's entries
+            device += tier.device_bytes(layers=p.layers, rows=1, slots=slots, row_bytes=p.row_bytes, pages=entries,
+                                        per_page=1)
+        else:  # the pools' rows
+            device += p.layers * slots * p.row_bytes
         host += p.bytes(context)
     return RequestBytes(resident, device, host, slots)
 
@@ -199,15 +196,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _load_config(name: str) -> ModelConfig:
-    if name in PRESETS:
-        return ModelConfig.from_preset(name)
-    path = Path(name)
-    if path.is_dir():
-        path = path / "config.json"
-    if path.suffix == ".json" and path.exists():
-        return ModelConfig.from_json(path)
-    raise ConfigError(f"--model {name!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json / checkpoint "
-                      "directory")
+    """``--model``: a config.json file, or a model name ``config.resolve_model`` knows."""
+    if name.endswith(".json") and Path(name).is_file():
+        return ModelConfig.from_json(name)
+    return resolve_model(name).config()
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -281,13 +273,6 @@ def plan(args: argparse.Namespace) -> dict:
     return {"models": models, "rows": rows}
 
 
-def _table(headers: list[str], rows: list[list], right: set[int]) -> str:
-    cells = [headers] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    fmt = lambda r: "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
-    return "\n".join([fmt(cells[0]), "  ".join("-" * w for w in widths)] + [fmt(r) for r in cells[1:]])
-
-
 def render(result: dict) -> str:
     out = []
     for m in result["models"]:
@@ -306,7 +291,7 @@ def render(result: dict) -> str:
                 rows.append([lay["cache_dtype"], p["name"], p["where"], p["layers"], p["row_bytes"], per_row, per_token])
             rows.append([lay["cache_dtype"], "total per token", f"offloaded {100 * lay['offloaded_fraction']:.2f} %",
                          "", "", "", f"{lay['bytes_per_token']:,.2f}"])
-        out.append(_table(["dtype", "part", "where", "layers", "row B", "tokens/row", "B/token"], rows, {3, 4, 5, 6}))
+        out.append(table(["dtype", "part", "where", "layers", "row B", "tokens/row", "B/token"], rows, {3, 4, 5, 6}))
         out.append("")
     rows = [[r["model"], r["cache_dtype"], r["context"], f"{r['pool_ratio']:g}", r["pool_slots"],
              f"{r['resident_bytes_per_request'] / GB:.3f}", f"{r['device_bytes_per_request'] / GB:.3f}",
@@ -315,7 +300,7 @@ def render(result: dict) -> str:
              f"{r['host_bytes_per_device'] / GB:.1f}"] for r in result["rows"]]
     accounting = result["rows"][0]["accounting"] if result["rows"] else ""
     out.append(f"Max concurrent requests on each model's mesh ({accounting} accounting; GB = 1e9 bytes)")
-    out.append(_table(["model", "dtype", "context", "ratio", "pool slots", "GB/req resident", "GB/req offload",
+    out.append(table(["model", "dtype", "context", "ratio", "pool slots", "GB/req resident", "GB/req offload",
                        "batch resident", "batch offload", "gain", "host GB/device"], rows, set(range(2, 11))))
     return "\n".join(out)
 

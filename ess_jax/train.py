@@ -161,9 +161,9 @@ def loss_fn(graphdef, stage: str, dtypes: tuple):
 
 
 def make_train_step(loss, optimizer):
-    """The jitted optimizer step ``(trained, opt_state, frozen, tokens i32[A, B, T+1]) -> (trained,
-    opt_state, mean (loss, lm, kl) over the A micro-batches, gradient norm)``: gradients averaged over
-    the micro-batches (a scan, so memory holds one micro-batch's activations)."""
+    """The jitted optimizer step ``(trained, opt_state, frozen, micro_batches i32[accum, B, T+1]) -> (trained,
+    opt_state, mean (loss, lm, kl) over the micro-batches, gradient norm)``: gradients averaged over the
+    micro-batches (a scan, so memory holds one micro-batch's activations)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -171,14 +171,14 @@ def make_train_step(loss, optimizer):
     grad_fn = jax.value_and_grad(loss, has_aux=True)
 
     @jax.jit
-    def train_step(trained, opt_state, frozen, tokens_ABT):
+    def train_step(trained, opt_state, frozen, micro_batches):
         def micro(carry, tokens_BT):
             (total, (lm, kl)), grads = grad_fn(trained, frozen, tokens_BT)
             return jax.tree.map(jnp.add, carry, (grads, jnp.stack([total, lm, kl]))), None
 
         zeros = (jax.tree.map(jnp.zeros_like, trained), jnp.zeros(3, jnp.float32))
-        (grads, sums), _ = jax.lax.scan(micro, zeros, tokens_ABT)
-        n = tokens_ABT.shape[0]
+        (grads, sums), _ = jax.lax.scan(micro, zeros, micro_batches)
+        n = micro_batches.shape[0]
         grads = jax.tree.map(lambda g: g / n, grads)
         updates, opt_state = optimizer.update(grads, opt_state, trained)
         return optax.apply_updates(trained, updates), opt_state, sums / n, optax.tree.norm(grads)
@@ -198,21 +198,18 @@ def make_optimizer(args):
 def raw_config(model: str, tokenizer_path: Path) -> tuple[dict, bool]:
     """The config.json dict to train and whether the model starts from scratch (a preset: the
     tokenizer's vocabulary size and bos / eos / pad ids replace the preset's)."""
-    from ess_jax.config import PRESETS, ConfigError, preset_dict
+    from ess_jax.config import ConfigError, resolve_model
     import tokenizers
 
     tok = tokenizers.Tokenizer.from_file(str(tokenizer_path))
     vocab = tok.get_vocab_size(with_added_tokens=True)
-    path = Path(model)
-    if path.is_dir():
-        raw = json.loads((path / "config.json").read_text())
+    source = resolve_model(model)
+    raw = source.raw_config()
+    if source.checkpoint is not None:
         if raw.get("vocab_size") != vocab:
-            raise ConfigError(f"{path} has vocab_size={raw.get('vocab_size')}, the corpus tokenizer {vocab}; "
-                              "continue a checkpoint on a corpus built with its tokenizer")
+            raise ConfigError(f"{source.checkpoint} has vocab_size={raw.get('vocab_size')}, the corpus tokenizer "
+                              f"{vocab}; continue a checkpoint on a corpus built with its tokenizer")
         return raw, False
-    if model not in PRESETS:
-        raise ConfigError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
-    raw = preset_dict(model)
     special = {name: tok.token_to_id(f"<{name}>") for name in ("bos", "eos", "pad")}
     if None in special.values():
         raise ConfigError(f"{tokenizer_path} lacks a <bos>, <eos> or <pad> token; build it with tools/build_corpus.py")
@@ -224,13 +221,15 @@ def build(raw: dict, scratch: bool, model: str, seed: int):
     """The NNX module: fresh weights from ``seed`` or the checkpoint's."""
     from flax import nnx
     from ess_jax import checkpoint, families
-    from ess_jax.config import ModelConfig
+    from ess_jax.config import ModelConfig, resolve_model
     import jax.numpy as jnp
 
     cfg = ModelConfig.from_hf_dict(raw)
     cls = families.get(cfg.family).module_cls
     factory = lambda: cls(cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed))  # noqa: E731
-    return (factory() if scratch else checkpoint.load_into(factory, cfg, Path(model), jnp.float32)), cls, cfg
+    if scratch:
+        return factory(), cls, cfg
+    return checkpoint.load_into(factory, cfg, resolve_model(model).checkpoint, jnp.float32), cls, cfg
 
 
 # ---- state on disk ---------------------------------------------------------------------------------

@@ -86,8 +86,8 @@ class MLA(nnx.Module):
 
     def _kv_b(self) -> tuple[jax.Array, jax.Array]:
         """``W_UK [N, H_nope, C]`` and ``W_UV [N, H_v, C]`` views of kv_b_proj."""
-        w_NXC = self.kv_b_proj.weight[...].reshape(self.n_heads, self.nope_dim + self.v_dim, self.kv_rank)
-        return w_NXC[:, : self.nope_dim], w_NXC[:, self.nope_dim:]
+        w = self.kv_b_proj.weight[...].reshape(self.n_heads, self.nope_dim + self.v_dim, self.kv_rank)  # [N, H + V, C]
+        return w[:, : self.nope_dim], w[:, self.nope_dim:]
 
     def __call__(self, x_BTD: jax.Array, cos: jax.Array, sin: jax.Array, stage: str | None = None
                  ) -> tuple[jax.Array, jax.Array]:

@@ -19,7 +19,7 @@ Two forward forms over the same parameters:
   (``ops.sink_attention``). Prefill in chunks of any sizes gives the one-shot result.
 
 Parameter names mirror transformers' ``DeepseekV4ForCausalLM`` module tree (``checkpoint.hf_name``).
-Axis letters: ess_jax.notation; X = hc streams, G = output groups, O = o-LoRA rank.
+Axis letters: ess_jax.notation (O = mHC streams).
 """
 
 from __future__ import annotations
@@ -34,29 +34,31 @@ from flax import nnx
 from ess_jax import ops
 from ess_jax.cache import (CsaCache, HcaCache, ResidentPages, RowSource, StepMeta, V4Cache, check_geometry,
                            entries_per_page, flat_ids, locate, request_rows)
-from ess_jax.config import ModelConfig
+from ess_jax.config import ModelConfig, V4Layer
 from ess_jax.models import mhc
 from ess_jax.models.compressor import CSACompressor, Compressor, Indexer, TailRope, visible_entries
 from ess_jax.models.layers import (Linear, MoE, RMSNorm, Router, check_stage, index_topk, indexer_kl, rms_normalize,
                                    scan_runs, stack_runs)
 
-SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+SLIDING, CSA, HCA = V4Layer
 
 
 # ---- attention ---------------------------------------------------------------------------------
 
 
 class GroupedLinear(nnx.Module):
-    """Block-diagonal ``o_a_proj``: ``weight [G*O, N*H/G]`` viewed ``[G, O, N*H/G]``, one block per head group."""
+    """Block-diagonal ``o_a_proj``: ``weight [groups * out_per_group, in_per_group]`` viewed ``[groups, out_per_group,
+    in_per_group]``, one block per head group (``in_per_group = N * H / groups``)."""
 
     def __init__(self, in_per_group: int, out_per_group: int, groups: int, *, dtype, rngs: nnx.Rngs):
         self.weight = nnx.Param((0.02 * jax.random.normal(rngs.params(), (groups * out_per_group, in_per_group),
                                                           jnp.float32)).astype(dtype))
         self.groups = groups
 
-    def __call__(self, x_BTGI: jax.Array) -> jax.Array:
-        w_GOI = self.weight[...].reshape(self.groups, -1, x_BTGI.shape[-1])
-        return jnp.einsum("btgi,goi->btgo", x_BTGI, w_GOI)
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``x [B, T, groups, in_per_group]`` -> ``[B, T, groups, out_per_group]``."""
+        w = self.weight[...].reshape(self.groups, -1, x.shape[-1])
+        return jnp.einsum("btgi,goi->btgo", x, w)
 
 
 def reach(page_table_BX: jax.Array, page_size: int, rate: int) -> int:
@@ -108,8 +110,8 @@ class Attention(nnx.Module):
         """Undo the rope phase of the values (rotation by -t), then the grouped low-rank output projection."""
         b, t = out_BTNH.shape[:2]
         out_BTNH = self.rope.apply(out_BTNH, cos, -sin).astype(dtype)
-        grouped_BTGO = self.o_a_proj(out_BTNH.reshape(b, t, self.o_groups, -1))
-        return self.o_b_proj(grouped_BTGO.reshape(b, t, -1))
+        grouped = self.o_a_proj(out_BTNH.reshape(b, t, self.o_groups, -1))  # [B, T, o_groups, o_lora_rank]
+        return self.o_b_proj(grouped.reshape(b, t, -1))
 
     def __call__(self, x_BTD: jax.Array, stage: str | None = None) -> tuple[jax.Array, jax.Array]:
         """Full causal forward over a whole sequence: dense logits, window / compressed / top-k masks
@@ -256,22 +258,22 @@ class DecoderLayer(nnx.Module):
         self.attn_hc = mhc.HyperConnection(cfg.hidden_size, cfg.hc_mult, **hc)
         self.ffn_hc = mhc.HyperConnection(cfg.hidden_size, cfg.hc_mult, **hc)
 
-    def _ffn(self, streams_BTXD, tokens_BT):
-        post, comb, x_BTD = self.ffn_hc(streams_BTXD)
-        return mhc.merge(post, comb, self.mlp(self.post_attention_layernorm(x_BTD), tokens_BT), streams_BTXD)
+    def _ffn(self, streams_BTOD, tokens_BT):
+        post, comb, x_BTD = self.ffn_hc(streams_BTOD)
+        return mhc.merge(post, comb, self.mlp(self.post_attention_layernorm(x_BTD), tokens_BT), streams_BTOD)
 
-    def __call__(self, streams_BTXD: jax.Array, tokens_BT: jax.Array, stage: str | None = None):
-        post, comb, x_BTD = self.attn_hc(streams_BTXD)
+    def __call__(self, streams_BTOD: jax.Array, tokens_BT: jax.Array, stage: str | None = None):
+        post, comb, x_BTD = self.attn_hc(streams_BTOD)
         out, kl = self.self_attn(self.input_layernorm(x_BTD), stage)
-        streams_BTXD = mhc.merge(post, comb, out, streams_BTXD)
-        return self._ffn(streams_BTXD, tokens_BT), kl
+        streams_BTOD = mhc.merge(post, comb, out, streams_BTOD)
+        return self._ffn(streams_BTOD, tokens_BT), kl
 
-    def step(self, streams_BTXD, tokens_BT, meta: StepMeta, window_BSH, record, index, kernels: str):
-        post, comb, x_BTD = self.attn_hc(streams_BTXD)
+    def step(self, streams_BTOD, tokens_BT, meta: StepMeta, window_BSH, record, index, kernels: str):
+        post, comb, x_BTD = self.attn_hc(streams_BTOD)
         out, window_BSH, record, ids_BTK = self.self_attn.step(self.input_layernorm(x_BTD), meta, window_BSH, record,
                                                                index, kernels)
-        streams_BTXD = mhc.merge(post, comb, out, streams_BTXD)
-        return self._ffn(streams_BTXD, tokens_BT), window_BSH, record, ids_BTK
+        streams_BTOD = mhc.merge(post, comb, out, streams_BTOD)
+        return self._ffn(streams_BTOD, tokens_BT), window_BSH, record, ids_BTK
 
 
 class DeepseekV4(nnx.Module):
@@ -293,12 +295,12 @@ class DeepseekV4(nnx.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
 
     def _embed(self, tokens_BT: jax.Array) -> jax.Array:
-        """The embedding copied into all ``hc_mult`` streams ``[B, T, X, D]``."""
+        """The embedding copied into all ``hc_mult`` streams ``[B, T, O, D]``."""
         h_BTD = self.embed_tokens[...][tokens_BT]
         return jnp.broadcast_to(h_BTD[:, :, None, :], h_BTD.shape[:2] + (self.cfg.hc_mult,) + h_BTD.shape[2:])
 
-    def _head(self, streams_BTXD: jax.Array) -> jax.Array:
-        return self.lm_head(self.norm(self.hc_head(streams_BTXD))).astype(jnp.float32)
+    def _head(self, streams_BTOD: jax.Array) -> jax.Array:
+        return self.lm_head(self.norm(self.hc_head(streams_BTOD))).astype(jnp.float32)
 
     def __call__(self, tokens_BT: jax.Array) -> jax.Array:
         """Full causal forward: logits ``f32[B, T, V]``."""
@@ -310,12 +312,12 @@ class DeepseekV4(nnx.Module):
         check_stage(stage)
 
         def body(layer, index, carry):
-            streams_BTXD, kl = carry
-            streams_BTXD, layer_kl = layer(streams_BTXD, tokens_BT, stage)
-            return (streams_BTXD, kl + layer_kl), None
+            streams_BTOD, kl = carry
+            streams_BTOD, layer_kl = layer(streams_BTOD, tokens_BT, stage)
+            return (streams_BTOD, kl + layer_kl), None
 
-        (streams_BTXD, kl), _ = scan_runs(self.runs, body, (self._embed(tokens_BT), jnp.zeros((), jnp.float32)))
-        return self._head(streams_BTXD), kl
+        (streams_BTOD, kl), _ = scan_runs(self.runs, body, (self._embed(tokens_BT), jnp.zeros((), jnp.float32)))
+        return self._head(streams_BTOD), kl
 
     def layer_groups(self) -> tuple[list[int], list[int]]:
         """Layer indices of the CSA and of the HCA layers (the order of their cache stacks)."""
@@ -385,21 +387,21 @@ class DeepseekV4(nnx.Module):
         ids_LBTK = jnp.full((len(csa_layers), b, t, min(self.cfg.index_topk, count)), -1, jnp.int32)
 
         def body(layer, index, carry):
-            streams_BTXD, window_LBSH, csa, hca, ids_LBTK = carry
+            streams_BTOD, window_LBSH, csa, hca, ids_LBTK = carry
             kind, place = layer.self_attn.layer_type, places[index]
             record = csa if kind == CSA else hca if kind == HCA else None
-            streams_BTXD, window_BSH, record, ids_BTK = layer.step(streams_BTXD, tokens_BT, meta, window_LBSH[index],
+            streams_BTOD, window_BSH, record, ids_BTK = layer.step(streams_BTOD, tokens_BT, meta, window_LBSH[index],
                                                                    record, place, kernels)
             if kind == CSA:
                 csa = record
                 ids_LBTK = ids_LBTK if ids_BTK is None else ids_LBTK.at[place].set(ids_BTK)
             elif kind == HCA:
                 hca = record
-            return (streams_BTXD, window_LBSH.at[index].set(window_BSH), csa, hca, ids_LBTK), None
+            return (streams_BTOD, window_LBSH.at[index].set(window_BSH), csa, hca, ids_LBTK), None
 
         carry = (self._embed(tokens_BT), take(cache.window), csa, hca, ids_LBTK)
-        (streams_BTXD, window_LBSH, csa, hca, ids_LBTK), _ = scan_runs(self.runs, body, carry)
+        (streams_BTOD, window_LBSH, csa, hca, ids_LBTK), _ = scan_runs(self.runs, body, carry)
         cache = V4Cache(window=put(cache.window, window_LBSH),
                         csa=dataclasses.replace(csa, **jax.tree.map(put, rings(cache.csa), rings(csa))),
                         hca=dataclasses.replace(hca, **jax.tree.map(put, rings(cache.hca), rings(hca))))
-        return self._head(streams_BTXD), ids_LBTK, cache
+        return self._head(streams_BTOD), ids_LBTK, cache

@@ -15,6 +15,7 @@ from ess_jax import checkpoint as checkpoints
 from ess_jax.api import Model, load_model
 from ess_jax.config import ModelConfig
 from ess_jax.engine import Engine, EngineConfig
+from ess_jax.tier import lru_reference
 from ess_jax.models.deepseek_v32 import DeepseekV32
 from ess_jax.models.deepseek_v4 import DeepseekV4
 from ess_jax.tokenizer import load_tokenizer
@@ -167,6 +168,10 @@ def _counters(engine) -> list[list[int]]:
     return [[c["lookups"], c["hits"], c["misses"]] for c in engine.offload_metrics()["per_layer"]]
 
 
+def lru_replay(trace, slots: int) -> np.ndarray:
+    return lru_reference.replay(trace.warm_LTK, trace.ids_LSK, trace.new_S, trace.prompt_entries, trace.entries, slots)
+
+
 def test_lru_replay_equals_the_tier_counters(checkpoint):
     """The locality pass's traces of the schema run's two prompts, replayed at the pool size of an ESS
     engine serving them for the same 6 decode steps, give the engine's device counters exactly: 132 slots
@@ -181,7 +186,7 @@ def test_lru_replay_equals_the_tier_counters(checkpoint):
         engine.add_request(prompt, steps + 1, ignore_eos=True)
     engine.run()
     traces = [bench.topk_trace(model, prompt, steps, chunk=1024) for prompt in prompts]
-    replay = sum(bench.simulate_lru(trace, engine.layout.pool_slots) for trace in traces)
+    replay = sum(lru_replay(trace, engine.layout.pool_slots) for trace in traces)
     assert replay.tolist() == _counters(engine)
     assert 0 < replay[:, 1].sum() < replay[:, 0].sum()  # hits and misses both
 
@@ -211,7 +216,7 @@ def test_lru_replay_equals_the_hisparse_counters():
     trace = bench.topk_trace(model, prompt, steps, chunk=128)
     assert trace.layers == [0] and (trace.prompt_entries, trace.entries) == (32, 34)
     assert trace.new_S.tolist() == [-1, -1, -1, 32, -1, -1, -1, 33, -1, -1]  # windows close at positions 131, 135
-    replay = bench.simulate_lru(trace, engine.layout.pool_slots)
+    replay = lru_replay(trace, engine.layout.pool_slots)
     assert replay.tolist() == _counters(engine)
     assert 0 < replay[:, 1].sum() < replay[:, 0].sum()
 

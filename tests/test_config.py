@@ -4,7 +4,8 @@ import math
 import numpy as np
 import pytest
 
-from ess_jax.config import ConfigError, ModelConfig, RopeConfig
+from ess_jax.config import (ConfigError, ModelConfig, ModelSource, RopeConfig, preset_dict, resolve_model,
+                            shipped_checkpoint)
 from ess_jax.models.layers import rope_inv_freq
 
 
@@ -78,3 +79,19 @@ def test_presets_parse_from_their_json():
     cfg = ModelConfig.from_preset("tiny-v32")
     assert cfg.index_topk == raw["index_topk"] == 64 and cfg.vocab_size >= 256
     assert isinstance(cfg.rope, RopeConfig)
+
+
+def test_model_names_resolve_in_one_place(tmp_path):
+    """A shipped checkpoint's name, a checkpoint directory, a preset's name; one error naming the three."""
+    shipped = resolve_model("tiny-v32-code")
+    assert shipped == ModelSource("tiny-v32-code", shipped_checkpoint("tiny-v32-code"))
+    assert shipped.config().family == "deepseek_v32"
+    preset = resolve_model("tiny-v4")
+    assert preset.checkpoint is None and preset.raw_config() == preset_dict("tiny-v4")
+    (tmp_path / "config.json").write_text(json.dumps(preset_dict("tiny-v32")))
+    directory = resolve_model(tmp_path)
+    assert directory == ModelSource(str(tmp_path), tmp_path)
+    assert directory.config() == ModelConfig.from_preset("tiny-v32")
+    with pytest.raises(ConfigError, match=r"'no-such' is neither a shipped checkpoint \(tiny-v32-code, tiny-v4-code\), a "
+                                          r"preset \(tiny-v32, .*\) nor a checkpoint directory"):
+        resolve_model("no-such")

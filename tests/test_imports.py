@@ -42,6 +42,12 @@ def test_package_root_imports_nothing_else():
     assert not mods & (RUNTIME | {"jax"})
 
 
+def test_config_imports_nothing_of_ess_jax():
+    """One import direction: the families import the config, never the reverse."""
+    mods = loaded("import ess_jax.config")
+    assert {m for m in mods if m.startswith("ess_jax.")} == {"ess_jax.config"}
+
+
 @pytest.mark.parametrize("argv", [("--help",),
                                   ("--model", "deepseek-v3.2", "--kv-budget-gb", "82", "--context", "32768")],
                          ids=["help", "kv-budget"])

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from ess_jax import mesh, plan
+from ess_jax import mesh, plan, tier
 from ess_jax.config import ModelConfig
 
 V32 = ModelConfig.from_preset("deepseek-v3.2")
@@ -221,7 +221,8 @@ def test_bytes_per_device_equal_the_sharded_engine_cache(preset, cache_dtype, of
     part = layout.offloaded
     null = sum(p.page_bytes(page) for p in paged if offload == "none" or p is not part)
     if offload == "ess":
-        null += part.layers * (page // part.tokens_per_row) * plan.MAP_BYTES
+        null += tier.device_bytes(layers=part.layers, rows=0, slots=0, row_bytes=part.row_bytes, pages=1,
+                                  per_page=page // part.tokens_per_row)
         assert host == batch // shape.data * request.host + part.page_bytes(page)
         assert total - host == plan.bytes_per_device(request.device, batch, shape.data) + null
     else:

@@ -1,6 +1,7 @@
 """The ESS tier: exact against the resident cache for every pool size and fetch backend, honest
 accounting, LRU invariants, and clear errors."""
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -11,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 import ess_jax
 from ess_jax import tier
+from ess_jax.tier import lru_reference
 from ess_jax.engine import Engine, EngineConfig
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf-v32-a"  # index_topk 16
@@ -110,6 +112,16 @@ def test_device_bytes_are_the_real_arrays(model, offloaded):
     assert latent.pool.nbytes < 0.5 * report["resident_device_bytes"]
 
 
+@pytest.mark.parametrize("dtype, width", [(jnp.float32, 24), (jnp.uint8, 100)])
+def test_device_bytes_formula_is_the_tier_arrays(dtype, width):
+    """``tier.device_bytes`` (the planner's and the engine's figure) against an ``init_tier`` tier's arrays."""
+    shape = dict(layers=3, rows=2, slots=9, pages=7, page_size=16, rate=4)
+    tiered = tier.init_tier(**shape, width=width, dtype=dtype, fetch="split")
+    arrays = sum(x.nbytes for x in jax.tree.leaves(dataclasses.replace(tiered, host=None)))
+    assert tier.device_bytes(layers=3, rows=2, slots=9, row_bytes=width * jnp.dtype(dtype).itemsize, pages=7,
+                             per_page=4) == arrays
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return ess_jax.load_model("tiny-v32")
@@ -151,25 +163,25 @@ RESOLVE = jax.jit(tier.resolve)
 @settings(max_examples=30, deadline=None)
 @given(st.data())
 def test_lru_resolution_invariants(data):
-    """Drive one (layer, request) pool through random top-k sequences against a reference LRU that
-    keeps last-use stamps, and check every step: a hit keeps its slot and is never evicted, the new
-    entry and then each miss (in id order) take the least recently used free slots by (stamp, slot),
-    no slot holds two entries, the residency map and slot table are inverse, and the recency order
-    equals the slots sorted by (stamp, slot). A step may write no new entry (V4's CSA layers add one
+    """Drive one (layer, request) pool through random top-k sequences against the reference LRU
+    (``tier.lru_reference``, which keeps last-use stamps), and check every step: a hit keeps its slot and is
+    never evicted, the new entry and then each miss (in id order) take the least recently used free slots by
+    (stamp, slot), no slot holds two entries, the residency map and slot table are inverse, and the recency
+    order equals the slots sorted by (stamp, slot). A step may write no new entry (V4's CSA layers add one
     only when a 4-token window closes)."""
     k = data.draw(st.integers(1, 6))
     slots = data.draw(st.integers(k + 1, k + 6))
+    steps = data.draw(st.integers(1, 12))
     entry = np.full(slots, -1, np.int32)
     order = np.arange(slots, dtype=np.int32)
-    stamp = np.full(slots, -1)  # reference: the step of each slot's last use, -1 never
-    resident: dict[int, int] = {}
     newest = 2  # entries 0..2 exist before decoding starts
-    for step in range(data.draw(st.integers(1, 12))):
+    reference = lru_reference.Pool(slots, entries=newest + 1 + steps)
+    for _ in range(steps):
         has_new = data.draw(st.booleans())
         newest += has_new
         chosen = data.draw(st.lists(st.integers(0, newest), min_size=1, max_size=min(k, newest + 1), unique=True))
         ids = np.array(chosen + [-1] * (k - len(chosen)), np.int32)
-        known = np.array([resident.get(int(i), -1) if i >= 0 else -1 for i in ids], np.int32)
+        known = np.where(ids >= 0, reference.slot_of[ids], -1).astype(np.int32)
         new_id = np.int32(newest if has_new else -1)
         res = jax.tree.map(np.asarray, RESOLVE(ids, known, new_id, True, entry, order))
         hits = known >= 0
@@ -178,24 +190,34 @@ def test_lru_resolution_invariants(data):
         misses = (ids >= 0) & ~hits & ~res.is_new_K
         assert (res.miss_K == misses).all()
         # the takers are the least recently used slots no hit holds: the new entry first, then the misses
-        free = sorted(set(range(slots)) - set(known[hits].tolist()), key=lambda s: (stamp[s], s))
-        takers = free[: has_new + misses.sum()]
-        assert ([int(res.new_slot)] if has_new else []) + res.slot_K[misses].tolist() == takers
-        assert res.taker_K1.tolist() == takers + [slots] * (k + 1 - len(takers))  # so no hit is evicted
-        for s in takers:  # their entries are evicted
-            if entry[s] >= 0:
-                del resident[int(entry[s])]
-        for i, s in zip(ids[res.miss_K], res.slot_K[res.miss_K]):
-            resident[int(i)] = int(s)
-        if has_new:
-            resident[newest] = int(res.new_slot)
-        stamp[known[hits]] = step
-        stamp[takers] = step
+        step = reference.step(ids, int(new_id))
+        assert (step.miss_K == misses).all() and len(step.takers) == has_new + misses.sum()
+        assert ([int(res.new_slot)] if has_new else []) + res.slot_K[misses].tolist() == step.takers
+        assert res.taker_K1.tolist() == step.takers + [slots] * (k + 1 - len(step.takers))  # so no hit is evicted
         entry, order = res.slot_entry_P, res.order_P
         held = entry[entry >= 0]
         assert len(set(held.tolist())) == len(held)  # no entry in two slots
+        resident = {int(e): int(s) for e, s in enumerate(reference.slot_of) if s >= 0}
         assert resident == {int(e): s for s, e in enumerate(entry) if e >= 0}  # inverse maps
-        assert order.tolist() == sorted(range(slots), key=lambda s: (stamp[s], s))
+        assert order.tolist() == reference.order_P.tolist()
+
+
+WARM = jax.jit(tier.warm_layer, static_argnums=(2, 3))
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.data())
+def test_warm_up_equals_the_reference(data):
+    """``lru.warm_layer`` against ``lru_reference.Pool.warmed``: the slot table and the recency order after
+    the warm-up queries' ids (4 queries of top-3 over 16 entries, 5 slots), for prompts that fit the pool or
+    not."""
+    ids_TK = np.array(data.draw(st.lists(st.lists(st.integers(-1, 15), min_size=3, max_size=3), min_size=4,
+                                         max_size=4)), np.int32)
+    count = data.draw(st.integers(1, 16))
+    ids_TK = np.where(ids_TK < count, ids_TK, -1)  # ids of the prompt's entries
+    entry_P, order_P = (np.asarray(x) for x in WARM(ids_TK, count, 5, 16))
+    reference = lru_reference.Pool.warmed(ids_TK, count, 5, 16)
+    assert entry_P.tolist() == reference.entry_P.tolist() and order_P.tolist() == reference.order_P.tolist()
 
 
 # ---- FP8 rows ---------------------------------------------------------------------------------

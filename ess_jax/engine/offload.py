@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from ess_jax import families, mesh, tier
+from ess_jax.cache import entries_per_page
 from ess_jax.engine import steps
 from ess_jax.engine.config import CACHE_DTYPES, EngineConfig, Offload
 from ess_jax.engine.scheduler import EngineStats, PrefillGroup, PrefillResult, Released
@@ -116,7 +117,9 @@ class Ess:
             size = families.fit_host_budget(size, part, config.host_cache_mb)
         host = size.pages * part.page_bytes(size.page_size)
         scratch = Ess.scratch_size(size)
-        device = (families.resident_bytes(parts, size, size.pages) - host + part.layers * size.rows * slots * part.row_bytes
+        pool = tier.device_bytes(layers=part.layers, rows=size.rows, slots=slots, row_bytes=part.row_bytes,
+                                 pages=size.pages, per_page=entries_per_page(size.page_size, part.tokens_per_row))
+        device = (families.resident_bytes(parts, size, size.pages) - host + pool
                   + families.resident_bytes(parts, scratch, scratch.pages))
         return Sizes(size, slots, device, host)
 

@@ -4,7 +4,7 @@ behind one contract), ``store`` (the tier as a cache store: ``read`` -> row sour
 
 from ess_jax.tier.host import FETCH_BACKENDS, NumpyHostStore, PinnedHostStore
 from ess_jax.tier.lru import WARMUP_QUERIES, LruPool, pool_slots, resolve, warm_layer
-from ess_jax.tier.store import Tier, init_tier
+from ess_jax.tier.store import Tier, device_bytes, init_tier
 
 __all__ = ["FETCH_BACKENDS", "NumpyHostStore", "PinnedHostStore", "WARMUP_QUERIES", "LruPool", "pool_slots",
-           "resolve", "warm_layer", "Tier", "init_tier"]
+           "resolve", "warm_layer", "Tier", "device_bytes", "init_tier"]

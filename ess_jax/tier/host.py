@@ -62,9 +62,9 @@ class PinnedHostStore:
         operands = jax.device_put((page_B, offset_B, rows_LBW), jax.memory.Space.Host)
         return PinnedHostStore(_ON_HOST(lambda store, p, o, rows: store.at[:, p, o].set(rows))(self.array, *operands))
 
-    def store_prompt(self, rows_LXEW: jax.Array, pages_X: jax.Array) -> PinnedHostStore:
+    def store_prompt(self, rows_LXZW: jax.Array, pages_X: jax.Array) -> PinnedHostStore:
         """Whole pages of rows at ``pages_X``."""
-        operands = jax.device_put((rows_LXEW, pages_X), jax.memory.Space.Host)
+        operands = jax.device_put((rows_LXZW, pages_X), jax.memory.Space.Host)
         return PinnedHostStore(_ON_HOST(lambda store, r, p: store.at[:, p].set(r))(self.array, *operands))
 
 
@@ -106,10 +106,10 @@ class NumpyHostStore:
             self._pages(page_B), offset_B, rows_LBW)
         return self
 
-    def store_prompt(self, rows_LXEW: jax.Array, pages_X: jax.Array) -> NumpyHostStore:
+    def store_prompt(self, rows_LXZW: jax.Array, pages_X: jax.Array) -> NumpyHostStore:
         def write(rows, p):
             self.array[:, np.asarray(p)] = np.asarray(rows)
-        mesh.all_manual(lambda *args: io_callback(write, None, *args, ordered=True))(rows_LXEW, self._pages(pages_X))
+        mesh.all_manual(lambda *args: io_callback(write, None, *args, ordered=True))(rows_LXZW, self._pages(pages_X))
         return self
 
 

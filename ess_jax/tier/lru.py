@@ -115,9 +115,9 @@ class LruPool:
     resident_slot: jax.Array  # i32[L, G, Z] slot holding each entry, -1 = host only
 
     @classmethod
-    def empty(cls, *, layers: int, batch: int, slots: int, pages: int, per_page: int) -> LruPool:
-        return cls(slot_entry=jnp.full((layers, batch, slots), -1, jnp.int32),
-                   slot_order=jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (layers, batch, slots)),
+    def empty(cls, *, layers: int, rows: int, slots: int, pages: int, per_page: int) -> LruPool:
+        return cls(slot_entry=jnp.full((layers, rows, slots), -1, jnp.int32),
+                   slot_order=jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (layers, rows, slots)),
                    resident_slot=jnp.full((layers, pages, per_page), -1, jnp.int32))
 
     @property

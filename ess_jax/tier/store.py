@@ -109,12 +109,12 @@ class Tier:
         host = self.host.backup(self.staged_page, self.staged_offset, self.staged)
         return dataclasses.replace(self, host=host, staged_page=jnp.zeros_like(self.staged_page))
 
-    def store_prompt(self, scratch_pages_LGEW, scratch_table_X, pages_X) -> Tier:
+    def store_prompt(self, scratch_pages_LGZW, scratch_table_X, pages_X) -> Tier:
         """The prompt's rows from the prefill scratch's pages ``scratch_table_X`` into the host store's
         ``pages_X`` (whole pages; unused columns copy to the null page)."""
-        return dataclasses.replace(self, host=self.host.store_prompt(scratch_pages_LGEW[:, scratch_table_X], pages_X))
+        return dataclasses.replace(self, host=self.host.store_prompt(scratch_pages_LGZW[:, scratch_table_X], pages_X))
 
-    def warm(self, scratch_pages_LGEW, scratch_table_X, pages_X, row, count, ids_LTK) -> Tier:
+    def warm(self, scratch_pages_LGZW, scratch_table_X, pages_X, row, count, ids_LTK) -> Tier:
         """Fill batch row ``row``'s pools (every layer) from the prefill scratch: ESS LRU-Warmup with the top-k
         ids of the last prompt queries, or all ``count`` entries of the prompt when they fit (a row past the
         last: none)."""
@@ -123,7 +123,7 @@ class Tier:
                                                                                     capacity)
         scratch_page_LP, offset_LP = self._locate(scratch_table_X[None], entry_LP.reshape(1, -1))
         scratch_page_LP, offset_LP = scratch_page_LP.reshape(entry_LP.shape), offset_LP.reshape(entry_LP.shape)
-        rows_LPW = jax.vmap(lambda pages, g, e: pages[g, e])(scratch_pages_LGEW, scratch_page_LP, offset_LP)
+        rows_LPW = jax.vmap(lambda pages, g, e: pages[g, e])(scratch_pages_LGZW, scratch_page_LP, offset_LP)
         page_LP, _ = self._locate(pages_X[None], entry_LP.reshape(1, -1))
         return dataclasses.replace(
             self, pool=self.pool.at[:, row].set(rows_LPW.astype(self.pool.dtype), mode="drop"),
@@ -136,18 +136,26 @@ class Tier:
         return dataclasses.replace(self, lru=self.lru.release(row, pages_X))
 
 
-def init_tier(*, layers: int, batch: int, slots: int, num_pages: int, page_size: int, rate: int, width: int, dtype,
+def init_tier(*, layers: int, rows: int, slots: int, pages: int, page_size: int, rate: int, width: int, dtype,
               fetch: str) -> Tier:
-    """An empty tier: ``slots`` pool slots per (layer, batch row), a host store of ``num_pages`` pages
+    """An empty tier: ``slots`` pool slots per (layer, batch row), a host store of ``pages`` pages
     (allocated directly in pinned host memory for ``inline``, in NumPy for ``split``)."""
     per_page = entries_per_page(page_size, rate)
     return Tier(
-        pool=jnp.zeros((layers, batch, slots, width), dtype),
-        lru=lru.LruPool.empty(layers=layers, batch=batch, slots=slots, pages=num_pages, per_page=per_page),
-        staged=jnp.zeros((layers, batch, width), dtype),
-        staged_page=jnp.zeros((batch,), jnp.int32),
-        staged_offset=jnp.zeros((batch,), jnp.int32),
-        counters=jnp.zeros((layers, batch, 4), jnp.int32),
-        host=host_store(fetch, (layers, num_pages, per_page, width), dtype),
+        pool=jnp.zeros((layers, rows, slots, width), dtype),
+        lru=lru.LruPool.empty(layers=layers, rows=rows, slots=slots, pages=pages, per_page=per_page),
+        staged=jnp.zeros((layers, rows, width), dtype),
+        staged_page=jnp.zeros((rows,), jnp.int32),
+        staged_offset=jnp.zeros((rows,), jnp.int32),
+        counters=jnp.zeros((layers, rows, 4), jnp.int32),
+        host=host_store(fetch, (layers, pages, per_page, width), dtype),
         page_size=page_size, rate=rate,
     )
+
+
+def device_bytes(*, layers: int, rows: int, slots: int, row_bytes: int, pages: int, per_page: int) -> int:
+    """Bytes of an ``init_tier`` tier's device arrays (all but the host store), for ``layers`` sparse layers,
+    ``rows`` batch rows of ``slots`` pool slots, rows of ``row_bytes`` and a residency map of ``pages`` pages
+    of ``per_page`` entries: per (layer, row) the pool, its two int32 slot tables, the staged row and four
+    int32 counters; per (layer, page entry) an int32 slot; per row the staged row's int32 page and offset."""
+    return layers * rows * (slots * (row_bytes + 8) + row_bytes + 16) + layers * pages * per_page * 4 + rows * 8

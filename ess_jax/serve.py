@@ -7,13 +7,13 @@ Examples:
         -d '{"model": "tiny-v32-code", "prompt": "Hello", "max_tokens": 16, "temperature": 0}'
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": true), GET /v1/models,
-GET /health, GET /metrics (Prometheus). SIGINT / SIGTERM: stop accepting, let running requests finish
+GET /health, GET /metrics (Prometheus), POST /tokenize, POST /detokenize, GET /tokenizer_info (vLLM's). SIGINT / SIGTERM: stop accepting, let running requests finish
 for up to --shutdown-timeout seconds, abort the rest, exit 0. Bad flags, models or checkpoints print
 one line starting with "error:" and exit with 2.
 
 Several processes (``--num-processes``, as for generate; ``--mesh`` spans their devices): run the same
 command in each. Process 0 serves HTTP and sends each engine tick's adds and aborts to the others, whose
-engines step with it (``ess_jax.server.follow``); they ignore SIGINT / SIGTERM and exit 0 when process 0
+engines step with it (``ess_jax.engine.loop.follow``); they ignore SIGINT / SIGTERM and exit 0 when process 0
 stops:
     python -m ess_jax.serve --mesh data=2,expert=4 --num-processes 2 --process-id 0 --coordinator 127.0.0.1:1234
     python -m ess_jax.serve --mesh data=2,expert=4 --num-processes 2 --process-id 1 --coordinator 127.0.0.1:1234
@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
 
         from ess_jax.api import load_model
         from ess_jax.engine import Engine
-        from ess_jax.server import create_app, follow
+        from ess_jax.engine.loop import follow
+        from ess_jax.server import create_app
 
         model = load_model(args.model, args.dtype, seed=args.weights_seed, weights=args.weights,
                            mesh=args.mesh)

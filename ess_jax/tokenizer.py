@@ -17,11 +17,13 @@ class ByteTokenizer:
         self.vocab_size = cfg.vocab_size
         self.bos_token_id = cfg.bos_token_id
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """The UTF-8 bytes, after the bos id (when it lies above the bytes) with ``add_special_tokens``."""
         if self.vocab_size < 256:
             raise ValueError(f"a byte-level tokenizer needs vocab_size >= 256 (model has {self.vocab_size}); "
                              "pass token ids instead of text")
-        bos = [self.bos_token_id] if self.bos_token_id is not None and self.bos_token_id >= 256 else []
+        special = add_special_tokens and self.bos_token_id is not None and self.bos_token_id >= 256
+        bos = [self.bos_token_id] if special else []
         return bos + list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
@@ -88,7 +90,7 @@ class ChatTemplate:
             self._template = env.from_string(source)
         except jinja2.TemplateError as e:
             raise ConfigError(f"the chat template does not parse: {e}") from None
-        self.special_tokens = special_tokens
+        self.source, self.special_tokens = source, special_tokens
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
         import jinja2

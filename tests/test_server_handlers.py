@@ -74,11 +74,8 @@ def streamed(ctx, handler, **fields) -> list:
 
 
 def offline(model, batch: list[list[int]], new: int) -> list[list[int]]:
-    """Greedy tokens of ``batch`` from a fresh engine of ``CONFIG`` (eos ignored)."""
-    engine = Engine(model, CONFIG)
-    for prompt in batch:
-        engine.add_request(prompt, new, ignore_eos=True)
-    return [r.output_ids for r in engine.run()]
+    """Greedy tokens of ``batch`` from ``generate`` on an engine of ``CONFIG`` (eos ignored)."""
+    return ess_jax.generate(model, batch, new, ignore_eos=True, engine=CONFIG).output_ids
 
 
 def sample_value(ctx, name: str, **labels) -> float | None:

@@ -32,7 +32,8 @@ def chat_logprobs(tokenizer, lps: list, top: int | None) -> dict | None:
     for lp in lps:
         token, value, best = token_logprobs(tokenizer, lp, top)
         content.append({"token": token, "logprob": value, "bytes": list(token.encode()),
-                        "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in best.items()]})
+                        "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
+                                         for t, v in best.items()]})
     return {"content": content}
 
 

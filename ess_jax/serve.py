@@ -40,6 +40,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     http.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     http.add_argument("--api-key", default=None,
                       help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
+    http.add_argument("--chat-template", default=None, metavar="FILE",
+                      help="a jinja2 chat template for /v1/chat/completions and /tokenize (default: the "
+                           "checkpoint's tokenizer_config.json chat_template)")
     http.add_argument("--served-model-name", default=None,
                       help="the model id clients send and /v1/models lists (default: --model as given)")
     http.add_argument("--max-waiting", type=int, default=64,
@@ -67,9 +70,12 @@ def main(argv: list[str] | None = None) -> int:
         from ess_jax.engine import Engine
         from ess_jax.engine.loop import follow
         from ess_jax.server import create_app
+        from ess_jax.tokenizer import read_chat_template
 
         model = load_model(args.model, args.dtype, seed=args.weights_seed, weights=args.weights,
                            mesh=args.mesh)
+        template = model.chat_template if args.chat_template is None else read_chat_template(
+            args.chat_template, model.tokenizer, model.cfg, model.chat_template)
         config = engine_config(args, max_seq_len=args.max_seq_len or min(DEFAULT_MAX_SEQ_LEN,
                                                                           model.cfg.max_position_embeddings))
         engine = Engine(model, config)
@@ -82,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         follow(engine, metrics_every=args.metrics_interval)
         return 0
     name = args.served_model_name or args.model
-    app = create_app(engine, model_name=name, api_key=args.api_key, max_waiting=args.max_waiting,
-                     metrics_every=args.metrics_interval)
+    app = create_app(engine, model_name=name, chat_template=template, api_key=args.api_key,
+                     max_waiting=args.max_waiting, metrics_every=args.metrics_interval)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            timeout_graceful_shutdown=args.shutdown_timeout))
     print(f"ess_jax: serving {name!r} ({model.cfg.family}, offload {config.offload}) on "

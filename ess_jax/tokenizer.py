@@ -131,6 +131,29 @@ def load_chat_template(directory: str | Path | None) -> ChatTemplate | None:
     return ChatTemplate(source, special)
 
 
+def read_chat_template(path: str | Path, tokenizer: Tokenizer, cfg: ModelConfig,
+                       checkpoint: ChatTemplate | None) -> ChatTemplate:
+    """A chat template from a jinja2 file (``serve --chat-template``, as vLLM's flag), for checkpoints without one
+    or to replace theirs; its special-token variables are the checkpoint's ``tokenizer_config.json`` ones when
+    it has a template, else ``bos_token`` / ``eos_token`` as the tokenizer writes the config's ids."""
+    path = Path(path)
+    try:
+        source = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--chat-template {path}: cannot read it ({e}); give a jinja2 template file") from None
+    if not source.strip():
+        raise ConfigError(f"--chat-template {path} is empty; give a jinja2 template file")
+    if checkpoint is not None:
+        special = checkpoint.special_tokens
+    else:
+        ids = {"bos_token": cfg.bos_token_id, "eos_token": cfg.eos_token_id[0] if cfg.eos_token_id else None}
+        special = {name: tokenizer.token_text(i) for name, i in ids.items() if i is not None}
+    try:
+        return ChatTemplate(source, special)
+    except ConfigError as e:
+        raise ConfigError(f"--chat-template {path}: {e}") from None
+
+
 def load_tokenizer(directory: str | Path | None, cfg: ModelConfig) -> Tokenizer:
     """The tokenizer of a checkpoint directory: its ``tokenizer.json`` if it has one, else byte-level
     (also for ``directory=None``, the presets); a ``tokenizer.json`` that is not a file is an error."""

@@ -22,7 +22,7 @@ import uvicorn
 import ess_jax
 from ess_jax.engine import Engine, EngineConfig
 from ess_jax.server import create_app
-from helpers import ONLINE, checkpoint, free_port
+from helpers import FIXTURES, ONLINE, checkpoint, free_port
 
 # The greedy-equality servers use the online tests' engine shapes (compiled once per session); the rest run on
 # one V3.2 ESS server of 8 rows for prompts up to 2000 tokens.
@@ -342,6 +342,14 @@ def test_sigterm_lets_running_requests_finish_and_exits_0(root):
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_serve_refuses_an_unreadable_chat_template_before_it_builds_the_engine(tmp_path, capsys):
+    from ess_jax import serve
+
+    missing = tmp_path / "chat.jinja"
+    assert serve.main(["--model", str(FIXTURES / "hf-v32-a"), "--chat-template", str(missing)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --chat-template {missing}: cannot read it")
 
 
 def test_bench_load_generator_against_a_running_server(servers, tmp_path, capsys):

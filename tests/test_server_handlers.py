@@ -3,13 +3,16 @@ engine behind a real ``EngineLoop`` thread (the online tests' ESS shape on the B
 replies compared with the offline engine's greedy tokens; the stop-string cutter on its own."""
 
 import asyncio
+import dataclasses
 import json
+import re
 import time
 
 import numpy as np
 import pytest
 
 import ess_jax
+from ess_jax.config import ConfigError
 from ess_jax.engine import Engine
 from ess_jax.engine.loop import EngineLoop, ready
 from ess_jax.server.chat import chat
@@ -19,20 +22,22 @@ from ess_jax.server.metrics import Metrics
 from ess_jax.server.protocol import APIError, ChatBody, CompletionBody, parse
 from ess_jax.server.stream import StopStrings
 from ess_jax.server.tokenization import detokenize, tokenize, tokenizer_info
-from helpers import ONLINE, TEMPLATE, checkpoint
+from ess_jax.tokenizer import read_chat_template
+from helpers import FIXTURES, ONLINE, TEMPLATE, checkpoint
 
 CONFIG = ONLINE["ess"]
 DEADLINE = 300
 
 
 def serve(model) -> ServeContext:
-    """A started engine loop over a fresh engine of ``CONFIG`` (stop it with ``ctx.loop.stop()``)."""
+    """A started engine loop over a fresh engine of ``CONFIG``, the model's chat template (stop it with
+    ``ctx.loop.stop()``)."""
     engine = Engine(model, CONFIG)
     metrics = Metrics()
     ready(engine, metrics)
     loop = EngineLoop(engine, metrics)
     loop.start()
-    return ServeContext(loop, "m")
+    return ServeContext(loop, "m", model.chat_template)
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +227,38 @@ def test_tokenize_detokenize_and_tokenizer_info(ctx):
                     "bos_token": tokenizer.token_text(cfg.bos_token_id), "bos_token_id": cfg.bos_token_id,
                     "eos_token": tokenizer.token_text(cfg.eos_token_id[0]), "eos_token_id": cfg.eos_token_id[0],
                     "pad_token": tokenizer.token_text(cfg.pad_token_id), "pad_token_id": cfg.pad_token_id}
+
+
+def test_a_chat_template_file_serves_a_checkpoint_without_one(tmp_path):
+    """``--chat-template FILE``'s template on the byte-level fixture (no tokenizer_config.json): chat is refused
+    without it, and with it replies as completions do on the rendered prompt."""
+    model = ess_jax.load_model(FIXTURES / "hf-v32-a")
+    tokenizer, cfg = model.tokenizer, model.cfg
+    (tmp_path / "chat.jinja").write_text(TEMPLATE)
+    template = read_chat_template(tmp_path / "chat.jinja", tokenizer, cfg, model.chat_template)
+    assert model.chat_template is None and template.special_tokens == {
+        "bos_token": tokenizer.token_text(cfg.bos_token_id), "eos_token": tokenizer.token_text(cfg.eos_token_id[0])}
+    without = serve(model)
+    templated = dataclasses.replace(without, chat_template=template)
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        with pytest.raises(APIError, match="start the server with --chat-template FILE"):
+            reply(without, chat, messages=messages, max_tokens=3)
+        ids = tokenizer.encode(template.special_tokens["bos_token"] + "<|user|>hi\n<|assistant|>",
+                               add_special_tokens=False)
+        fields = dict(max_tokens=4, temperature=0, ignore_eos=True)
+        expected = reply(templated, completions, prompt=ids, **fields)["choices"][0]["text"]
+        got = reply(templated, chat, messages=messages, **fields)
+    finally:
+        without.loop.stop()
+    assert got["choices"][0]["message"]["content"] == expected and got["usage"]["prompt_tokens"] == len(ids)
+    assert tokenizer_info(templated)["chat_template"] == TEMPLATE and "chat_template" not in tokenizer_info(without)
+    (tmp_path / "empty.jinja").write_text(" \n")
+    (tmp_path / "broken.jinja").write_text("{% for %}")
+    for name, message in [("missing.jinja", "cannot read it"), ("empty.jinja", "is empty"),
+                          ("broken.jinja", "does not parse")]:
+        with pytest.raises(ConfigError, match=re.escape(f"--chat-template {tmp_path / name}") + f".*{message}"):
+            read_chat_template(tmp_path / name, tokenizer, cfg, None)
 
 
 def test_gauges_follow_an_abort_and_the_tier_counters_match_the_engine(ctx):

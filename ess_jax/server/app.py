@@ -20,17 +20,18 @@ from ess_jax.server.completions import completions
 from ess_jax.server.context import ServeContext
 from ess_jax.server.metrics import Metrics
 from ess_jax.server.protocol import APIError, ChatBody, CompletionBody, invalid
+from ess_jax.tokenizer import ChatTemplate
 
 
-def create_app(engine, *, model_name: str, api_key: str | None = None, max_waiting: int = 64,
-               metrics_every: int = 16) -> FastAPI:
+def create_app(engine, *, model_name: str, chat_template: ChatTemplate | None = None, api_key: str | None = None,
+               max_waiting: int = 64, metrics_every: int = 16) -> FastAPI:
     """The FastAPI app serving ``engine``; its engine thread starts and stops with the app's lifespan. The
     engine is warmed up here, on the calling thread (``Engine.warm_up``): the engine thread only runs
-    compiled steps."""
+    compiled steps. ``chat_template``: the one chat uses (default: the model's own, if it has one)."""
     metrics = Metrics()
     ready(engine, metrics)
     loop = EngineLoop(engine, metrics, metrics_every=metrics_every)
-    ctx = ServeContext(loop, model_name, max_waiting)
+    ctx = ServeContext(loop, model_name, chat_template or engine.model.chat_template, max_waiting)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

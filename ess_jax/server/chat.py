@@ -13,13 +13,12 @@ from ess_jax.server.stream import Disconnected, Piece, collect
 
 
 def render_chat(ctx: ServeContext, messages: list[Message], add_generation_prompt: bool = True) -> str:
-    """The messages through the checkpoint's chat template; 400 if it has none or refuses them."""
-    template = ctx.engine.model.chat_template
-    if template is None:
+    """The messages through the server's chat template; 400 if it has none or refuses them."""
+    if ctx.chat_template is None:
         raise APIError(400, f"model {ctx.model_name!r} has no chat template (tokenizer_config.json 'chat_template'); "
-                            "use /v1/completions", param="messages")
+                            "start the server with --chat-template FILE, or use /v1/completions", param="messages")
     try:
-        return template.render([m.plain() for m in messages], add_generation_prompt=add_generation_prompt)
+        return ctx.chat_template.render([m.plain() for m in messages], add_generation_prompt=add_generation_prompt)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
 

@@ -11,15 +11,18 @@ from typing import AsyncIterator
 from ess_jax.engine.loop import EngineLoop
 from ess_jax.server.protocol import APIError, RequestBody
 from ess_jax.server.stream import Disconnected, Generation, Piece, stream_request
+from ess_jax.tokenizer import ChatTemplate
 
 
 @dataclasses.dataclass(frozen=True)
 class ServeContext:
     """The handlers' view of a server: its engine loop (the engine itself only for its model, its limits and
-    ``check_request``), the model name clients send, and how many requests may wait for a batch row."""
+    ``check_request``), the model name clients send, the chat template (None: chat is refused), and how many
+    requests may wait for a batch row."""
 
     loop: EngineLoop
     model_name: str
+    chat_template: ChatTemplate | None = None
     max_waiting: int = 64
 
     @property

@@ -52,7 +52,6 @@ def tokenizer_info(ctx: ServeContext) -> dict:
                            ("pad", cfg.pad_token_id)):
         if token_id is not None:
             info[f"{name}_token"], info[f"{name}_token_id"] = tokenizer.token_text(token_id), token_id
-    template = ctx.engine.model.chat_template
-    if template is not None:
-        info["chat_template"] = template.source
+    if ctx.chat_template is not None:
+        info["chat_template"] = ctx.chat_template.source
     return info

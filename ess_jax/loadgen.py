@@ -6,7 +6,7 @@ at most ``c`` in flight: random token-id prompts whose lengths cycle through ``-
 tokens). The servers run one level after another, alternating, so drift of a shared machine hits
 them alike. Per (server, level):
 - request throughput: requests / wall time of the level; output tok/s: completion tokens (the
-  servers' ``usage``) / wall time;
+  servers' ``usage``, asked for with ``stream_options.include_usage``) / wall time;
 - TTFT: from sending a request to its first streamed chunk with text or tokens;
 - inter-token latency: (last chunk - first chunk) / (completion tokens - 1), per request;
 p50 / p99 over the level's requests. Outputs: a table, ``serve_results.json`` and ``serve.png`` in ``--out``.
@@ -29,7 +29,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int, headers: dict) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
     start = time.perf_counter()
     first = last = None
     usage = None

@@ -7,13 +7,13 @@ Examples:
         -d '{"model": "tiny-v32-code", "prompt": "Hello", "max_tokens": 16, "temperature": 0}'
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": true), GET /v1/models,
-GET /health, GET /metrics (Prometheus). SIGINT / SIGTERM: stop accepting, let running requests finish
+GET /health, GET /metrics (Prometheus), POST /tokenize, POST /detokenize, GET /tokenizer_info (vLLM's). SIGINT / SIGTERM: stop accepting, let running requests finish
 for up to --shutdown-timeout seconds, abort the rest, exit 0. Bad flags, models or checkpoints print
 one line starting with "error:" and exit with 2.
 
 Several processes (``--num-processes``, as for generate; ``--mesh`` spans their devices): run the same
 command in each. Process 0 serves HTTP and sends each engine tick's adds and aborts to the others, whose
-engines step with it (``ess_jax.server.follow``); they ignore SIGINT / SIGTERM and exit 0 when process 0
+engines step with it (``ess_jax.engine.loop.follow``); they ignore SIGINT / SIGTERM and exit 0 when process 0
 stops:
     python -m ess_jax.serve --mesh data=2,expert=4 --num-processes 2 --process-id 0 --coordinator 127.0.0.1:1234
     python -m ess_jax.serve --mesh data=2,expert=4 --num-processes 2 --process-id 1 --coordinator 127.0.0.1:1234
@@ -40,6 +40,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     http.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     http.add_argument("--api-key", default=None,
                       help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
+    http.add_argument("--chat-template", default=None, metavar="FILE",
+                      help="a jinja2 chat template for /v1/chat/completions and /tokenize (default: the "
+                           "checkpoint's tokenizer_config.json chat_template)")
     http.add_argument("--served-model-name", default=None,
                       help="the model id clients send and /v1/models lists (default: --model as given)")
     http.add_argument("--max-waiting", type=int, default=64,
@@ -65,10 +68,14 @@ def main(argv: list[str] | None = None) -> int:
 
         from ess_jax.api import load_model
         from ess_jax.engine import Engine
-        from ess_jax.server import create_app, follow
+        from ess_jax.engine.loop import follow
+        from ess_jax.server import create_app
+        from ess_jax.tokenizer import read_chat_template
 
         model = load_model(args.model, args.dtype, seed=args.weights_seed, weights=args.weights,
                            mesh=args.mesh)
+        template = model.chat_template if args.chat_template is None else read_chat_template(
+            args.chat_template, model.tokenizer, model.cfg, model.chat_template)
         config = engine_config(args, max_seq_len=args.max_seq_len or min(DEFAULT_MAX_SEQ_LEN,
                                                                           model.cfg.max_position_embeddings))
         engine = Engine(model, config)
@@ -81,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         follow(engine, metrics_every=args.metrics_interval)
         return 0
     name = args.served_model_name or args.model
-    app = create_app(engine, model_name=name, api_key=args.api_key, max_waiting=args.max_waiting,
-                     metrics_every=args.metrics_interval)
+    app = create_app(engine, model_name=name, chat_template=template, api_key=args.api_key,
+                     max_waiting=args.max_waiting, metrics_every=args.metrics_interval)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            timeout_graceful_shutdown=args.shutdown_timeout))
     print(f"ess_jax: serving {name!r} ({model.cfg.family}, offload {config.offload}) on "

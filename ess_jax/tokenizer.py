@@ -17,11 +17,13 @@ class ByteTokenizer:
         self.vocab_size = cfg.vocab_size
         self.bos_token_id = cfg.bos_token_id
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """The UTF-8 bytes, after the bos id (when it lies above the bytes) with ``add_special_tokens``."""
         if self.vocab_size < 256:
             raise ValueError(f"a byte-level tokenizer needs vocab_size >= 256 (model has {self.vocab_size}); "
                              "pass token ids instead of text")
-        bos = [self.bos_token_id] if self.bos_token_id is not None and self.bos_token_id >= 256 else []
+        special = add_special_tokens and self.bos_token_id is not None and self.bos_token_id >= 256
+        bos = [self.bos_token_id] if special else []
         return bos + list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
@@ -88,7 +90,7 @@ class ChatTemplate:
             self._template = env.from_string(source)
         except jinja2.TemplateError as e:
             raise ConfigError(f"the chat template does not parse: {e}") from None
-        self.special_tokens = special_tokens
+        self.source, self.special_tokens = source, special_tokens
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
         import jinja2
@@ -127,6 +129,29 @@ def load_chat_template(directory: str | Path | None) -> ChatTemplate | None:
         if key.endswith("_token") and value is not None:
             special[key] = value.get("content", "") if isinstance(value, dict) else str(value)
     return ChatTemplate(source, special)
+
+
+def read_chat_template(path: str | Path, tokenizer: Tokenizer, cfg: ModelConfig,
+                       checkpoint: ChatTemplate | None) -> ChatTemplate:
+    """A chat template from a jinja2 file (``serve --chat-template``, as vLLM's flag), for checkpoints without one
+    or to replace theirs; its special-token variables are the checkpoint's ``tokenizer_config.json`` ones when
+    it has a template, else ``bos_token`` / ``eos_token`` as the tokenizer writes the config's ids."""
+    path = Path(path)
+    try:
+        source = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--chat-template {path}: cannot read it ({e}); give a jinja2 template file") from None
+    if not source.strip():
+        raise ConfigError(f"--chat-template {path} is empty; give a jinja2 template file")
+    if checkpoint is not None:
+        special = checkpoint.special_tokens
+    else:
+        ids = {"bos_token": cfg.bos_token_id, "eos_token": cfg.eos_token_id[0] if cfg.eos_token_id else None}
+        special = {name: tokenizer.token_text(i) for name, i in ids.items() if i is not None}
+    try:
+        return ChatTemplate(source, special)
+    except ConfigError as e:
+        raise ConfigError(f"--chat-template {path}: {e}") from None
 
 
 def load_tokenizer(directory: str | Path | None, cfg: ModelConfig) -> Tokenizer:

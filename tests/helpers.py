@@ -11,7 +11,9 @@ import jax
 import jax.experimental.pallas.fuser  # noqa: F401
 import jax.numpy as jnp
 import numpy as np
+import tokenizers
 from flax import nnx
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from ess_jax.cache import StepMeta
 from ess_jax.checkpoint import stacked
@@ -176,3 +178,28 @@ def outputs(procs: list, timeout: float = 300) -> list[str]:
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     return [out for out, _ in outs]
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def checkpoint(family: str, root: Path) -> Path:
+    """A fixture checkpoint with a byte-level BPE tokenizer.json (300 ids, vocab 320) and a chat template."""
+    directory = root / f"{family}-bpe"
+    if directory.exists():
+        return directory
+    directory.mkdir()
+    for f in (FIXTURES / f"hf-{family}-a").iterdir():
+        (directory / f.name).symlink_to(f)
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, show_progress=False, special_tokens=["<bos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the cache outgrew the device", "héllo wörld", "你好，世界", "<|user|> <|assistant|>"] * 4,
+                            trainer)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "bos_token": "<bos>"}))
+    return directory

@@ -17,43 +17,18 @@ import httpx
 import numpy as np
 import openai
 import pytest
-import tokenizers
 import uvicorn
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 import ess_jax
 from ess_jax.engine import Engine, EngineConfig
 from ess_jax.server import create_app
-from helpers import ONLINE, free_port
+from helpers import FIXTURES, ONLINE, checkpoint, free_port
 
-FIXTURES = Path(__file__).parent / "fixtures"
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 # The greedy-equality servers use the online tests' engine shapes (compiled once per session); the rest run on
 # one V3.2 ESS server of 8 rows for prompts up to 2000 tokens.
 CONFIGS = ONLINE
 WIDE = EngineConfig(max_batch=8, page_size=16, prefill_chunk=64, max_seq_len=2064, offload="ess", pool_size=64)
 DEADLINE = 300  # seconds any wait below may take
-
-
-def checkpoint(family: str, root: Path) -> Path:
-    """A fixture checkpoint with a byte-level BPE tokenizer.json (300 ids, vocab 320) and a chat template."""
-    directory = root / f"{family}-bpe"
-    if directory.exists():
-        return directory
-    directory.mkdir()
-    for f in (FIXTURES / f"hf-{family}-a").iterdir():
-        (directory / f.name).symlink_to(f)
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, show_progress=False, special_tokens=["<bos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["the cache outgrew the device", "héllo wörld", "你好，世界", "<|user|> <|assistant|>"] * 4,
-                            trainer)
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "bos_token": "<bos>"}))
-    return directory
 
 
 
@@ -145,10 +120,46 @@ def test_stream_concatenates_to_the_non_streamed_text(servers):
     kwargs = dict(model="m", prompt="the cache outgrew the device", max_tokens=20, temperature=0,
                   extra_body={"ignore_eos": True})
     whole = c.completions.create(**kwargs)
-    chunks = list(c.completions.create(stream=True, **kwargs))
+    chunks = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole.choices[0].text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+
+
+def test_the_openai_clients_plain_stream_loop_reads_choices_0(servers):
+    """Without stream_options no chunk has empty choices, so the openai client's documented loop
+    (``for chunk in stream: chunk.choices[0]``) runs to the end on both endpoints; every reply names its kind."""
+    server = servers("v32", "wide")
+    c = client(server)
+    kwargs = dict(model="m", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    whole = c.completions.create(prompt="héllo wörld", **kwargs)
+    assert (whole.object, whole.system_fingerprint) == ("text_completion", "ess_jax-ess-b8-p16-s2064")
+    text = ""
+    for chunk in c.completions.create(prompt="héllo wörld", stream=True, **kwargs):
+        text += chunk.choices[0].text
+        assert chunk.usage is None and chunk.object == "text_completion"
+    assert text == whole.choices[0].text
+    messages = [{"role": "user", "content": "héllo"}]
+    chat_whole = c.chat.completions.create(messages=messages, **kwargs)
+    content = ""
+    for chunk in c.chat.completions.create(messages=messages, stream=True, **kwargs):
+        content += chunk.choices[0].delta.content or ""
+        assert chunk.object == "chat.completion.chunk" and chunk.system_fingerprint == chat_whole.system_fingerprint
+    assert content == chat_whole.choices[0].message.content and chat_whole.object == "chat.completion"
+
+
+def test_tokenizer_endpoints_over_http(servers):
+    server = servers("v32", "wide")
+    tokenizer, text = server.engine.model.tokenizer, "the cache outgrew the device"
+    tokens = httpx.post(server.url + "/tokenize", json={"model": "m", "prompt": text}, timeout=DEADLINE)
+    assert tokens.status_code == 200 and tokens.json() == {"count": len(tokenizer.encode(text)), "max_model_len": 2064,
+                                                           "tokens": tokenizer.encode(text), "token_strs": None}
+    back = httpx.post(server.url + "/detokenize", json={"tokens": tokens.json()["tokens"]}, timeout=DEADLINE)
+    assert back.status_code == 200 and back.json() == {"prompt": text}
+    info = httpx.get(server.url + "/tokenizer_info", timeout=DEADLINE)
+    assert info.status_code == 200 and info.json()["tokenizer_class"] == "HFTokenizer"
+    refused = httpx.post(server.url + "/tokenize", json=["not", "an", "object"], timeout=DEADLINE)
+    assert refused.status_code == 400 and "valid dictionary" in refused.json()["error"]["message"], refused.text
 
 
 def test_32_concurrent_streams_get_their_offline_tokens(servers, root):
@@ -163,7 +174,8 @@ def test_32_concurrent_streams_get_their_offline_tokens(servers, root):
     async def one(c, prompt, new):
         text, usage = "", None
         async for chunk in await c.completions.create(model="m", prompt=prompt, max_tokens=new, temperature=0,
-                                                      stream=True, extra_body={"ignore_eos": True}):
+                                                      stream=True, stream_options={"include_usage": True},
+                                                      extra_body={"ignore_eos": True}):
             text += chunk.choices[0].text if chunk.choices else ""
             usage = chunk.usage or usage
         return text, usage.completion_tokens
@@ -215,7 +227,7 @@ def test_chat_renders_the_checkpoint_template(servers):
     assert reply.choices[0].message.content == expected and reply.choices[0].message.role == "assistant"
     assert reply.usage.prompt_tokens == len(ids)
     chunks = list(c.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0, stream=True,
-                                            extra_body={"ignore_eos": True}))
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == expected
     assert chunks[-1].usage.completion_tokens == 8
 
@@ -317,7 +329,8 @@ def test_sigterm_lets_running_requests_finish_and_exits_0(root):
             time.sleep(0.2)
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=DEADLINE,
                           json={"model": "m", "prompt": [5, 6, 7], "max_tokens": 64, "stream": True,
-                                "temperature": 0, "ignore_eos": True}) as response:
+                                "stream_options": {"include_usage": True}, "temperature": 0,
+                                "ignore_eos": True}) as response:
             lines = response.iter_lines()
             assert next(lines).startswith("data: ")
             proc.send_signal(signal.SIGTERM)
@@ -329,6 +342,14 @@ def test_sigterm_lets_running_requests_finish_and_exits_0(root):
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_serve_refuses_an_unreadable_chat_template_before_it_builds_the_engine(tmp_path, capsys):
+    from ess_jax import serve
+
+    missing = tmp_path / "chat.jinja"
+    assert serve.main(["--model", str(FIXTURES / "hf-v32-a"), "--chat-template", str(missing)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --chat-template {missing}: cannot read it")
 
 
 def test_bench_load_generator_against_a_running_server(servers, tmp_path, capsys):

@@ -1,0 +1,73 @@
+"""What the handlers share: ``ServeContext`` (the engine loop and the served model's name and limits) and
+the checks every generating request passes before it is queued (``admit``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from typing import AsyncIterator
+
+from ess_jax.engine.loop import EngineLoop
+from ess_jax.server.protocol import APIError, RequestBody
+from ess_jax.server.stream import Disconnected, Generation, Piece, stream_request
+from ess_jax.tokenizer import ChatTemplate
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeContext:
+    """The handlers' view of a server: its engine loop (the engine itself only for its model, its limits and
+    ``check_request``), the model name clients send, the chat template (None: chat is refused), and how many
+    requests may wait for a batch row."""
+
+    loop: EngineLoop
+    model_name: str
+    chat_template: ChatTemplate | None = None
+    max_waiting: int = 64
+
+    @property
+    def engine(self):
+        return self.loop.engine
+
+    @property
+    def tokenizer(self):
+        return self.engine.model.tokenizer
+
+    @property
+    def fingerprint(self) -> str:
+        """``system_fingerprint``: the engine configuration the replies come from."""
+        config = self.engine.config
+        return f"ess_jax-{config.offload}-b{config.max_batch}-p{config.page_size}-s{self.engine.max_seq_len}"
+
+    def head(self, prefix: str, kind: str) -> dict:
+        """The fields every reply (and every chunk of a stream) of one request starts with."""
+        return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
+                "model": self.model_name, "system_fingerprint": self.fingerprint}
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(400, f"model {model!r} is not served here; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def stream(self, body: RequestBody, prompt_ids: list[int], max_tokens: int, logprobs: int | None,
+               disconnected: Disconnected) -> AsyncIterator[Piece]:
+        """One choice's pieces (the request is queued when the stream is first read)."""
+        generation = Generation(prompt_ids, max_tokens, body.sampling(), body.stops(), body.stop_token_ids,
+                                body.ignore_eos, logprobs)
+        return stream_request(self.loop, generation, disconnected)
+
+
+def admit(ctx: ServeContext, body: RequestBody, prompts: list[list[int]], max_tokens: list[int]) -> None:
+    """Refuse at once, before queueing any, what could never run (400 naming the field) and what would wait
+    beyond ``max_waiting`` (503 with ``Retry-After``)."""
+    body.refuse_unsupported()
+    ctx.check_model(body.model)
+    body.stops()
+    for ids, new in zip(prompts, max_tokens):
+        try:
+            ctx.engine.check_request(ids, new, body.stop_token_ids)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+    if ctx.loop.waiting_with(len(prompts)) > ctx.max_waiting:
+        raise APIError(503, f"{ctx.loop.waiting} requests are waiting for a batch row and --max-waiting is "
+                            f"{ctx.max_waiting}; retry later", kind="server_overloaded", headers={"Retry-After": "1"})

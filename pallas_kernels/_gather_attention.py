@@ -1,6 +1,7 @@
 """The core every gather-attention kernel here shares: read rows of a pool by id, score them against
-a block of query heads, online softmax in float32, out and log-sum-exp. It is one Mosaic GPU kernel
-(Pallas ``plgpu.kernel``, Hopper: TMA copies and ``wgmma``); on a machine without a GPU it runs in
+a block of query heads, online softmax in float32, out and log-sum-exp. This is its Hopper target
+(``target="mosaic_gpu"``; the others: ``_gather_attention_sm80``, ``_gather_attention_tpu``), one
+Mosaic GPU kernel (Pallas ``plgpu.kernel``: TMA copies and ``wgmma``); on a machine without a GPU it runs in
 the Mosaic GPU interpreter, which simulates the same kernel's shared memory, copies and barriers.
 
 A program takes one query token of one request, ``HEAD_BLOCK = 64`` of its heads (all heads read the
@@ -64,6 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -72,10 +74,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ess_jax.pallas_kernels.row_layout import Chunk, RowLayout
+from ess_jax.pallas_kernels.split_k import deal_ids, merge_splits, pad_axis, round_up
+
+if TYPE_CHECKING:
+    from ess_jax.pallas_kernels.target import Interpret
 
 NEG_INF = float("-inf")
 # The public wrappers' keyword-only tuning knobs (static under jit), documented in sparse_mla.
-Interpret = bool | plgpu.InterpretGPUParams  # False: compile for the GPU; True or params: the interpreter
 HEAD_BLOCK = 64  # query heads per program: the M of one warpgroup's wgmma
 ROW_GROUP = 8  # rows copied per barrier
 SMEM_BYTES = 227 * 1024  # shared memory one block may use on an H100 / H200
@@ -312,20 +317,6 @@ def _kernel(*refs, plan: _Plan):
     lse_ref.at[bt, split, heads][...] = lse
 
 
-def _pad_axis(x, axis: int, size: int, value):
-    """``x`` padded with ``value`` along ``axis`` up to ``size`` (at least its own size)."""
-    pad = size - x.shape[axis]
-    if pad <= 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths, constant_values=value)
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
 def default_splits(*, programs: int, k_blocks: int, interpret: Interpret) -> int:
     """Splits of the ids per query when the caller leaves ``num_splits=None``: on a GPU, enough
     programs for about two per SM, keeping at least 4 blocks of ids per split; 1 elsewhere."""
@@ -352,7 +343,7 @@ def gather_attention(q_value_BTNC, q_key_BTNR, sources, sinks_N, *, layout: RowL
             raise ValueError(f"{name}: rows are read in chunks of a multiple of 8 columns, got {chunk}")
     b, t, n, cv = q_value_BTNC.shape
     k_blocks = max(-(-ids.shape[-1] // block_k) for _, ids in sources)
-    n_pad = _round_up(n, HEAD_BLOCK)
+    n_pad = round_up(n, HEAD_BLOCK)
     h_blocks = n_pad // HEAD_BLOCK
     if num_splits is None:
         num_splits = default_splits(programs=b * t * h_blocks, k_blocks=k_blocks, interpret=interpret)
@@ -374,21 +365,17 @@ def gather_attention(q_value_BTNC, q_key_BTNR, sources, sinks_N, *, layout: RowL
     # whole parts of whole blocks and dealt round-robin to the parts; the pools flattened, so a row's
     # copies address elements, not rows.
     def queries(q_BTNX, chunks):
-        q = _pad_axis(q_BTNX, 2, n_pad, 0)
-        q = _pad_axis(q, 3, max(c.column + c.tile_width for c in chunks), 0)
+        q = pad_axis(q_BTNX, 2, n_pad, 0)
+        q = pad_axis(q, 3, max(c.column + c.tile_width for c in chunks), 0)
         return q.reshape(b * t, n_pad, q.shape[-1])
 
     args = [queries(q_value_BTNC, layout.values)]
     if q_key_BTNR is not None:
         args.append(queries(q_key_BTNR, layout.keys))
     if in_kernel_sink:
-        args.append(_pad_axis(sinks_N.astype(jnp.float32), 0, n_pad, 0.0))
+        args.append(pad_axis(sinks_N.astype(jnp.float32), 0, n_pad, 0.0))
     for pool, ids in sources:
-        ids = ids.astype(jnp.int32).reshape(b * t, ids.shape[-1])
-        count = jnp.sum(ids >= 0, axis=-1, dtype=jnp.int32)
-        ids = _pad_axis(jnp.flip(jnp.sort(ids, axis=-1), axis=-1), 1, _round_up(ids.shape[-1], splits * block_k), -1)
-        ids = ids.reshape(b * t, ids.shape[-1] // splits, splits).transpose(0, 2, 1)  # id i goes to split i % S
-        args += [ids, count, pool.reshape(-1)]
+        args += [*deal_ids(ids, splits, block_k), pool.reshape(-1)]
     out_type = (jax.ShapeDtypeStruct((b * t, splits, n_pad, cv), jnp.float32),
                 jax.ShapeDtypeStruct((b * t, splits, n_pad), jnp.float32))
     kernel = plgpu.kernel(
@@ -414,21 +401,4 @@ def gather_attention(q_value_BTNC, q_key_BTNR, sources, sinks_N, *, layout: RowL
     lse_BTSN = lse_BTSN.reshape(b, t, splits, n_pad)[..., :n]
     if splits == 1:
         return out_BTSNC[:, :, 0], lse_BTSN[:, :, 0]
-    return _merge_splits(out_BTSNC, lse_BTSN, sinks_N)
-
-
-def _merge_splits(out_BTSNC, lse_BTSN, sinks_N):
-    """Exact log-sum-exp merge of the S partial results, then the sink (if any) in the denominator."""
-    top_BTN = jnp.max(lse_BTSN, axis=2)
-    top_BTN = jnp.where(jnp.isfinite(top_BTN), top_BTN, 0.0)
-    weight_BTSN = jnp.exp(lse_BTSN - top_BTN[:, :, None])  # 0 for empty parts
-    total_BTN = jnp.sum(weight_BTSN, axis=2)
-    lse_BTN = jnp.where(total_BTN > 0, top_BTN + jnp.log(jnp.where(total_BTN > 0, total_BTN, 1.0)), -jnp.inf)
-    out_BTNC = jnp.einsum("btsn,btsnc->btnc", weight_BTSN / jnp.where(total_BTN > 0, total_BTN, 1.0)[:, :, None],
-                          out_BTSNC, precision=lax.Precision.HIGHEST)
-    if sinks_N is None:
-        return out_BTNC, lse_BTN
-    with_sink_BTN = jnp.logaddexp(lse_BTN, sinks_N.astype(jnp.float32))
-    keep_BTN = jnp.where(jnp.isfinite(lse_BTN), jnp.exp(lse_BTN - jnp.where(jnp.isfinite(with_sink_BTN),
-                                                                             with_sink_BTN, 0.0)), 0.0)
-    return out_BTNC * keep_BTN[..., None], with_sink_BTN
+    return merge_splits(out_BTSNC, lse_BTSN, sinks_N)

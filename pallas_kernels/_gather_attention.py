@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import jax
 import jax.numpy as jnp
@@ -326,9 +326,25 @@ def default_splits(*, programs: int, k_blocks: int, interpret: Interpret) -> int
     return max(1, min(-(-2 * sms // max(programs, 1)), k_blocks // 4))
 
 
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One GPU generation's kernel over the shared wrapper below: its body and scratch (functions of
+    the ``_Plan``), the shared memory it needs and what one block may use on its devices."""
+
+    kernel: Callable
+    scratch: Callable
+    smem_bytes: Callable[[_Plan], int]
+    smem_limit: int
+    devices: str
+
+
+HOPPER = Variant(_kernel, _scratch, _Plan.smem_bytes, SMEM_BYTES, "an H100 / H200")
+
+
 def gather_attention(q_value_BTNC, q_key_BTNR, sources, sinks_N, *, layout: RowLayout, scale: float,
-                     block_k: int, num_splits: int | None, interpret: Interpret, name: str):
-    """Run the kernel. ``sources``: ``[(pool [P, X], ids i32[B, T, K]), ...]``, every pool's rows read
+                     block_k: int, num_splits: int | None, interpret: Interpret, name: str,
+                     variant: Variant | None = None):
+    """Run the kernel (``variant``: ``HOPPER`` when None, or ``_gather_attention_sm80.SM80``). ``sources``: ``[(pool [P, X], ids i32[B, T, K]), ...]``, every pool's rows read
     through ``layout``; ``q_key_BTNR`` is None when it has no key chunks, ``sinks_N`` None for no sink.
     ``interpret``: run in the Mosaic GPU interpreter (any backend) instead of compiling for the GPU,
     ``True`` or the interpreter's parameters (``plgpu.InterpretGPUParams``, e.g. ``detect_races``).
@@ -338,6 +354,7 @@ def gather_attention(q_value_BTNC, q_key_BTNR, sources, sinks_N, *, layout: RowL
     separate programs attend to (split-K, as FlashMLA does for small batches); the partial
     (out, lse) pairs merge exactly by log-sum-exp here, and the sink joins after the merge.
     """
+    variant = variant or HOPPER
     for chunk in layout.chunks:  # a WGMMA-layout tile holds whole groups of 8 columns
         if chunk.width % 8:
             raise ValueError(f"{name}: rows are read in chunks of a multiple of 8 columns, got {chunk}")
@@ -353,11 +370,12 @@ def gather_attention(q_value_BTNC, q_key_BTNR, sources, sinks_N, *, layout: RowL
     bf16_dots = layout.dtype in ("bfloat16", "uint8") and all(d == jnp.bfloat16 for d in float_inputs)
     plan = _Plan(layout, len(sources), q_key_BTNR is not None, in_kernel_sink, float(scale), block_k,
                  1 if bf16_dots else 3)
-    if plan.smem_bytes() > SMEM_BYTES:
+    if variant.smem_bytes(plan) > variant.smem_limit:
         raise ValueError(
-            f"{name}: one program needs {plan.smem_bytes() / 1024:.0f} KiB of shared memory (rows of "
+            f"{name}: one program needs {variant.smem_bytes(plan) / 1024:.0f} KiB of shared memory (rows of "
             f"{layout.row_width} {layout.dtype}, block_k={block_k}, {'bf16' if bf16_dots else 'float32'} operands), "
-            f"more than the {SMEM_BYTES // 1024} KiB of an H100 / H200; use bf16 or FP8 rows or a smaller block_k")
+            f"more than the {variant.smem_limit // 1024} KiB of {variant.devices}; use bf16 or FP8 rows or a smaller "
+            "block_k")
 
     # Heads padded to whole blocks (zero queries, dropped below); query columns padded so every
     # operand tile (16 columns at a time) stays inside; each query's ids sorted, valid ones first (the
@@ -379,9 +397,9 @@ def gather_attention(q_value_BTNC, q_key_BTNR, sources, sinks_N, *, layout: RowL
     out_type = (jax.ShapeDtypeStruct((b * t, splits, n_pad, cv), jnp.float32),
                 jax.ShapeDtypeStruct((b * t, splits, n_pad), jnp.float32))
     kernel = plgpu.kernel(
-        lambda *refs: _kernel(*refs, plan=plan),
+        lambda *refs: variant.kernel(*refs, plan=plan),
         out_type=out_type,
-        scratch_types=(_scratch(plan),),
+        scratch_types=(variant.scratch(plan),),
         grid=(b * t, h_blocks, splits),
         grid_names=("bt", "heads", "split"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),

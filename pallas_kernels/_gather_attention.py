@@ -345,7 +345,8 @@ def gather_attention(q_value_BTNC, q_key_BTNR, sources, sinks_N, *, layout: RowL
                      block_k: int, num_splits: int | None, interpret: Interpret, name: str,
                      variant: Variant | None = None):
     """Run the kernel (``variant``: ``HOPPER`` when None, or ``_gather_attention_sm80.SM80``).
-    ``sources``: ``[(pool [P, X], ids i32[B, T, K]), ...]``, every pool's rows read through ``layout``; ``q_key_BTNR`` is None when it has no key chunks, ``sinks_N`` None for no sink.
+    ``sources``: ``[(pool [P, X], ids i32[B, T, K]), ...]``, every pool's rows read through ``layout``;
+    ``q_key_BTNR`` is None when it has no key chunks, ``sinks_N`` None for no sink.
     ``interpret``: run in the Mosaic GPU interpreter (any backend) instead of compiling for the GPU,
     ``True`` or the interpreter's parameters (``plgpu.InterpretGPUParams``, e.g. ``detect_races``).
     Returns ``out f32[B, T, N, Cv]`` and ``lse f32[B, T, N]``. Inputs are checked by the callers.

@@ -1,4 +1,5 @@
-"""The Mosaic GPU kernels compiled (not interpreted) on a CUDA GPU (Hopper: they use TMA and wgmma)
+"""The Mosaic GPU kernels compiled (not interpreted) on a CUDA GPU (the device's own: Hopper's TMA /
+wgmma kernels on sm_90, the sm_80 variant on other NVIDIA GPUs from sm_80; ``ops.resolve_kernels``)
 against their references, at DeepSeek's real shapes and with float32 rows at a tiny preset's (the
 float32 operands as bf16 pieces on the tensor cores). Marked ``gpu``; skipped with the reason where
 jax sees no GPU. Run on a GPU runner with
@@ -28,12 +29,20 @@ def device():
     return gpu_device()
 
 
+@pytest.fixture(scope="module")
+def target(device):
+    """The device's own kernel target; the choice looks at the default backend, so that must be the GPU."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("the default backend is not the GPU (set JAX_PLATFORMS=cuda,cpu)")
+    return ops.resolve_kernels("pallas")
+
+
 def _put(device, *xs):
     return [None if x is None else jax.device_put(jnp.asarray(x), device) for x in xs]
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_sparse_mla_real_shape(device, fp8):
+def test_sparse_mla_real_shape(device, target, fp8):
     rng = np.random.default_rng(0)
     n, c, r, k, rows = 128, 512, 64, 2048, 4096
     ids = permuted_ids(rng, valid_counts(B, T, k), k, rows)
@@ -43,7 +52,7 @@ def test_sparse_mla_real_shape(device, fp8):
     args = _put(device, q_latent, q_rope, poison_unused(pool, ids), ids)
     kernel, reference = ((fp8_rows.sparse_mla_fp8, fp8_rows.sparse_mla_fp8_reference) if fp8
                          else (sparse_mla, sparse_mla_reference))
-    out, lse = kernel(*args, scale=0.1)
+    out, lse = kernel(*args, scale=0.1, target=target)
     ref_out, ref_lse = reference(*args, scale=0.1)
     assert out.devices() == {device}
     assert_close(out, ref_out, jnp.bfloat16, "out")
@@ -51,7 +60,7 @@ def test_sparse_mla_real_shape(device, fp8):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_sparse_v4_attention_real_shape(device, fp8):
+def test_sparse_v4_attention_real_shape(device, target, fp8):
     rng = np.random.default_rng(1)
     n, h, r = 64, 512, 64
     window_ids = permuted_ids(rng, valid_counts(B, T, 128), 128, 512)
@@ -61,20 +70,18 @@ def test_sparse_v4_attention_real_shape(device, fp8):
     args = _put(device, random_array(rng, (B, T, n, h), jnp.bfloat16), poison_unused(pools[0], window_ids),
                 window_ids, poison_unused(pools[1], entry_ids), entry_ids, rng.standard_normal(n).astype(np.float32))
     if fp8:
-        got = fp8_rows.sparse_v4_attention_fp8(*args, scale=512**-0.5, rope_dim=r)
+        got = fp8_rows.sparse_v4_attention_fp8(*args, scale=512**-0.5, rope_dim=r, target=target)
         want = fp8_rows.sparse_v4_attention_fp8_reference(*args, scale=512**-0.5, rope_dim=r)
     else:
-        got = sparse_v4_attention(*args, scale=512**-0.5)
+        got = sparse_v4_attention(*args, scale=512**-0.5, target=target)
         want = sparse_v4_attention_reference(*args, scale=512**-0.5)
     assert_close(got[0], want[0], jnp.bfloat16, "out")
     assert_close(got[1], want[1], jnp.bfloat16, "lse")
 
 
-def test_auto_dispatch_picks_pallas_and_matches_xla(device):
+def test_auto_dispatch_picks_pallas_and_matches_xla(device, target):
     """float32 at tiny-v32's shape (C = 64, R = 16): float32 accuracy from the bf16 tensor cores."""
-    if jax.default_backend() != "gpu":
-        pytest.skip("the default backend is not the GPU (set JAX_PLATFORMS=cuda,cpu)")
-    assert ops.resolve_kernels("auto") == "pallas"
+    assert ops.resolve_kernels("auto") == target
     rng = np.random.default_rng(2)
     ids = permuted_ids(rng, valid_counts(B, 1, 64), 64, 256)
     q_latent, q_rope = random_array(rng, (B, 1, 16, 64), jnp.float32), random_array(rng, (B, 1, 16, 16), jnp.float32)

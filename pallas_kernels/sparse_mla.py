@@ -28,7 +28,7 @@ and Mosaic TPU (scalar-prefetched ids, row DMAs; ``_gather_attention_tpu``). ``i
 the target's kernel in its interpreter on the CPU (simulated shared memory / VMEM, copies / DMAs,
 barriers / semaphores); tests/kernels checks each there against the reference and lowers each for
 abstract devices of its target (H200; A100 and L40; TPU v5e and v6e). Compiling those modules and
-running them on a device is unverified (tests/kernels/test_gpu.py, tools/gpu_check.sh).
+running them on a device is unverified (tests/kernels/test_devices.py, tools/gpu_check.sh).
 """
 
 from __future__ import annotations

@@ -84,6 +84,15 @@ def random_array(rng: np.random.Generator, shape, dtype, scale: float = 1.0) -> 
     return jnp.asarray(rng.standard_normal(shape).astype(np.float32) * scale, dtype)
 
 
+def tpu_device():
+    """The first TPU, or skip with the reason no TPU is visible."""
+    try:
+        return jax.devices("tpu")[0]
+    except (RuntimeError, IndexError):
+        platforms = sorted({d.platform for d in jax.devices()})
+        pytest.skip(f"no TPU visible to jax (platforms: {', '.join(platforms)}); on a TPU runner with libtpu: "
+                    "JAX_PLATFORMS=tpu,cpu .venv/bin/python -m pytest -m tpu")
+
 
 def gpu_device():
     """The first CUDA device, or skip with the reason no GPU is visible."""

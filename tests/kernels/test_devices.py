@@ -1,10 +1,11 @@
-"""The Mosaic GPU kernels compiled (not interpreted) on a CUDA GPU (the device's own: Hopper's TMA /
-wgmma kernels on sm_90, the sm_80 variant on other NVIDIA GPUs from sm_80; ``ops.resolve_kernels``)
-against their references, at DeepSeek's real shapes and with float32 rows at a tiny preset's (the
-float32 operands as bf16 pieces on the tensor cores). Marked ``gpu``; skipped with the reason where
-jax sees no GPU. Run on a GPU runner with
+"""The kernels compiled (not interpreted) on an accelerator, the device's own (``ops.resolve_kernels``:
+on a CUDA GPU Hopper's TMA / wgmma kernels on sm_90, the sm_80 variant on other NVIDIA GPUs from
+sm_80; on a TPU the Mosaic TPU kernels) against their references, at DeepSeek's real shapes and with
+float32 rows at a tiny preset's (on GPUs the float32 operands as bf16 pieces on the tensor cores). Each test runs once per accelerator, marked
+``gpu`` or ``tpu`` and skipped with the reason where jax sees no such device. Run on a runner with
 
     JAX_PLATFORMS=cuda,cpu .venv/bin/python -m pytest -m gpu
+    JAX_PLATFORMS=tpu,cpu .venv/bin/python -m pytest -m tpu
 
 (tests/conftest.py pins JAX_PLATFORMS=cpu unless it is set)."""
 
@@ -17,23 +18,24 @@ from ess_jax import ops
 from ess_jax.pallas_kernels import fp8_rows
 from ess_jax.pallas_kernels.sparse_mla import sparse_mla, sparse_mla_reference
 from ess_jax.pallas_kernels.sparse_v4_attention import sparse_v4_attention, sparse_v4_attention_reference
-from kernel_testing import assert_close, gpu_device, permuted_ids, poison_unused, random_array, valid_counts
+from kernel_testing import (assert_close, gpu_device, permuted_ids, poison_unused, random_array, tpu_device,
+                            valid_counts)
 
-pytestmark = pytest.mark.gpu
+ACCELERATORS = {"gpu": gpu_device, "tpu": tpu_device}
 
 B, T = 2, 2  # queries (b, t) cycle through 0, 1, K-1 and K valid ids
 
 
-@pytest.fixture(scope="module")
-def device():
-    return gpu_device()
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=getattr(pytest.mark, name)) for name in ACCELERATORS])
+def device(request):
+    return ACCELERATORS[request.param]()
 
 
 @pytest.fixture(scope="module")
 def target(device):
-    """The device's own kernel target; the choice looks at the default backend, so that must be the GPU."""
-    if jax.default_backend() != "gpu":
-        pytest.skip("the default backend is not the GPU (set JAX_PLATFORMS=cuda,cpu)")
+    """The device's own kernel target; the choice looks at the default backend, so that must be this device's."""
+    if jax.default_backend() != device.platform:
+        pytest.skip(f"the default backend is not the {device.platform} (set JAX_PLATFORMS={device.platform},cpu)")
     return ops.resolve_kernels("pallas")
 
 

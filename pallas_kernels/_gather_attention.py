@@ -74,7 +74,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ess_jax.pallas_kernels.row_layout import Chunk, RowLayout
-from ess_jax.pallas_kernels.split_k import deal_ids, merge_splits, pad_axis, round_up
+from ess_jax.pallas_kernels.split_k import deal_ids, finish_softmax, merge_splits, pad_axis, round_up
 
 if TYPE_CHECKING:
     from ess_jax.pallas_kernels.target import Interpret
@@ -280,11 +280,7 @@ def _kernel(*refs, plan: _Plan):
             s = pl.run_scoped(scores, plgpu.ACC((HEAD_BLOCK, bk), jnp.float32))  # f32[64, bk]
             valid = lax.broadcast_in_dim(_load(ids_smem, _COL) >= 0, s.shape, [1])
             s = jnp.where(valid, s * plan.scale, NEG_INF)
-            m_new = jnp.maximum(m, jnp.max(s, axis=1))
-            m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-            alpha = jnp.exp(m - m_safe)  # 0 while nothing was seen
-            p = jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))  # 0 at invalid ids
-            l = l * alpha + jnp.sum(p, axis=1)
+            m_new, l, alpha, p = _softmax_step(m, l, s)
             for i, piece in enumerate(_bf16_pieces(p, pieces)):
                 p_tiles.at[i][...] = piece
             plgpu.commit_smem()
@@ -302,19 +298,27 @@ def _kernel(*refs, plan: _Plan):
 
         m, l, accs = lax.fori_loop(0, (in_split + bk - 1) // bk, block, (m, l, accs))
 
-    seen = l > 0
-    m_seen = jnp.where(seen, m, 0.0)
-    lse = jnp.where(seen, m_seen + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
-    if plan.has_sink:
-        sink = _load(sink_ref.at[heads], _ROW)
-        top = jnp.maximum(lse, sink)
-        top_safe = jnp.where(top == NEG_INF, 0.0, top)
-        lse = top_safe + jnp.log(jnp.exp(lse - top_safe) + jnp.exp(sink - top_safe))
-    weight = jnp.where(seen, jnp.exp(m_seen - jnp.where(seen, lse, 0.0)), 0.0)  # 1 / denominator, scaled
-    for chunk, acc in zip(lay.values, accs):
+    _store_out(plan, m, l, accs, sink_ref, out_ref.at[bt, split, heads], lse_ref.at[bt, split, heads], heads, _ROW)
+
+
+def _softmax_step(m, l, s):
+    """One block of the online softmax over scores ``s f32[64, bk]`` (-inf where invalid): the new
+    running max and sum, the rescale ``alpha`` of what came before and the weights ``p``."""
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+    alpha = jnp.exp(m - m_safe)  # 0 while nothing was seen
+    p = jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))  # 0 at invalid ids
+    return m_new, l * alpha + jnp.sum(p, axis=1), alpha, p
+
+
+def _store_out(plan: _Plan, m, l, accs, sink_ref, out_ref, lse_ref, heads, row_layout):
+    """The epilogue: ``out [64, Cv]`` and ``lse [64]`` of the program's heads (the sink, if any, read
+    in ``row_layout``, the layout of ``m`` and ``l``)."""
+    lse, weight = finish_softmax(m, l, _load(sink_ref.at[heads], row_layout) if plan.has_sink else None)
+    for chunk, acc in zip(plan.layout.values, accs):
         out = acc * lax.broadcast_in_dim(weight, acc.shape, [0])
-        out_ref.at[bt, split, heads, pl.ds(chunk.column, chunk.width)][...] = out[:, :chunk.width]
-    lse_ref.at[bt, split, heads][...] = lse
+        out_ref.at[:, pl.ds(chunk.column, chunk.width)][...] = out[:, :chunk.width]
+    lse_ref[...] = lse
 
 
 def default_splits(*, programs: int, k_blocks: int, interpret: Interpret) -> int:

@@ -39,7 +39,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ess_jax.pallas_kernels import _gather_attention as hopper
 from ess_jax.pallas_kernels._gather_attention import (_PAIRS, HEAD_BLOCK, NEG_INF, REDUCTION_SCRATCH, SMEM_ALIGNMENT,
-                                                      _bf16_pieces, _chunk_values, _load, _Plan)
+                                                      _bf16_pieces, _chunk_values, _load, _Plan, _softmax_step,
+                                                      _store_out)
 
 SMEM_BYTES = 99 * 1024  # shared memory one block may use on sm_86 / sm_89 (an A100, sm_80, has 163 KiB)
 WINDOW = 128  # elements per row copy: one per thread of the warpgroup
@@ -154,11 +155,7 @@ def _kernel(*refs, plan: _Plan):
                     s = plgpu.mma(s, qs[a], _load(ts[b].T, _RHS))
             valid = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=_ACC) < n
             s = jnp.where(valid, s * plan.scale, NEG_INF)  # f32[64, bk]
-            m_new = jnp.maximum(m, jnp.max(s, axis=1))
-            m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-            alpha = jnp.exp(m - m_safe)  # 0 while nothing was seen
-            p = jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))  # 0 at invalid ids
-            l = l * alpha + jnp.sum(p, axis=1)
+            m_new, l, alpha, p = _softmax_step(m, l, s)
             for i, piece in enumerate(_bf16_pieces(p, pieces)):
                 p_tiles.at[i][...] = piece
             ps = [_load(p_tiles.at[i], _LHS) for i in range(pieces)]
@@ -173,19 +170,7 @@ def _kernel(*refs, plan: _Plan):
 
         m, l, accs = lax.fori_loop(0, (in_split + bk - 1) // bk, block, (m, l, accs))
 
-    seen = l > 0
-    m_seen = jnp.where(seen, m, 0.0)
-    lse = jnp.where(seen, m_seen + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
-    if plan.has_sink:
-        sink = _load(sink_ref.at[heads], _ROW)
-        top = jnp.maximum(lse, sink)
-        top_safe = jnp.where(top == NEG_INF, 0.0, top)
-        lse = top_safe + jnp.log(jnp.exp(lse - top_safe) + jnp.exp(sink - top_safe))
-    weight = jnp.where(seen, jnp.exp(m_seen - jnp.where(seen, lse, 0.0)), 0.0)  # 1 / denominator, scaled
-    for chunk, acc in zip(lay.values, accs):
-        out = acc * lax.broadcast_in_dim(weight, acc.shape, [0])
-        out_ref.at[bt, split, heads, pl.ds(chunk.column, chunk.width)][...] = out[:, :chunk.width]
-    lse_ref.at[bt, split, heads][...] = lse
+    _store_out(plan, m, l, accs, sink_ref, out_ref.at[bt, split, heads], lse_ref.at[bt, split, heads], heads, _ROW)
 
 
 SM80 = hopper.Variant(_kernel, _scratch, _smem_bytes, SMEM_BYTES, "an sm_86 / sm_89 GPU (Ada, consumer Ampere)")

@@ -51,7 +51,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ess_jax.pallas_kernels.row_layout import Chunk, RowLayout
-from ess_jax.pallas_kernels.split_k import deal_ids, merge_splits, pad_axis, round_up
+from ess_jax.pallas_kernels.split_k import deal_ids, finish_softmax, merge_splits, pad_axis, round_up
 
 NEG_INF = float("-inf")
 HEAD_ALIGN = 8  # heads are padded to whole sublane tiles
@@ -197,15 +197,7 @@ def _kernel(*refs, plan: _Plan):
         lax.fori_loop(0, blocks, block, None)
 
     m, l = m_ref[...], l_ref[...]
-    seen = l > 0
-    m_seen = jnp.where(seen, m, 0.0)
-    lse = jnp.where(seen, m_seen + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
-    if plan.has_sink:
-        sink = sink_ref[...]
-        top = jnp.maximum(lse, sink)
-        top_safe = jnp.where(top == NEG_INF, 0.0, top)
-        lse = top_safe + jnp.log(jnp.exp(lse - top_safe) + jnp.exp(sink - top_safe))
-    weight = jnp.where(seen, jnp.exp(m_seen - jnp.where(seen, lse, 0.0)), 0.0)  # 1 / denominator, scaled
+    lse, weight = finish_softmax(m, l, sink_ref[...] if plan.has_sink else None)
     out_ref[0, 0] = acc_ref[...] * weight
     lse_ref[0, 0] = lse
 

@@ -1,5 +1,6 @@
-"""How the gather-attention kernels share one query's ids among programs (split-K) and merge their
-partial results: plain JAX, common to every target (Mosaic GPU, Mosaic TPU).
+"""How the gather-attention kernels share one query's ids among programs (split-K), finish a
+program's softmax and merge the programs' partial results: plain JAX, common to every target
+(Mosaic GPU, Mosaic TPU).
 
 Each query's ids are sorted so the valid ones (>= 0) come first, padded with -1 to ``S`` whole
 parts of whole blocks, and dealt round-robin to the parts (id ``i`` to part ``i % S``), so a program
@@ -36,6 +37,21 @@ def deal_ids(ids_BTK, splits: int, block_k: int):
     count = jnp.sum(ids >= 0, axis=-1, dtype=jnp.int32)
     ids = pad_axis(jnp.flip(jnp.sort(ids, axis=-1), axis=-1), 1, round_up(k, splits * block_k), -1)
     return ids.reshape(b * t, ids.shape[-1] // splits, splits).transpose(0, 2, 1), count
+
+
+def finish_softmax(m, l, sink):
+    """A program's epilogue, every target's: from the running max ``m`` and sum ``l`` of its heads
+    (``l = 0``: nothing seen) and an optional per-head sink logit joining the denominator, ``(lse, w)``
+    with ``lse = log(denominator)`` (``-inf`` when empty) and ``w = exp(m - lse)``, so that ``out = acc * w``
+    (0 when nothing was seen)."""
+    seen = l > 0
+    m_seen = jnp.where(seen, m, 0.0)
+    lse = jnp.where(seen, m_seen + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+    if sink is not None:
+        top = jnp.maximum(lse, sink)
+        top_safe = jnp.where(top == -jnp.inf, 0.0, top)
+        lse = top_safe + jnp.log(jnp.exp(lse - top_safe) + jnp.exp(sink - top_safe))
+    return lse, jnp.where(seen, jnp.exp(m_seen - jnp.where(seen, lse, 0.0)), 0.0)
 
 
 def merge_splits(out_BTSNC, lse_BTSN, sinks_N):

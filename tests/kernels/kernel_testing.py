@@ -84,21 +84,17 @@ def random_array(rng: np.random.Generator, shape, dtype, scale: float = 1.0) -> 
     return jnp.asarray(rng.standard_normal(shape).astype(np.float32) * scale, dtype)
 
 
-def tpu_device():
-    """The first TPU, or skip with the reason no TPU is visible."""
-    try:
-        return jax.devices("tpu")[0]
-    except (RuntimeError, IndexError):
-        platforms = sorted({d.platform for d in jax.devices()})
-        pytest.skip(f"no TPU visible to jax (platforms: {', '.join(platforms)}); on a TPU runner with libtpu: "
-                    "JAX_PLATFORMS=tpu,cpu .venv/bin/python -m pytest -m tpu")
+# Each accelerator's name, and how to run its tests where jax sees one
+RUN_ON = {"gpu": ("CUDA GPU", "on a GPU runner with the jax CUDA plugin: JAX_PLATFORMS=cuda,cpu"),
+          "tpu": ("TPU", "on a TPU runner with libtpu: JAX_PLATFORMS=tpu,cpu")}
 
 
-def gpu_device():
-    """The first CUDA device, or skip with the reason no GPU is visible."""
+def accelerator(platform: str):
+    """The first device of ``platform`` ("gpu" or "tpu"), or skip with the reason none is visible."""
     try:
-        return jax.devices("gpu")[0]
+        return jax.devices(platform)[0]
     except (RuntimeError, IndexError):
         platforms = sorted({d.platform for d in jax.devices()})
-        pytest.skip(f"no CUDA GPU visible to jax (platforms: {', '.join(platforms)}); on a GPU runner with the jax "
-                    "CUDA plugin: JAX_PLATFORMS=cuda,cpu .venv/bin/python -m pytest -m gpu")
+        what, how = RUN_ON[platform]
+        pytest.skip(f"no {what} visible to jax (platforms: {', '.join(platforms)}); {how} "
+                    f".venv/bin/python -m pytest -m {platform}")

@@ -18,17 +18,15 @@ from ess_jax import ops
 from ess_jax.pallas_kernels import fp8_rows
 from ess_jax.pallas_kernels.sparse_mla import sparse_mla, sparse_mla_reference
 from ess_jax.pallas_kernels.sparse_v4_attention import sparse_v4_attention, sparse_v4_attention_reference
-from kernel_testing import (assert_close, gpu_device, permuted_ids, poison_unused, random_array, tpu_device,
-                            valid_counts)
+from kernel_testing import RUN_ON, accelerator, assert_close, permuted_ids, poison_unused, random_array, valid_counts
 
-ACCELERATORS = {"gpu": gpu_device, "tpu": tpu_device}
 
 B, T = 2, 2  # queries (b, t) cycle through 0, 1, K-1 and K valid ids
 
 
-@pytest.fixture(scope="module", params=[pytest.param(name, marks=getattr(pytest.mark, name)) for name in ACCELERATORS])
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=getattr(pytest.mark, name)) for name in RUN_ON])
 def device(request):
-    return ACCELERATORS[request.param]()
+    return accelerator(request.param)
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,9 @@
 """The kernels compiled (not interpreted) on an accelerator, the device's own (``ops.resolve_kernels``:
 on a CUDA GPU Hopper's TMA / wgmma kernels on sm_90, the sm_80 variant on other NVIDIA GPUs from
 sm_80; on a TPU the Mosaic TPU kernels) against their references, at DeepSeek's real shapes and with
-float32 rows at a tiny preset's (on GPUs the float32 operands as bf16 pieces on the tensor cores). Each test runs once per accelerator, marked
-``gpu`` or ``tpu`` and skipped with the reason where jax sees no such device. Run on a runner with
+float32 rows at a tiny preset's (on GPUs the float32 operands as bf16 pieces on the tensor cores).
+Each test runs once per accelerator, marked ``gpu`` or ``tpu`` and skipped with the reason where jax
+sees no such device. Run on a runner with
 
     JAX_PLATFORMS=cuda,cpu .venv/bin/python -m pytest -m gpu
     JAX_PLATFORMS=tpu,cpu .venv/bin/python -m pytest -m tpu

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 # Kernel vs reference, keyed by the dtype of the kernel's inputs. The kernel accumulates in float32
 # either way; with bf16 inputs it rounds the softmax weights to bf16 before the value product (as
@@ -82,6 +83,15 @@ def poison_unused(pool: np.ndarray, *id_arrays: np.ndarray) -> np.ndarray:
 
 def random_array(rng: np.random.Generator, shape, dtype, scale: float = 1.0) -> jax.Array:
     return jnp.asarray(rng.standard_normal(shape).astype(np.float32) * scale, dtype)
+
+
+def abstract_device(platform: str, kind: str):
+    """A context of one abstract device of ``kind`` on ``platform`` ("gpu" or "tpu"): what lowering for
+    such a machine, and the kernel choice, see without one (an Auto axis: the models' ops carry no
+    explicit shardings)."""
+    device = AbstractDevice(device_kind=kind, num_cores=None if platform == "gpu" else 1, platform=platform)
+    return jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,),
+                                                       abstract_device=device))
 
 
 # Each accelerator's name, and how to run its tests where jax sees one

@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax.experimental.mosaic.gpu import core as mgpu_core
-from jax.sharding import AbstractDevice, AbstractMesh
 
 from ess_jax.pallas_kernels import _gather_attention, fp8_rows, sparse_mla, sparse_v4_attention
+from kernel_testing import abstract_device
 
 S = jax.ShapeDtypeStruct
 BF16, I32, U8, F32 = jnp.bfloat16, jnp.int32, jnp.uint8, jnp.float32
@@ -57,9 +57,7 @@ CASES["sparse_mla split-k"] = (*CASES["sparse_mla"][:2], {"num_splits": 8})
 
 def _lower(name):
     fn, args, kwargs = CASES[name]
-    h200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
-                                                                       platform="gpu"))
-    with jax.sharding.use_abstract_mesh(h200):
+    with abstract_device("gpu", "NVIDIA H200"):
         return fn.trace(*args, scale=0.1, **kwargs).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -83,18 +81,13 @@ def test_budgeted_shared_memory_is_what_mosaic_allocates(monkeypatch, name):
     assert f"smem_bytes={hopper.smem_bytes(plans[-1])} " in str(e.value)
 
 
-def _abstract(platform: str, kind: str):
-    return jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-        device_kind=kind, num_cores=None if platform == "gpu" else 1, platform=platform)))
-
-
 @pytest.mark.parametrize("kind, name", [
     ("NVIDIA A100", "sparse_mla"), ("NVIDIA A100", "sparse_mla_fp8"), ("NVIDIA A100", "sparse_v4_attention_fp8"),
     ("NVIDIA L40", "sparse_v4_attention"), ("NVIDIA L40", "sparse_v4_attention_fp8 tiny"),
 ])
 def test_sm80_lowers_to_mosaic_gpu_without_tma_or_wgmma(kind, name):
     fn, args, kwargs = CASES[name]
-    with _abstract("gpu", kind):
+    with abstract_device("gpu", kind):
         text = fn.trace(*args, scale=0.1, target="mosaic_gpu_sm80", **kwargs).lower(
             lowering_platforms=("cuda",)).as_text()
     assert "stablehlo.custom_call @mosaic_gpu_v2" in text and f"{name.split()[0]}_mosaic_gpu" in text
@@ -106,7 +99,7 @@ def test_sm80_lowers_to_mosaic_gpu_without_tma_or_wgmma(kind, name):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_lowers_to_mosaic_tpu(name, kind):
     fn, args, kwargs = CASES[name]
-    with _abstract("tpu", kind):
+    with abstract_device("tpu", kind):
         exported = jax.export.export(jax.jit(lambda *a: fn(*a, scale=0.1, target="mosaic_tpu", **kwargs)),
                                      platforms=["tpu"])(*args)
     calls = re.findall(r"stablehlo\.custom_call @(\w+)\((.*?)\) \{(.*?)\} : \((.*?)\) ->", exported.mlir_module())

@@ -8,13 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh
 
 from ess_jax import ops
 from ess_jax.cache import flat_ids
 from ess_jax.pallas_kernels.target import TARGETS
 from ess_jax.pallas_kernels.sparse_v4_attention import sparse_v4_attention_reference
-from kernel_testing import assert_close, permuted_ids, random_array, valid_counts
+from kernel_testing import abstract_device, assert_close, permuted_ids, random_array, valid_counts
 
 B, T, N, C, R, K = 2, 2, 4, 32, 8, 9
 ROWS = B * T * K  # the pooled and pre-gathered forms then share one compiled kernel
@@ -29,12 +28,6 @@ def test_resolve_kernels_on_cpu():
         assert ops.resolve_kernels(target) == f"{target}:interpret"
     with pytest.raises(ValueError, match="--kernels 'triton'"):
         ops.resolve_kernels("triton")
-
-
-def _on(platform: str, kind: str):
-    """An abstract mesh of one abstract device of ``kind``: what the choice sees when lowering for it."""
-    return jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-        device_kind=kind, num_cores=None if platform == "gpu" else 1, platform=platform)))
 
 
 # (platform, device kind): what auto picks, and the named kernels that run there
@@ -59,7 +52,7 @@ def test_kernel_choice_by_device(platform, kind):
     """auto takes the device's own kernels (XLA where there are none), pallas the same or a refusal,
     and each kernel by name runs where it can and is refused by name, with the device, elsewhere."""
     auto, runs = DEVICES[platform, kind]
-    with _on(platform, kind):
+    with abstract_device(platform, kind):
         assert ops.resolve_kernels("auto") == auto
         assert ops.resolve_kernels("xla") == "xla"
         if auto == "xla":
@@ -175,7 +168,7 @@ def test_auto_lowers_to_the_chosen_kernel(platform, kind, call, marks):
     args = (S((B, 1, 64, C), jnp.bfloat16), S((B, 1, 64, R), jnp.bfloat16), S((256, C + R), jnp.bfloat16),
             S((B, 1, 64), jnp.int32))
     step = jax.jit(functools.partial(ops.sparse_mla_pool, scale=0.1, kernels="auto"))
-    with _on(platform, kind):
+    with abstract_device(platform, kind):
         lowered = step.trace(*args).lower(lowering_platforms=("tpu" if platform == "tpu" else "cuda",))
     text = lowered.as_text()
     assert re.findall(r"stablehlo\.custom_call @(\w+)", text) == [call]

@@ -34,7 +34,13 @@ otherwise float32 at ``Precision.HIGHEST``.
 
 **Limits** (not tuned, not compiled: no TPU has been lent): the ids of the whole batch sit in SMEM
 (``4 * B * T * K`` bytes per source); one row per DMA; VMEM per program about ``2 * block_k * row
-bytes + 4 * block_k * (Cv + Rk) + 4 * N * Cv`` plus the pipelined query and output blocks.
+bytes + 4 * block_k * (Cv + Rk) + 4 * N * Cv`` plus the pipelined query and output blocks. The
+biggest unknown is the row DMA itself: a ``(1, W)`` copy at any sublane offset, with ``W`` not a
+multiple of 128 (576 bf16, 656 / 584 bytes) and, for bf16 and byte rows, two or four rows sharing
+each 32-bit sublane word. Pallas' lowering (``jax.export``) accepts it; libtpu's Mosaic compiler
+decides, and reports from other Pallas TPU users say unaligned DMAs of packed dtypes are refused
+there. If so, the fix is in the pool's layout (rows padded to whole lane tiles, or gathered a
+sublane tile at a time and masked), not in the kernel's math.
 
 ``interpret`` runs the same kernel in the TPU interpreter (``pltpu.InterpretParams``: simulated VMEM,
 SMEM, DMAs and semaphores; ``detect_races`` checks the DMAs against the reads of their buffers).

@@ -260,7 +260,10 @@ def gather_attention(q_value_BTNC, q_key_BTNR, sources, sinks_N, *, layout: RowL
                    else pltpu.InterpretParams() if interpret else False),
         name=name,
     )
-    out_BTSNC, lse_BTSN1 = kernel(*prefetch, *inputs)
+    if interpret:  # behind a pure_callback, as the Mosaic GPU interpreter (see _gather_attention)
+        out_BTSNC, lse_BTSN1 = jax.pure_callback(jax.jit(kernel), out_shape, *prefetch, *inputs)
+    else:
+        out_BTSNC, lse_BTSN1 = kernel(*prefetch, *inputs)
     out_BTSNC = out_BTSNC.reshape(b, t, splits, n_pad, cv)[..., :n, :]
     lse_BTSN = lse_BTSN1.reshape(b, t, splits, n_pad)[..., :n]
     if splits == 1:

@@ -173,3 +173,18 @@ def test_auto_lowers_to_the_chosen_kernel(platform, kind, call, marks):
     text = lowered.as_text()
     assert re.findall(r"stablehlo\.custom_call @(\w+)", text) == [call]
     assert all(mark in text for mark in marks)
+
+
+def test_interpreted_tpu_kernel_lowers_beside_host_memory_outputs():
+    """The engine's steps return the host tier (pinned_host): the TPU kernel run in its interpreter
+    inside such a jit (``--kernels mosaic_tpu`` on CPU) still lowers (the interpreter's callbacks run
+    behind a pure_callback, as the Mosaic GPU one's do) and matches the XLA path."""
+    q_latent, q_rope, pool, ids = _mla_inputs(5, False)
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    step = lambda kernels: jax.jit(lambda *a: (ops.sparse_mla_pool(*a, scale=0.3, kernels=kernels), a[2] * 2),
+                                   out_shardings=(None, host))
+    (out, lse), on_host = step("mosaic_tpu")(q_latent, q_rope, pool, ids)
+    assert on_host.sharding.memory_kind == "pinned_host"
+    want = ops.sparse_mla_pool(q_latent, q_rope, pool, ids, scale=0.3, kernels="xla")
+    assert_close(out, want[0], jnp.float32, "out")
+    assert_close(lse, want[1], jnp.float32, "lse")

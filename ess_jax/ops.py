@@ -72,12 +72,14 @@ def _capability(text: str, kind: str) -> tuple[int, int] | None:
 
 
 def target_device() -> Device:
-    """The device kernels are chosen for: the abstract device of the abstract mesh in use
-    (``jax.sharding.use_abstract_mesh``, as when lowering for another machine), else the default
-    backend's first device."""
+    """The device kernels are chosen for: the abstract device of the mesh in use (``jax.set_mesh``, or
+    ``jax.sharding.use_abstract_mesh`` when lowering for another machine; a local device of its kind
+    reports its compute capability, else the kind decides), else the default backend's first device."""
     abstract = jax.sharding.get_abstract_mesh().abstract_device
-    if abstract is not None:
-        platform, kind, reported = abstract.platform, abstract.device_kind, ""
+    if abstract is not None:  # a mesh in use (abstract, or this machine's own devices: then they report)
+        platform, kind = abstract.platform, abstract.device_kind
+        local = next((d for d in jax.devices() if d.device_kind == kind), None)
+        reported = str(getattr(local, "compute_capability", ""))
     else:
         platform, device = jax.default_backend(), jax.devices()[0]
         kind, reported = str(getattr(device, "device_kind", "")), str(getattr(device, "compute_capability", ""))

@@ -69,12 +69,14 @@ def test_kernel_choice_by_device(platform, kind):
 
 
 def test_a_real_device_reports_its_capability(monkeypatch):
-    """Without an abstract mesh the default backend's device decides: its compute capability, not its kind."""
+    """A real device decides by its compute capability, not its kind (unknown to the table here)."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     device = type("CudaDevice", (), {"compute_capability": "9.0", "device_kind": "NVIDIA unreleased"})()
     monkeypatch.setattr(jax, "devices", lambda *a: [device])
     assert ops.target_device() == ops.Device("cuda", "NVIDIA unreleased", (9, 0))
     assert ops.resolve_kernels("auto") == "mosaic_gpu"
+    with abstract_device("gpu", "NVIDIA unreleased"):  # a mesh over this machine's devices: they still report
+        assert ops.resolve_kernels("auto") == "mosaic_gpu"
     device.compute_capability = "gfx942"  # a ROCm device
     device.device_kind = "AMD Instinct MI300X"
     assert ops.target_device().platform == "rocm" and ops.resolve_kernels("auto") == "xla"

@@ -12,6 +12,8 @@ import tempfile
 from collections.abc import Collection
 from pathlib import Path
 
+from ess_jax.pallas_kernels.target import TARGETS
+
 
 def default_compile_cache() -> str:
     """``$JAX_COMPILATION_CACHE_DIR`` when set, else ``$XDG_CACHE_HOME/ess_jax/jax`` (``~/.cache/ess_jax/jax``)."""
@@ -124,10 +126,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     cache.add_argument("--prefill-chunk", type=int, default=256,
                        help="longest prefill piece in tokens; a shorter remainder runs as power-of-two pieces "
                             "(default 256)")
-    p.add_argument("--kernels", choices=["auto", "xla", "pallas"], default="xla",
-                   help="attention kernels: 'xla' (default: the Pallas kernels, Mosaic GPU kernels for Hopper, have "
-                        "not yet run on a GPU), 'auto' = Pallas on a Hopper GPU and XLA elsewhere, 'pallas' (on CPU: "
-                        "the Mosaic GPU interpreter, slow, for checking)")
+    p.add_argument("--kernels", choices=("auto", "xla", "pallas", *TARGETS), default="xla",  # ess_jax.ops.KERNELS
+                   help="attention kernels: 'xla' (default: the Pallas kernels have not yet run on a device), "
+                        "'auto' = the device's Pallas kernels (Hopper: mosaic_gpu, other NVIDIA from sm_80: "
+                        "mosaic_gpu_sm80, TPU: mosaic_tpu) and XLA elsewhere, 'pallas' = the device's (on CPU: the "
+                        "Mosaic GPU interpreter, slow, for checking), or a kernel target by name (refused where "
+                        "it cannot run; interpreted on CPU)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32", help="parameter and compute dtype")
     p.add_argument("--weights", choices=["dequantized", "release"], default="dequantized",
                    help="a checkpoint's quantized weights (FP8 e4m3 with 128x128 block scales; V4's FP4 experts): "

@@ -6,15 +6,18 @@ signature, chosen per call by the keyword-only ``kernels`` argument (the CLI's `
 - ``"xla"`` (the default): the kernels' jnp references (``absorbed_mla_reference``,
   ``attention_with_sink_reference``) over rows gathered by XLA, at JAX's default matmul precision, on
   any backend;
-- ``"pallas"``: the Pallas kernel, one Mosaic GPU kernel (pallas_kernels/_gather_attention.py):
-  compiled on GPU, run in the Mosaic GPU interpreter on CPU (slow, for tests); there is no TPU
-  lowering, so it raises there;
-- ``"auto"``: Pallas on a Hopper GPU (compute capability 9.x: the kernels use TMA and wgmma), XLA on
-  other GPUs, CPU and TPU.
+- a kernel target by name (ess_jax.pallas_kernels.target): ``"mosaic_gpu"`` (Hopper, sm_90: TMA and
+  wgmma), ``"mosaic_gpu_sm80"`` (NVIDIA from sm_80: plain copies, Ampere mma), ``"mosaic_tpu"`` (TPU);
+  refused by name on a device it cannot run on, run in its interpreter on a CPU (slow, for tests);
+- ``"pallas"``: the device's own kernels (as ``auto``), refused where there are none (AMD GPUs); on a
+  CPU the Hopper kernels interpreted;
+- ``"auto"``: the device's own kernels: Hopper: mosaic_gpu; Ampere, Ada and Blackwell: mosaic_gpu_sm80
+  (wgmma is Hopper-only); TPU: mosaic_tpu; XLA on AMD GPUs, NVIDIA before sm_80 and CPUs.
 
-The backend is the default one (``jax.default_backend()``) at trace time. The kernels lower to Mosaic
-GPU modules for an H200 without a GPU (tests/kernels/test_lowering.py); running them on a GPU is
-unverified (see pallas_kernels/sparse_mla.py).
+The device is the abstract mesh's abstract device when one is in use (lowering for another machine),
+else the default backend's (``target_device``), at trace time. The kernels lower for their devices
+without one (tests/kernels/test_lowering.py, test_mosaic_gpu_sm80.py, test_mosaic_tpu.py); running
+them on a device is unverified (see pallas_kernels/sparse_mla.py).
 
 Latent rows are float ``[..., C + R]`` or, for ``--cache-dtype fp8``, V3.2 FP8 rows
 ``uint8 [..., mla_row_bytes(C, R)]`` (656 bytes for C = 512, R = 64; ess_jax.pallas_kernels.fp8_rows):
@@ -24,6 +27,8 @@ Axis letters: ess_jax.notation.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from typing import TYPE_CHECKING, Any, Callable
 
 import jax
@@ -32,11 +37,81 @@ import jax.numpy as jnp
 from ess_jax.pallas_kernels import fp8_rows
 from ess_jax.pallas_kernels import sparse_mla as sparse_mla_kernel
 from ess_jax.pallas_kernels import sparse_v4_attention as v4_kernel
+from ess_jax.pallas_kernels.target import TARGETS
 
 if TYPE_CHECKING:
     from ess_jax.cache import RowSource, Sources
 
-KERNELS = ("auto", "xla", "pallas")
+KERNELS = ("auto", "xla", "pallas", *TARGETS)
+# NVIDIA device kinds -> compute capability, for abstract devices (a real device reports its own); first match wins
+_CAPABILITIES = ((r"GH200|H100|H200|H800|H20\b", (9, 0)), (r"GB200|GB300|B100|B200|B300", (10, 0)),
+                 (r"RTX 50|RTX PRO \d+ Blackwell", (12, 0)), (r"\bL4\b|L40|RTX 40|Ada", (8, 9)),
+                 (r"A100|A800|A30\b", (8, 0)), (r"A10\b|A10G|A16\b|A2\b|A40|RTX 30|RTX A\d", (8, 6)),
+                 (r"T4\b|RTX 20", (7, 5)), (r"V100", (7, 0)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """What the kernel choice looks at: ``platform`` ``"cpu"``, ``"tpu"``, ``"cuda"`` or ``"rocm"``, the
+    device kind, and an NVIDIA GPU's compute capability ``(major, minor)`` (None elsewhere or unknown)."""
+
+    platform: str
+    kind: str
+    capability: tuple[int, int] | None = None
+
+    @property
+    def name(self) -> str:
+        cc = f", compute capability {self.capability[0]}.{self.capability[1]}" if self.capability else ""
+        return f"{self.kind or self.platform}{cc}"
+
+
+def _capability(text: str, kind: str) -> tuple[int, int] | None:
+    if m := re.fullmatch(r"(\d+)\.(\d+)", text.strip()):
+        return int(m[1]), int(m[2])
+    return next((cc for pattern, cc in _CAPABILITIES if re.search(pattern, kind)), None)
+
+
+def target_device() -> Device:
+    """The device kernels are chosen for: the abstract device of the mesh in use (``jax.set_mesh``, or
+    ``jax.sharding.use_abstract_mesh`` when lowering for another machine; a local device of its kind
+    reports its compute capability, else the kind decides), else the default backend's first device."""
+    abstract = jax.sharding.get_abstract_mesh().abstract_device
+    if abstract is not None:  # a mesh in use (abstract, or this machine's own devices: then they report)
+        platform, kind = abstract.platform, abstract.device_kind
+        local = next((d for d in jax.devices() if d.device_kind == kind), None)
+        reported = str(getattr(local, "compute_capability", ""))
+    else:
+        platform, device = jax.default_backend(), jax.devices()[0]
+        kind, reported = str(getattr(device, "device_kind", "")), str(getattr(device, "compute_capability", ""))
+    capability = _capability(reported, kind) if platform in ("gpu", "cuda") else None
+    if platform in ("gpu", "cuda", "rocm"):  # ROCm devices report a gfx architecture, not an NVIDIA capability
+        platform = "cuda" if capability or "NVIDIA" in kind else "rocm"
+    return Device(platform, kind, capability)
+
+
+def _native(device: Device) -> str | None:
+    """The Pallas kernels built for ``device``'s accelerator, or None (AMD GPUs, CPUs, NVIDIA before sm_80)."""
+    if device.platform == "tpu":
+        return "mosaic_tpu"
+    if device.platform != "cuda" or device.capability is None or device.capability < (8, 0):
+        return None
+    return "mosaic_gpu" if device.capability[0] == 9 else "mosaic_gpu_sm80"
+
+
+def _refusal(target: str, device: Device) -> str | None:
+    """Why ``target``'s kernels cannot run on ``device`` (None: they can; on a CPU, interpreted)."""
+    if device.platform == "cpu":
+        return None
+    if target == "mosaic_tpu":
+        return None if device.platform == "tpu" else "is the Mosaic TPU kernels, for TPUs"
+    if device.platform != "cuda":
+        return "is Mosaic GPU kernels, for NVIDIA GPUs"
+    if target == "mosaic_gpu" and (device.capability or (0, 0))[0] != 9:
+        return ("needs TMA and wgmma, which only Hopper (sm_90) has (Blackwell's tensor cores take tcgen05); "
+                "mosaic_gpu_sm80 runs on sm_80 and later")
+    if target == "mosaic_gpu_sm80" and (device.capability or (0, 0)) < (8, 0):
+        return "needs Ampere's mma (sm_80 or later)"
+    return None
 
 
 def check_kernels(kernels: str) -> None:
@@ -46,21 +121,37 @@ def check_kernels(kernels: str) -> None:
 
 
 def resolve_kernels(kernels: str) -> str:
-    """What ``kernels`` runs as on the default backend: ``"xla"``, ``"pallas"`` or ``"interpret"``
-    (the Pallas kernel in the Mosaic GPU interpreter, on CPU). Raises ValueError for an unknown
-    choice, or Pallas on TPU or on a GPU other than Hopper."""
+    """What ``kernels`` runs as on ``target_device()``: ``"xla"``, a kernel target of
+    ``ess_jax.pallas_kernels.target`` (``"mosaic_gpu"``, ``"mosaic_gpu_sm80"``, ``"mosaic_tpu"``), or
+    ``"<target>:interpret"`` on a CPU (the target's kernels in its interpreter). ``auto``: the
+    accelerator's own kernels (Hopper: mosaic_gpu; other NVIDIA from sm_80: mosaic_gpu_sm80; TPU:
+    mosaic_tpu), XLA on AMD GPUs, older NVIDIA GPUs and CPUs; ``pallas``: the accelerator's own
+    kernels, and on a CPU the Hopper kernels interpreted. Raises ValueError for an unknown choice, or
+    kernels that cannot run on this device, naming both."""
     check_kernels(kernels)
-    backend = jax.default_backend()
-    capability = str(getattr(jax.devices()[0], "compute_capability", "")) if backend == "gpu" else ""
-    hopper = capability.startswith("9.")
-    if kernels == "xla" or (kernels == "auto" and not hopper):
+    if kernels == "xla":
         return "xla"
-    if backend == "tpu":
-        raise ValueError("--kernels pallas: the Pallas kernels have no TPU lowering yet; use --kernels xla or auto")
-    if backend == "gpu" and not hopper:
-        raise ValueError(f"--kernels pallas: the Pallas kernels are Mosaic GPU kernels for Hopper (compute capability "
-                         f"9.x: TMA and wgmma); this GPU has {capability or 'an unknown one'}: use --kernels xla or auto")
-    return "interpret" if backend == "cpu" else "pallas"
+    device = target_device()
+    native = _native(device)
+    if kernels == "auto":
+        return native or "xla"
+    if kernels == "pallas":
+        target = native or ("mosaic_gpu" if device.platform == "cpu" else None)
+    else:
+        target = kernels
+    if target is None:
+        raise ValueError(f"--kernels pallas: no Pallas kernels here run on {device.name} ({device.platform}); "
+                         "use --kernels xla or auto")
+    if (why := _refusal(target, device)) is not None:
+        raise ValueError(f"--kernels {kernels}: {target} {why}; this device is {device.name}: use "
+                         f"--kernels {native or 'xla'} or auto")
+    return f"{target}:interpret" if device.platform == "cpu" else target
+
+
+def _kernel_knobs(mode: str) -> dict:
+    """The kernel keywords of a ``resolve_kernels`` result other than ``"xla"``."""
+    target, _, interpret = mode.partition(":")
+    return dict(target=target, interpret=bool(interpret))
 
 
 def _identity_ids(valid_BTK: jax.Array) -> jax.Array:
@@ -118,7 +209,7 @@ def sparse_mla_pool(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, pool_PW: j
         return _empty(q_latent_BTNC)
     kernel = fp8_rows.sparse_mla_fp8 if pool_PW.dtype == jnp.uint8 else sparse_mla_kernel.sparse_mla
     return kernel(q_latent_BTNC, q_rope_BTNR, pool_PW, ids_BTK.astype(jnp.int32), scale=scale,
-                  interpret=mode == "interpret")
+                  **_kernel_knobs(mode))
 
 
 def mla_attention(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, sources: list[RowSource], *, scale: float,
@@ -221,7 +312,7 @@ def sparse_sink_attention_pool(q_BTNH: jax.Array, window_PH: jax.Array, window_i
     entries, entry_ids = rest[0] if rest else (None, None)
     return v4_kernel.sparse_v4_attention(q_BTNH, window, window_ids.astype(jnp.int32), entries,
                                          None if entry_ids is None else entry_ids.astype(jnp.int32), sinks_N,
-                                         scale=scale, interpret=mode == "interpret")
+                                         scale=scale, **_kernel_knobs(mode))
 
 
 def sink_attention(q_BTNH: jax.Array, window: RowSource | None, entries: list[RowSource], sinks_N: jax.Array, *,

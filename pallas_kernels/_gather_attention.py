@@ -1,6 +1,7 @@
 """The core every gather-attention kernel here shares: read rows of a pool by id, score them against
-a block of query heads, online softmax in float32, out and log-sum-exp. It is one Mosaic GPU kernel
-(Pallas ``plgpu.kernel``, Hopper: TMA copies and ``wgmma``); on a machine without a GPU it runs in
+a block of query heads, online softmax in float32, out and log-sum-exp. This is its Hopper target
+(``target="mosaic_gpu"``; the others: ``_gather_attention_sm80``, ``_gather_attention_tpu``), one
+Mosaic GPU kernel (Pallas ``plgpu.kernel``: TMA copies and ``wgmma``); on a machine without a GPU it runs in
 the Mosaic GPU interpreter, which simulates the same kernel's shared memory, copies and barriers.
 
 A program takes one query token of one request, ``HEAD_BLOCK = 64`` of its heads (all heads read the
@@ -64,6 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING, Callable
 
 import jax
 import jax.numpy as jnp
@@ -72,10 +74,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ess_jax.pallas_kernels.row_layout import Chunk, RowLayout
+from ess_jax.pallas_kernels.split_k import deal_ids, finish_softmax, merge_splits, pad_axis, round_up
+
+if TYPE_CHECKING:
+    from ess_jax.pallas_kernels.target import Interpret
 
 NEG_INF = float("-inf")
 # The public wrappers' keyword-only tuning knobs (static under jit), documented in sparse_mla.
-Interpret = bool | plgpu.InterpretGPUParams  # False: compile for the GPU; True or params: the interpreter
 HEAD_BLOCK = 64  # query heads per program: the M of one warpgroup's wgmma
 ROW_GROUP = 8  # rows copied per barrier
 SMEM_BYTES = 227 * 1024  # shared memory one block may use on an H100 / H200
@@ -275,11 +280,7 @@ def _kernel(*refs, plan: _Plan):
             s = pl.run_scoped(scores, plgpu.ACC((HEAD_BLOCK, bk), jnp.float32))  # f32[64, bk]
             valid = lax.broadcast_in_dim(_load(ids_smem, _COL) >= 0, s.shape, [1])
             s = jnp.where(valid, s * plan.scale, NEG_INF)
-            m_new = jnp.maximum(m, jnp.max(s, axis=1))
-            m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-            alpha = jnp.exp(m - m_safe)  # 0 while nothing was seen
-            p = jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))  # 0 at invalid ids
-            l = l * alpha + jnp.sum(p, axis=1)
+            m_new, l, alpha, p = _softmax_step(m, l, s)
             for i, piece in enumerate(_bf16_pieces(p, pieces)):
                 p_tiles.at[i][...] = piece
             plgpu.commit_smem()
@@ -297,33 +298,27 @@ def _kernel(*refs, plan: _Plan):
 
         m, l, accs = lax.fori_loop(0, (in_split + bk - 1) // bk, block, (m, l, accs))
 
-    seen = l > 0
-    m_seen = jnp.where(seen, m, 0.0)
-    lse = jnp.where(seen, m_seen + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
-    if plan.has_sink:
-        sink = _load(sink_ref.at[heads], _ROW)
-        top = jnp.maximum(lse, sink)
-        top_safe = jnp.where(top == NEG_INF, 0.0, top)
-        lse = top_safe + jnp.log(jnp.exp(lse - top_safe) + jnp.exp(sink - top_safe))
-    weight = jnp.where(seen, jnp.exp(m_seen - jnp.where(seen, lse, 0.0)), 0.0)  # 1 / denominator, scaled
-    for chunk, acc in zip(lay.values, accs):
+    _store_out(plan, m, l, accs, sink_ref, out_ref.at[bt, split, heads], lse_ref.at[bt, split, heads], heads, _ROW)
+
+
+def _softmax_step(m, l, s):
+    """One block of the online softmax over scores ``s f32[64, bk]`` (-inf where invalid): the new
+    running max and sum, the rescale ``alpha`` of what came before and the weights ``p``."""
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+    alpha = jnp.exp(m - m_safe)  # 0 while nothing was seen
+    p = jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))  # 0 at invalid ids
+    return m_new, l * alpha + jnp.sum(p, axis=1), alpha, p
+
+
+def _store_out(plan: _Plan, m, l, accs, sink_ref, out_ref, lse_ref, heads, row_layout):
+    """The epilogue: ``out [64, Cv]`` and ``lse [64]`` of the program's heads (the sink, if any, read
+    in ``row_layout``, the layout of ``m`` and ``l``)."""
+    lse, weight = finish_softmax(m, l, _load(sink_ref.at[heads], row_layout) if plan.has_sink else None)
+    for chunk, acc in zip(plan.layout.values, accs):
         out = acc * lax.broadcast_in_dim(weight, acc.shape, [0])
-        out_ref.at[bt, split, heads, pl.ds(chunk.column, chunk.width)][...] = out[:, :chunk.width]
-    lse_ref.at[bt, split, heads][...] = lse
-
-
-def _pad_axis(x, axis: int, size: int, value):
-    """``x`` padded with ``value`` along ``axis`` up to ``size`` (at least its own size)."""
-    pad = size - x.shape[axis]
-    if pad <= 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths, constant_values=value)
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+        out_ref.at[:, pl.ds(chunk.column, chunk.width)][...] = out[:, :chunk.width]
+    lse_ref[...] = lse
 
 
 def default_splits(*, programs: int, k_blocks: int, interpret: Interpret) -> int:
@@ -335,10 +330,27 @@ def default_splits(*, programs: int, k_blocks: int, interpret: Interpret) -> int
     return max(1, min(-(-2 * sms // max(programs, 1)), k_blocks // 4))
 
 
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One GPU generation's kernel over the shared wrapper below: its body and scratch (functions of
+    the ``_Plan``), the shared memory it needs and what one block may use on its devices."""
+
+    kernel: Callable
+    scratch: Callable
+    smem_bytes: Callable[[_Plan], int]
+    smem_limit: int
+    devices: str
+
+
+HOPPER = Variant(_kernel, _scratch, _Plan.smem_bytes, SMEM_BYTES, "an H100 / H200")
+
+
 def gather_attention(q_value_BTNC, q_key_BTNR, sources, sinks_N, *, layout: RowLayout, scale: float,
-                     block_k: int, num_splits: int | None, interpret: Interpret, name: str):
-    """Run the kernel. ``sources``: ``[(pool [P, X], ids i32[B, T, K]), ...]``, every pool's rows read
-    through ``layout``; ``q_key_BTNR`` is None when it has no key chunks, ``sinks_N`` None for no sink.
+                     block_k: int, num_splits: int | None, interpret: Interpret, name: str,
+                     variant: Variant | None = None):
+    """Run the kernel (``variant``: ``HOPPER`` when None, or ``_gather_attention_sm80.SM80``).
+    ``sources``: ``[(pool [P, X], ids i32[B, T, K]), ...]``, every pool's rows read through ``layout``;
+    ``q_key_BTNR`` is None when it has no key chunks, ``sinks_N`` None for no sink.
     ``interpret``: run in the Mosaic GPU interpreter (any backend) instead of compiling for the GPU,
     ``True`` or the interpreter's parameters (``plgpu.InterpretGPUParams``, e.g. ``detect_races``).
     Returns ``out f32[B, T, N, Cv]`` and ``lse f32[B, T, N]``. Inputs are checked by the callers.
@@ -347,12 +359,13 @@ def gather_attention(q_value_BTNC, q_key_BTNR, sources, sinks_N, *, layout: RowL
     separate programs attend to (split-K, as FlashMLA does for small batches); the partial
     (out, lse) pairs merge exactly by log-sum-exp here, and the sink joins after the merge.
     """
+    variant = variant or HOPPER
     for chunk in layout.chunks:  # a WGMMA-layout tile holds whole groups of 8 columns
         if chunk.width % 8:
             raise ValueError(f"{name}: rows are read in chunks of a multiple of 8 columns, got {chunk}")
     b, t, n, cv = q_value_BTNC.shape
     k_blocks = max(-(-ids.shape[-1] // block_k) for _, ids in sources)
-    n_pad = _round_up(n, HEAD_BLOCK)
+    n_pad = round_up(n, HEAD_BLOCK)
     h_blocks = n_pad // HEAD_BLOCK
     if num_splits is None:
         num_splits = default_splits(programs=b * t * h_blocks, k_blocks=k_blocks, interpret=interpret)
@@ -362,11 +375,12 @@ def gather_attention(q_value_BTNC, q_key_BTNR, sources, sinks_N, *, layout: RowL
     bf16_dots = layout.dtype in ("bfloat16", "uint8") and all(d == jnp.bfloat16 for d in float_inputs)
     plan = _Plan(layout, len(sources), q_key_BTNR is not None, in_kernel_sink, float(scale), block_k,
                  1 if bf16_dots else 3)
-    if plan.smem_bytes() > SMEM_BYTES:
+    if variant.smem_bytes(plan) > variant.smem_limit:
         raise ValueError(
-            f"{name}: one program needs {plan.smem_bytes() / 1024:.0f} KiB of shared memory (rows of "
+            f"{name}: one program needs {variant.smem_bytes(plan) / 1024:.0f} KiB of shared memory (rows of "
             f"{layout.row_width} {layout.dtype}, block_k={block_k}, {'bf16' if bf16_dots else 'float32'} operands), "
-            f"more than the {SMEM_BYTES // 1024} KiB of an H100 / H200; use bf16 or FP8 rows or a smaller block_k")
+            f"more than the {variant.smem_limit // 1024} KiB of {variant.devices}; use bf16 or FP8 rows or a smaller "
+            "block_k")
 
     # Heads padded to whole blocks (zero queries, dropped below); query columns padded so every
     # operand tile (16 columns at a time) stays inside; each query's ids sorted, valid ones first (the
@@ -374,27 +388,23 @@ def gather_attention(q_value_BTNC, q_key_BTNR, sources, sinks_N, *, layout: RowL
     # whole parts of whole blocks and dealt round-robin to the parts; the pools flattened, so a row's
     # copies address elements, not rows.
     def queries(q_BTNX, chunks):
-        q = _pad_axis(q_BTNX, 2, n_pad, 0)
-        q = _pad_axis(q, 3, max(c.column + c.tile_width for c in chunks), 0)
+        q = pad_axis(q_BTNX, 2, n_pad, 0)
+        q = pad_axis(q, 3, max(c.column + c.tile_width for c in chunks), 0)
         return q.reshape(b * t, n_pad, q.shape[-1])
 
     args = [queries(q_value_BTNC, layout.values)]
     if q_key_BTNR is not None:
         args.append(queries(q_key_BTNR, layout.keys))
     if in_kernel_sink:
-        args.append(_pad_axis(sinks_N.astype(jnp.float32), 0, n_pad, 0.0))
+        args.append(pad_axis(sinks_N.astype(jnp.float32), 0, n_pad, 0.0))
     for pool, ids in sources:
-        ids = ids.astype(jnp.int32).reshape(b * t, ids.shape[-1])
-        count = jnp.sum(ids >= 0, axis=-1, dtype=jnp.int32)
-        ids = _pad_axis(jnp.flip(jnp.sort(ids, axis=-1), axis=-1), 1, _round_up(ids.shape[-1], splits * block_k), -1)
-        ids = ids.reshape(b * t, ids.shape[-1] // splits, splits).transpose(0, 2, 1)  # id i goes to split i % S
-        args += [ids, count, pool.reshape(-1)]
+        args += [*deal_ids(ids, splits, block_k), pool.reshape(-1)]
     out_type = (jax.ShapeDtypeStruct((b * t, splits, n_pad, cv), jnp.float32),
                 jax.ShapeDtypeStruct((b * t, splits, n_pad), jnp.float32))
     kernel = plgpu.kernel(
-        lambda *refs: _kernel(*refs, plan=plan),
+        lambda *refs: variant.kernel(*refs, plan=plan),
         out_type=out_type,
-        scratch_types=(_scratch(plan),),
+        scratch_types=(variant.scratch(plan),),
         grid=(b * t, h_blocks, splits),
         grid_names=("bt", "heads", "split"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
@@ -414,21 +424,4 @@ def gather_attention(q_value_BTNC, q_key_BTNR, sources, sinks_N, *, layout: RowL
     lse_BTSN = lse_BTSN.reshape(b, t, splits, n_pad)[..., :n]
     if splits == 1:
         return out_BTSNC[:, :, 0], lse_BTSN[:, :, 0]
-    return _merge_splits(out_BTSNC, lse_BTSN, sinks_N)
-
-
-def _merge_splits(out_BTSNC, lse_BTSN, sinks_N):
-    """Exact log-sum-exp merge of the S partial results, then the sink (if any) in the denominator."""
-    top_BTN = jnp.max(lse_BTSN, axis=2)
-    top_BTN = jnp.where(jnp.isfinite(top_BTN), top_BTN, 0.0)
-    weight_BTSN = jnp.exp(lse_BTSN - top_BTN[:, :, None])  # 0 for empty parts
-    total_BTN = jnp.sum(weight_BTSN, axis=2)
-    lse_BTN = jnp.where(total_BTN > 0, top_BTN + jnp.log(jnp.where(total_BTN > 0, total_BTN, 1.0)), -jnp.inf)
-    out_BTNC = jnp.einsum("btsn,btsnc->btnc", weight_BTSN / jnp.where(total_BTN > 0, total_BTN, 1.0)[:, :, None],
-                          out_BTSNC, precision=lax.Precision.HIGHEST)
-    if sinks_N is None:
-        return out_BTNC, lse_BTN
-    with_sink_BTN = jnp.logaddexp(lse_BTN, sinks_N.astype(jnp.float32))
-    keep_BTN = jnp.where(jnp.isfinite(lse_BTN), jnp.exp(lse_BTN - jnp.where(jnp.isfinite(with_sink_BTN),
-                                                                             with_sink_BTN, 0.0)), 0.0)
-    return out_BTNC * keep_BTN[..., None], with_sink_BTN
+    return merge_splits(out_BTSNC, lse_BTSN, sinks_N)

@@ -33,10 +33,11 @@ the rope slice is exact for bf16 inputs.
 **Kernels.** ``sparse_mla_fp8`` is ``sparse_mla`` over a pool of V3.2 FP8 rows,
 ``sparse_v4_attention_fp8`` is ``sparse_v4_attention`` over pools of V4 FP8 rows; both dequantize
 each gathered chunk in the kernel (e4m3 bytes bitcast to float8, times a scale assembled from its
-bytes; the bf16 rope values assembled from byte pairs). Same sentinels, returns and lowering status as
-their float versions: the Mosaic GPU kernel, which copies each row from the flattened byte pool in
-pieces of a multiple of 128 bytes (its TMA copies address bytes, not rows), so rows need no alignment
-(the 584- and 88-byte V4 rows included); unverified on a GPU.
+bytes; the bf16 rope values assembled from byte pairs). Same sentinels, returns, targets and lowering status as
+their float versions. The Hopper kernel copies each row from the flattened byte pool in pieces of a
+multiple of 128 bytes (its TMA copies address bytes, not rows), so rows need no alignment (the 584-
+and 88-byte V4 rows included); the TPU kernel DMAs whole byte rows and decodes them with 32-bit
+integer arithmetic; none has run on a device.
 """
 
 from __future__ import annotations
@@ -52,9 +53,10 @@ from ess_jax.pallas_kernels.row_layout import (KNOBS, Chunk, RowLayout, check_fl
                                                check_mla_queries, check_rank)
 from ess_jax.pallas_kernels.sparse_mla import sparse_mla_reference
 from ess_jax.pallas_kernels.sparse_v4_attention import check_v4_inputs, sparse_v4_attention_reference
+from ess_jax.pallas_kernels.target import gather_attention
 
 if TYPE_CHECKING:
-    from ess_jax.pallas_kernels._gather_attention import Interpret
+    from ess_jax.pallas_kernels.target import Interpret
 
 E4M3_MAX = 448.0
 MLA_BLOCK = 128  # values per float32 scale (V3.2)
@@ -224,17 +226,16 @@ def _check_mla(q_latent_BTNC, q_rope_BTNR, pool_PX, ids_BTK):
 
 @functools.partial(jax.jit, static_argnames=("scale", *KNOBS))
 def sparse_mla_fp8(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, pool_PX: jax.Array, ids_BTK: jax.Array, *,
-                   scale: float, block_k: int = 64, num_splits: int | None = None,
+                   scale: float, block_k: int = 64, num_splits: int | None = None, target: str = "mosaic_gpu",
                    interpret: Interpret = False) -> tuple[jax.Array, jax.Array]:
     """``sparse_mla`` over a pool of V3.2 FP8 rows ``u8[P, mla_row_bytes(C, R)]``, dequantized in the
     kernel. Returns ``(out f32[B, T, N, C], lse f32[B, T, N])``; ids, sentinels and knobs as
     ``sparse_mla``."""
     c, r = _check_mla(q_latent_BTNC, q_rope_BTNR, pool_PX, ids_BTK)
-    check_knobs(block_k=block_k, num_splits=num_splits)
-    from ess_jax.pallas_kernels._gather_attention import gather_attention  # Mosaic GPU loads here
+    check_knobs(block_k=block_k, num_splits=num_splits, target=target)
     return gather_attention(q_latent_BTNC, q_rope_BTNR if r else None, [(pool_PX, ids_BTK)], None,
                             layout=mla_fp8_layout(c, r), scale=scale, block_k=block_k,
-                            num_splits=num_splits, interpret=interpret, name="sparse_mla_fp8")
+                            num_splits=num_splits, target=target, interpret=interpret, name="sparse_mla_fp8")
 
 
 @functools.partial(jax.jit, static_argnames=("scale",))
@@ -250,16 +251,17 @@ def sparse_mla_fp8_reference(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, p
 def sparse_v4_attention_fp8(q_BTNH: jax.Array, window_PX: jax.Array, window_ids_BTK: jax.Array,
                             entries_MX: jax.Array | None, entry_ids_BTK: jax.Array | None, sinks_N: jax.Array, *,
                             scale: float, rope_dim: int, block_k: int = 64, num_splits: int | None = None,
+                            target: str = "mosaic_gpu",
                             interpret: Interpret = False) -> tuple[jax.Array, jax.Array]:
     """``sparse_v4_attention`` over pools of V4 FP8 rows ``u8[rows, v4_row_bytes(H, rope_dim)]``,
     dequantized in the kernel. Returns ``(out f32[B, T, N, H], lse f32[B, T, N])``."""
     h = _v4_head_dim(q_BTNH, rope_dim)
     sources = check_v4_inputs(q_BTNH, window_PX, window_ids_BTK, entries_MX, entry_ids_BTK, sinks_N,
                               row_width=v4_row_bytes(h, rope_dim), pool_names=("window_PX", "entries_MX"))
-    check_knobs(block_k=block_k, num_splits=num_splits)
-    from ess_jax.pallas_kernels._gather_attention import gather_attention  # Mosaic GPU loads here
+    check_knobs(block_k=block_k, num_splits=num_splits, target=target)
     return gather_attention(q_BTNH, None, sources, sinks_N, layout=v4_fp8_layout(h, rope_dim), scale=scale,
-                            block_k=block_k, num_splits=num_splits, interpret=interpret, name="sparse_v4_attention_fp8")
+                            block_k=block_k, num_splits=num_splits, target=target, interpret=interpret,
+                            name="sparse_v4_attention_fp8")
 
 
 def _v4_head_dim(q_BTNH, rope_dim: int) -> int:

@@ -12,7 +12,9 @@ import itertools
 
 import jax.numpy as jnp
 
-KNOBS = ("block_k", "num_splits", "interpret")
+from ess_jax.pallas_kernels.target import check_target
+
+KNOBS = ("block_k", "num_splits", "target", "interpret")
 VALUE_CHUNK = 128  # columns per value chunk of a plain row: one wgmma N
 MAX_COPY = 256  # elements per TMA copy at most (a TMA box dimension)
 COPY_BYTES = 128  # a copy moves a multiple of this: each of the warpgroup's 128 threads arrives for 1/128
@@ -131,7 +133,8 @@ def check_mla_queries(q_latent_BTNC, q_rope_BTNR) -> tuple[int, int, int, int, i
     return b, t, n, c, q_rope_BTNR.shape[3]
 
 
-def check_knobs(*, block_k: int, num_splits: int | None):
+def check_knobs(*, block_k: int, num_splits: int | None, target: str):
+    check_target(target)
     if block_k < 64 or block_k > 256 or block_k % 64:
         raise ValueError(f"block_k={block_k} must be a multiple of 64 in [64, 256]")
     if num_splits is not None and num_splits < 1:

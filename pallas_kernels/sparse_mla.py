@@ -22,12 +22,13 @@ could alias (unused rows may be NaN). A query with no valid id returns ``out = 0
 ``lse = -inf``, so its (out, lse) pair merges with any other as an empty half
 (``ess_jax.ops.merge_attention``). Valid ids must be ``< P`` (not checked on the device).
 
-**Lowering.** One Mosaic GPU kernel (``jax.experimental.pallas.mosaic_gpu``, Hopper: TMA row
-copies, ``wgmma``), ``ess_jax.pallas_kernels._gather_attention``. ``interpret=True`` runs that same
-kernel in the Mosaic GPU interpreter on the CPU (simulated shared memory, TMA copies and barriers);
-tests/kernels checks it there against the reference, and lowers it for an abstract H200 to the
-serialized Mosaic GPU module (TMA copies, wgmma, shared memory within the 227 KiB). Compiling that
-module to PTX and running it on a GPU is unverified (tests/kernels/test_gpu.py, tools/gpu_check.sh).
+**Lowering.** One kernel per ``target`` (ess_jax.pallas_kernels.target): Mosaic GPU for Hopper
+(TMA row copies, ``wgmma``; ``_gather_attention``), Mosaic GPU for Ampere / Ada (``_gather_attention_sm80``)
+and Mosaic TPU (scalar-prefetched ids, row DMAs; ``_gather_attention_tpu``). ``interpret=True`` runs
+the target's kernel in its interpreter on the CPU (simulated shared memory / VMEM, copies / DMAs,
+barriers / semaphores); tests/kernels checks each there against the reference and lowers each for
+abstract devices of its target (H200; A100 and L40; TPU v5e and v6e). Compiling those modules and
+running them on a device is unverified (tests/kernels/test_devices.py, tools/gpu_check.sh).
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ import jax.numpy as jnp
 
 from ess_jax.pallas_kernels.row_layout import (KNOBS, check_float, check_ids, check_knobs, check_mla_queries,
                                                check_rank, plain_layout)
+from ess_jax.pallas_kernels.target import gather_attention
 
 if TYPE_CHECKING:
-    from ess_jax.pallas_kernels._gather_attention import Interpret
+    from ess_jax.pallas_kernels.target import Interpret
 
 
 def _check(q_latent_BTNC, q_rope_BTNR, pool_PW, ids_BTK):
@@ -59,23 +61,25 @@ def _check(q_latent_BTNC, q_rope_BTNR, pool_PW, ids_BTK):
 
 @functools.partial(jax.jit, static_argnames=("scale", *KNOBS))
 def sparse_mla(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, pool_PW: jax.Array, ids_BTK: jax.Array, *,
-               scale: float, block_k: int = 64, num_splits: int | None = None,
+               scale: float, block_k: int = 64, num_splits: int | None = None, target: str = "mosaic_gpu",
                interpret: Interpret = False) -> tuple[jax.Array, jax.Array]:
     """Absorbed MLA over the pool rows at ``ids_BTK`` (-1 = none). Returns ``(out f32[B, T, N, C],
     lse f32[B, T, N])``.
 
-    Knobs: ``block_k`` ids per step (a multiple of 64 up to 256; heads go 64 to a program, padded up
-    to a multiple of 64); ``num_splits`` programs per query, each over every S-th of its valid ids,
-    merged exactly by log-sum-exp (split-K for small batches; ``None``: about two programs per SM on
-    a GPU, 1 elsewhere); ``interpret`` (``True`` or ``plgpu.InterpretGPUParams``) runs the kernel in
-    the Mosaic GPU interpreter instead of compiling it for the GPU (the only way it runs on a CPU).
+    Knobs: ``block_k`` ids per step (a multiple of 64 up to 256; on GPUs heads go 64 to a program,
+    padded up to a multiple of 64); ``num_splits`` programs per query, each over every S-th of its
+    valid ids, merged exactly by log-sum-exp (split-K for small batches; ``None``: about two programs
+    per SM on a GPU, 1 elsewhere); ``target`` the compiler the kernel is built for
+    (``ess_jax.pallas_kernels.target``: ``"mosaic_gpu"`` Hopper / Blackwell, ``"mosaic_gpu_sm80"``
+    Ampere / Ada, ``"mosaic_tpu"`` TPU); ``interpret`` (``True`` or the target interpreter's params,
+    ``plgpu.InterpretGPUParams`` / ``pltpu.InterpretParams``) runs the kernel in that interpreter
+    instead of compiling it (the only way it runs on a CPU).
     """
     c, r = _check(q_latent_BTNC, q_rope_BTNR, pool_PW, ids_BTK)
-    check_knobs(block_k=block_k, num_splits=num_splits)
-    from ess_jax.pallas_kernels._gather_attention import gather_attention  # Mosaic GPU loads here
+    check_knobs(block_k=block_k, num_splits=num_splits, target=target)
     return gather_attention(q_latent_BTNC, q_rope_BTNR if r else None, [(pool_PW, ids_BTK)], None,
                             layout=plain_layout(c, r, pool_PW.dtype), scale=scale, block_k=block_k,
-                            num_splits=num_splits, interpret=interpret, name="sparse_mla")
+                            num_splits=num_splits, target=target, interpret=interpret, name="sparse_mla")
 
 
 def absorbed_mla_reference(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, rows_BTKW: jax.Array, valid_BTK: jax.Array,

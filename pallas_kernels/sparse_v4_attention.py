@@ -22,8 +22,7 @@ the ids are global row ids into it, -1 = no row. The model's window ring plus th
 **Sentinels.** Ids ``< 0`` are skipped, whatever the pool holds. A query with no valid row returns
 ``out = 0`` and ``lse = sinks[n]`` (``-inf`` for a ``-inf`` sink).
 
-**Lowering** as ``sparse_mla``: the Mosaic GPU kernel, run in the Mosaic GPU interpreter on the CPU
-and lowered to a Mosaic GPU module for an abstract H200 by the tests; unverified on a GPU. The window
+**Lowering and targets** as ``sparse_mla`` (the ``target`` knob), unverified on a device. The window
 and entry pools of one call must share a dtype (the kernel reads both through one row layout).
 """
 
@@ -36,9 +35,10 @@ import jax
 import jax.numpy as jnp
 
 from ess_jax.pallas_kernels.row_layout import KNOBS, check_float, check_ids, check_knobs, check_rank, plain_layout
+from ess_jax.pallas_kernels.target import gather_attention
 
 if TYPE_CHECKING:
-    from ess_jax.pallas_kernels._gather_attention import Interpret
+    from ess_jax.pallas_kernels.target import Interpret
 
 
 def check_v4_inputs(q_BTNH, window_PX, window_ids_BTK, entries_MX, entry_ids_BTK, sinks_N, *,
@@ -81,17 +81,16 @@ def check_v4_inputs(q_BTNH, window_PX, window_ids_BTK, entries_MX, entry_ids_BTK
 @functools.partial(jax.jit, static_argnames=("scale", *KNOBS))
 def sparse_v4_attention(q_BTNH: jax.Array, window_PH: jax.Array, window_ids_BTK: jax.Array,
                         entries_MH: jax.Array | None, entry_ids_BTK: jax.Array | None, sinks_N: jax.Array, *,
-                        scale: float, block_k: int = 64, num_splits: int | None = None,
+                        scale: float, block_k: int = 64, num_splits: int | None = None, target: str = "mosaic_gpu",
                         interpret: Interpret = False) -> tuple[jax.Array, jax.Array]:
     """V4 attention over window rows + compressed entries with a sink. Returns ``(out f32[B, T, N, H],
     lse f32[B, T, N])``. Knobs as ``sparse_mla``."""
     sources = check_v4_inputs(q_BTNH, window_PH, window_ids_BTK, entries_MH, entry_ids_BTK, sinks_N,
                               row_width=None, pool_names=("window_PH", "entries_MH"))
-    check_knobs(block_k=block_k, num_splits=num_splits)
+    check_knobs(block_k=block_k, num_splits=num_splits, target=target)
     layout = plain_layout(q_BTNH.shape[-1], 0, window_PH.dtype)  # the entries share its dtype (checked)
-    from ess_jax.pallas_kernels._gather_attention import gather_attention  # Mosaic GPU loads here
     return gather_attention(q_BTNH, None, sources, sinks_N, layout=layout, scale=scale, block_k=block_k,
-                            num_splits=num_splits, interpret=interpret, name="sparse_v4_attention")
+                            num_splits=num_splits, target=target, interpret=interpret, name="sparse_v4_attention")
 
 
 def attention_with_sink_reference(q_BTNH, rows_BTKH, valid_BTK, sinks_N, scale, *,

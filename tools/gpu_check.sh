@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU check for a CUDA machine, under 5 minutes: (1) the Mosaic GPU kernels compiled and checked
-# against their references (pytest -m gpu; they use TMA and wgmma, so they need a Hopper GPU, sm_90),
+# against their references (pytest -m gpu; the device's own: Hopper's TMA / wgmma kernels on sm_90, the sm_80
+# variant (plain copies, mma.sync) on other NVIDIA GPUs from sm_80),
 # (2) greedy equality of the model with --kernels pallas vs xla, (3) micro-benchmarks (sparse MLA
 # decode vs the HBM roofline; scattered 656-byte row fetch, inline vs split, vs FlashTrans 37 GB/s),
 # (4) the end-to-end bench on the GPU (tiny-v32, 8192-token context, resident vs ESS).

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 # Kernel vs reference, keyed by the dtype of the kernel's inputs. The kernel accumulates in float32
 # either way; with bf16 inputs it rounds the softmax weights to bf16 before the value product (as
@@ -84,12 +85,26 @@ def random_array(rng: np.random.Generator, shape, dtype, scale: float = 1.0) -> 
     return jnp.asarray(rng.standard_normal(shape).astype(np.float32) * scale, dtype)
 
 
+def abstract_device(platform: str, kind: str):
+    """A context of one abstract device of ``kind`` on ``platform`` ("gpu" or "tpu"): what lowering for
+    such a machine, and the kernel choice, see without one (an Auto axis: the models' ops carry no
+    explicit shardings)."""
+    device = AbstractDevice(device_kind=kind, num_cores=None if platform == "gpu" else 1, platform=platform)
+    return jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,),
+                                                       abstract_device=device))
 
-def gpu_device():
-    """The first CUDA device, or skip with the reason no GPU is visible."""
+
+# Each accelerator's name, and how to run its tests where jax sees one
+RUN_ON = {"gpu": ("CUDA GPU", "on a GPU runner with the jax CUDA plugin: JAX_PLATFORMS=cuda,cpu"),
+          "tpu": ("TPU", "on a TPU runner with libtpu: JAX_PLATFORMS=tpu,cpu")}
+
+
+def accelerator(platform: str):
+    """The first device of ``platform`` ("gpu" or "tpu"), or skip with the reason none is visible."""
     try:
-        return jax.devices("gpu")[0]
+        return jax.devices(platform)[0]
     except (RuntimeError, IndexError):
         platforms = sorted({d.platform for d in jax.devices()})
-        pytest.skip(f"no CUDA GPU visible to jax (platforms: {', '.join(platforms)}); on a GPU runner with the jax "
-                    "CUDA plugin: JAX_PLATFORMS=cuda,cpu .venv/bin/python -m pytest -m gpu")
+        what, how = RUN_ON[platform]
+        pytest.skip(f"no {what} visible to jax (platforms: {', '.join(platforms)}); {how} "
+                    f".venv/bin/python -m pytest -m {platform}")

@@ -1,18 +1,29 @@
-"""Every kernel lowers, through Pallas' Mosaic GPU backend, to a Mosaic GPU module for an abstract
-H200 (sm_90) on a machine without a GPU, at DeepSeek's real shapes and at the tiny presets' (float32
-operands as bf16 pieces, narrow chunks, 88- and 100-byte FP8 rows). This proves the kernel bodies use
-only what the Mosaic GPU lowering accepts (register layouts, TMA copies, wgmma shapes and swizzles)
-and that the shared memory the wrappers budget for is what Mosaic GPU allocates. It does not compile
-the module to PTX or run it (the rest of that pipeline runs in jaxlib's CUDA plugin), which only the
-``gpu`` tests do."""
+"""Every kernel lowers for each of its targets on a machine without a device, at DeepSeek's real
+shapes and at the tiny presets' (float32 operands, narrow chunks, 88- and 100-byte FP8 rows):
+
+- ``mosaic_gpu``, through Pallas' Mosaic GPU backend, to a Mosaic GPU module for an abstract H200
+  (sm_90) that gathers with TMA copies and multiplies with wgmma, in the shared memory the wrappers
+  budget for;
+- ``mosaic_gpu_sm80``, to a Mosaic GPU module for an abstract A100 (sm_80) and L40 (sm_89) that
+  multiplies with Ampere's ``mma.sync`` and uses neither TMA nor wgmma;
+- ``mosaic_tpu``, with ``jax.export(..., platforms=["tpu"])`` for an abstract TPU v5e and v6e, to one
+  ``tpu_custom_call`` (the serialized Mosaic TPU kernel) over the pools whole (gathered inside it).
+
+This proves the kernel bodies use only what each lowering accepts (Mosaic GPU: register layouts,
+copies, MMA shapes, swizzles; Pallas TPU: block shapes, memory spaces, scalar prefetch, DMA and
+semaphore types). It does not compile the modules (ptxas in jaxlib's CUDA plugin, libtpu) or run
+them, which only the ``gpu`` / ``tpu`` tests do."""
+
+import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.experimental.mosaic.gpu import core as mgpu_core
-from jax.sharding import AbstractDevice, AbstractMesh
 
 from ess_jax.pallas_kernels import _gather_attention, fp8_rows, sparse_mla, sparse_v4_attention
+from kernel_testing import abstract_device
 
 S = jax.ShapeDtypeStruct
 BF16, I32, U8, F32 = jnp.bfloat16, jnp.int32, jnp.uint8, jnp.float32
@@ -46,9 +57,7 @@ CASES["sparse_mla split-k"] = (*CASES["sparse_mla"][:2], {"num_splits": 8})
 
 def _lower(name):
     fn, args, kwargs = CASES[name]
-    h200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
-                                                                       platform="gpu"))
-    with jax.sharding.use_abstract_mesh(h200):
+    with abstract_device("gpu", "NVIDIA H200"):
         return fn.trace(*args, scale=0.1, **kwargs).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -63,9 +72,40 @@ def test_lowers_to_mosaic_gpu(name):
 @pytest.mark.parametrize("name", ["sparse_mla", "sparse_mla_fp8", "sparse_v4_attention_fp8 tiny"])
 def test_budgeted_shared_memory_is_what_mosaic_allocates(monkeypatch, name):
     plans = []
-    scratch = _gather_attention._scratch
-    monkeypatch.setattr(_gather_attention, "_scratch", lambda plan: plans.append(plan) or scratch(plan))
+    hopper = _gather_attention.HOPPER
+    monkeypatch.setattr(_gather_attention, "HOPPER", dataclasses.replace(
+        hopper, scratch=lambda plan: plans.append(plan) or hopper.scratch(plan)))
     jax.clear_caches()  # trace and lower afresh, under the limit
     with mgpu_core.artificial_shared_memory_limit(1), pytest.raises(ValueError, match="exceeds available shared") as e:
         _lower(name)
-    assert f"smem_bytes={plans[-1].smem_bytes()} " in str(e.value)
+    assert f"smem_bytes={hopper.smem_bytes(plans[-1])} " in str(e.value)
+
+
+@pytest.mark.parametrize("kind, name", [
+    ("NVIDIA A100", "sparse_mla"), ("NVIDIA A100", "sparse_mla_fp8"), ("NVIDIA A100", "sparse_v4_attention_fp8"),
+    ("NVIDIA L40", "sparse_v4_attention"), ("NVIDIA L40", "sparse_v4_attention_fp8 tiny"),
+])
+def test_sm80_lowers_to_mosaic_gpu_without_tma_or_wgmma(kind, name):
+    fn, args, kwargs = CASES[name]
+    with abstract_device("gpu", kind):
+        text = fn.trace(*args, scale=0.1, target="mosaic_gpu_sm80", **kwargs).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert "stablehlo.custom_call @mosaic_gpu_v2" in text and f"{name.split()[0]}_mosaic_gpu" in text
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in text
+    assert "cp.async.bulk" not in text and "wgmma" not in text
+
+
+@pytest.mark.parametrize("kind", ["TPU v5 lite", "TPU v6 lite"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_lowers_to_mosaic_tpu(name, kind):
+    fn, args, kwargs = CASES[name]
+    with abstract_device("tpu", kind):
+        exported = jax.export.export(jax.jit(lambda *a: fn(*a, scale=0.1, target="mosaic_tpu", **kwargs)),
+                                     platforms=["tpu"])(*args)
+    calls = re.findall(r"stablehlo\.custom_call @(\w+)\((.*?)\) \{(.*?)\} : \((.*?)\) ->", exported.mlir_module())
+    assert [c[0] for c in calls] == ["tpu_custom_call"]
+    ((_, _, attributes, operands),) = calls
+    assert f'kernel_name = "{name.split()[0]}"' in attributes
+    for pool in (a for a in args if a.ndim == 2):  # the pools reach the kernel whole, in their dtype
+        dtype = {"bfloat16": "bf16", "float32": "f32", "uint8": "ui8"}[pool.dtype.name]
+        assert f"tensor<{pool.shape[0]}x{pool.shape[1]}x{dtype}>" in operands

@@ -2,6 +2,7 @@
 float and FP8 rows, pooled and pre-gathered forms; the halves of a split merge to the whole."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -10,8 +11,9 @@ import pytest
 
 from ess_jax import ops
 from ess_jax.cache import flat_ids
+from ess_jax.pallas_kernels.target import TARGETS
 from ess_jax.pallas_kernels.sparse_v4_attention import sparse_v4_attention_reference
-from kernel_testing import assert_close, permuted_ids, random_array, valid_counts
+from kernel_testing import abstract_device, assert_close, permuted_ids, random_array, valid_counts
 
 B, T, N, C, R, K = 2, 2, 4, 32, 8, 9
 ROWS = B * T * K  # the pooled and pre-gathered forms then share one compiled kernel
@@ -21,23 +23,63 @@ def test_resolve_kernels_on_cpu():
     assert jax.default_backend() == "cpu"
     assert ops.resolve_kernels("xla") == "xla"
     assert ops.resolve_kernels("auto") == "xla"
-    assert ops.resolve_kernels("pallas") == "interpret"
+    assert ops.resolve_kernels("pallas") == "mosaic_gpu:interpret"
+    for target in ("mosaic_gpu", "mosaic_gpu_sm80", "mosaic_tpu"):  # every target runs in its interpreter
+        assert ops.resolve_kernels(target) == f"{target}:interpret"
     with pytest.raises(ValueError, match="--kernels 'triton'"):
         ops.resolve_kernels("triton")
 
 
-@pytest.mark.parametrize("capability,auto", [("9.0", "pallas"), ("8.0", "xla"), ("10.0", "xla")])
-def test_resolve_kernels_takes_pallas_on_hopper_gpus_only(monkeypatch, capability, auto):
-    """The kernels use TMA and wgmma (sm_90): auto takes them on Hopper only, --kernels pallas on another
-    GPU is refused by name. The backend and its device are what jax would report on such a machine."""
+# (platform, device kind): what auto picks, and the named kernels that run there
+DEVICES = {
+    ("gpu", "NVIDIA H200"): ("mosaic_gpu", {"mosaic_gpu", "mosaic_gpu_sm80"}),
+    ("gpu", "NVIDIA H100 80GB HBM3"): ("mosaic_gpu", {"mosaic_gpu", "mosaic_gpu_sm80"}),
+    ("gpu", "NVIDIA B200"): ("mosaic_gpu_sm80", {"mosaic_gpu_sm80"}),  # no wgmma on Blackwell
+    ("gpu", "NVIDIA GeForce RTX 5090"): ("mosaic_gpu_sm80", {"mosaic_gpu_sm80"}),
+    ("gpu", "NVIDIA A100-SXM4-80GB"): ("mosaic_gpu_sm80", {"mosaic_gpu_sm80"}),
+    ("gpu", "NVIDIA A10G"): ("mosaic_gpu_sm80", {"mosaic_gpu_sm80"}),
+    ("gpu", "NVIDIA L40"): ("mosaic_gpu_sm80", {"mosaic_gpu_sm80"}),
+    ("gpu", "NVIDIA GeForce RTX 4090"): ("mosaic_gpu_sm80", {"mosaic_gpu_sm80"}),
+    ("gpu", "Tesla T4"): ("xla", set()),
+    ("gpu", "AMD Instinct MI300X"): ("xla", set()),
+    ("tpu", "TPU v5 lite"): ("mosaic_tpu", {"mosaic_tpu"}),
+    ("tpu", "TPU v6 lite"): ("mosaic_tpu", {"mosaic_tpu"}),
+}
+
+
+@pytest.mark.parametrize("platform, kind", sorted(DEVICES))
+def test_kernel_choice_by_device(platform, kind):
+    """auto takes the device's own kernels (XLA where there are none), pallas the same or a refusal,
+    and each kernel by name runs where it can and is refused by name, with the device, elsewhere."""
+    auto, runs = DEVICES[platform, kind]
+    with abstract_device(platform, kind):
+        assert ops.resolve_kernels("auto") == auto
+        assert ops.resolve_kernels("xla") == "xla"
+        if auto == "xla":
+            with pytest.raises(ValueError, match=rf"--kernels pallas: no Pallas kernels here run on {kind}"):
+                ops.resolve_kernels("pallas")
+        else:
+            assert ops.resolve_kernels("pallas") == auto
+        for target in TARGETS:
+            if target in runs:
+                assert ops.resolve_kernels(target) == target
+            else:
+                with pytest.raises(ValueError, match=rf"--kernels {target}: {target} .*this device is {kind}"):
+                    ops.resolve_kernels(target)
+
+
+def test_a_real_device_reports_its_capability(monkeypatch):
+    """A real device decides by its compute capability, not its kind (unknown to the table here)."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(jax, "devices", lambda *a: [type("CudaDevice", (), {"compute_capability": capability})()])
-    assert ops.resolve_kernels("auto") == auto
-    if auto == "pallas":
-        assert ops.resolve_kernels("pallas") == "pallas"
-    else:
-        with pytest.raises(ValueError, match=rf"Hopper .* this GPU has {capability}: use --kernels xla"):
-            ops.resolve_kernels("pallas")
+    device = type("CudaDevice", (), {"compute_capability": "9.0", "device_kind": "NVIDIA unreleased"})()
+    monkeypatch.setattr(jax, "devices", lambda *a: [device])
+    assert ops.target_device() == ops.Device("cuda", "NVIDIA unreleased", (9, 0))
+    assert ops.resolve_kernels("auto") == "mosaic_gpu"
+    with abstract_device("gpu", "NVIDIA unreleased"):  # a mesh over this machine's devices: they still report
+        assert ops.resolve_kernels("auto") == "mosaic_gpu"
+    device.compute_capability = "gfx942"  # a ROCm device
+    device.device_kind = "AMD Instinct MI300X"
+    assert ops.target_device().platform == "rocm" and ops.resolve_kernels("auto") == "xla"
 
 
 def _mla_inputs(seed, fp8: bool):
@@ -114,3 +156,37 @@ def test_flat_ids_address_the_flattened_pages(page_size, rate):
         np.testing.assert_array_equal(got[b, t, k], want)
     row_ids = np.asarray(flat_ids(jnp.asarray(table), jnp.asarray(ids), page_size=page_size, rate=rate))
     assert np.all((row_ids < 0) == (ids < 0))
+
+
+@pytest.mark.parametrize("platform, kind, call, marks", [
+    ("tpu", "TPU v6 lite", "tpu_custom_call", ['kernel_name = "sparse_mla"']),
+    ("gpu", "NVIDIA A100", "mosaic_gpu_v2", ["mma.sync.aligned"]),
+    ("gpu", "NVIDIA H200", "mosaic_gpu_v2", ["wgmma.mma_async", "cp.async.bulk.tensor"]),
+])
+def test_auto_lowers_to_the_chosen_kernel(platform, kind, call, marks):
+    """ops.sparse_mla_pool with kernels="auto", lowered for an abstract device: one custom call, that
+    device's kernel (not the XLA gather)."""
+    S = jax.ShapeDtypeStruct
+    args = (S((B, 1, 64, C), jnp.bfloat16), S((B, 1, 64, R), jnp.bfloat16), S((256, C + R), jnp.bfloat16),
+            S((B, 1, 64), jnp.int32))
+    step = jax.jit(functools.partial(ops.sparse_mla_pool, scale=0.1, kernels="auto"))
+    with abstract_device(platform, kind):
+        lowered = step.trace(*args).lower(lowering_platforms=("tpu" if platform == "tpu" else "cuda",))
+    text = lowered.as_text()
+    assert re.findall(r"stablehlo\.custom_call @(\w+)", text) == [call]
+    assert all(mark in text for mark in marks)
+
+
+def test_interpreted_tpu_kernel_lowers_beside_host_memory_outputs():
+    """The engine's steps return the host tier (pinned_host): the TPU kernel run in its interpreter
+    inside such a jit (``--kernels mosaic_tpu`` on CPU) still lowers (the interpreter's callbacks run
+    behind a pure_callback, as the Mosaic GPU one's do) and matches the XLA path."""
+    q_latent, q_rope, pool, ids = _mla_inputs(5, False)
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    step = lambda kernels: jax.jit(lambda *a: (ops.sparse_mla_pool(*a, scale=0.3, kernels=kernels), a[2] * 2),
+                                   out_shardings=(None, host))
+    (out, lse), on_host = step("mosaic_tpu")(q_latent, q_rope, pool, ids)
+    assert on_host.sharding.memory_kind == "pinned_host"
+    want = ops.sparse_mla_pool(q_latent, q_rope, pool, ids, scale=0.3, kernels="xla")
+    assert_close(out, want[0], jnp.float32, "out")
+    assert_close(lse, want[1], jnp.float32, "lse")

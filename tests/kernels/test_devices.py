@@ -1,9 +1,12 @@
-"""The Mosaic GPU kernels compiled (not interpreted) on a CUDA GPU (Hopper: they use TMA and wgmma)
-against their references, at DeepSeek's real shapes and with float32 rows at a tiny preset's (the
-float32 operands as bf16 pieces on the tensor cores). Marked ``gpu``; skipped with the reason where
-jax sees no GPU. Run on a GPU runner with
+"""The kernels compiled (not interpreted) on an accelerator, the device's own (``ops.resolve_kernels``:
+on a CUDA GPU Hopper's TMA / wgmma kernels on sm_90, the sm_80 variant on other NVIDIA GPUs from
+sm_80; on a TPU the Mosaic TPU kernels) against their references, at DeepSeek's real shapes and with
+float32 rows at a tiny preset's (on GPUs the float32 operands as bf16 pieces on the tensor cores).
+Each test runs once per accelerator, marked ``gpu`` or ``tpu`` and skipped with the reason where jax
+sees no such device. Run on a runner with
 
     JAX_PLATFORMS=cuda,cpu .venv/bin/python -m pytest -m gpu
+    JAX_PLATFORMS=tpu,cpu .venv/bin/python -m pytest -m tpu
 
 (tests/conftest.py pins JAX_PLATFORMS=cpu unless it is set)."""
 
@@ -16,16 +19,23 @@ from ess_jax import ops
 from ess_jax.pallas_kernels import fp8_rows
 from ess_jax.pallas_kernels.sparse_mla import sparse_mla, sparse_mla_reference
 from ess_jax.pallas_kernels.sparse_v4_attention import sparse_v4_attention, sparse_v4_attention_reference
-from kernel_testing import assert_close, gpu_device, permuted_ids, poison_unused, random_array, valid_counts
+from kernel_testing import RUN_ON, accelerator, assert_close, permuted_ids, poison_unused, random_array, valid_counts
 
-pytestmark = pytest.mark.gpu
 
 B, T = 2, 2  # queries (b, t) cycle through 0, 1, K-1 and K valid ids
 
 
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=getattr(pytest.mark, name)) for name in RUN_ON])
+def device(request):
+    return accelerator(request.param)
+
+
 @pytest.fixture(scope="module")
-def device():
-    return gpu_device()
+def target(device):
+    """The device's own kernel target; the choice looks at the default backend, so that must be this device's."""
+    if jax.default_backend() != device.platform:
+        pytest.skip(f"the default backend is not the {device.platform} (set JAX_PLATFORMS={device.platform},cpu)")
+    return ops.resolve_kernels("pallas")
 
 
 def _put(device, *xs):
@@ -33,7 +43,7 @@ def _put(device, *xs):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_sparse_mla_real_shape(device, fp8):
+def test_sparse_mla_real_shape(device, target, fp8):
     rng = np.random.default_rng(0)
     n, c, r, k, rows = 128, 512, 64, 2048, 4096
     ids = permuted_ids(rng, valid_counts(B, T, k), k, rows)
@@ -43,7 +53,7 @@ def test_sparse_mla_real_shape(device, fp8):
     args = _put(device, q_latent, q_rope, poison_unused(pool, ids), ids)
     kernel, reference = ((fp8_rows.sparse_mla_fp8, fp8_rows.sparse_mla_fp8_reference) if fp8
                          else (sparse_mla, sparse_mla_reference))
-    out, lse = kernel(*args, scale=0.1)
+    out, lse = kernel(*args, scale=0.1, target=target)
     ref_out, ref_lse = reference(*args, scale=0.1)
     assert out.devices() == {device}
     assert_close(out, ref_out, jnp.bfloat16, "out")
@@ -51,7 +61,7 @@ def test_sparse_mla_real_shape(device, fp8):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_sparse_v4_attention_real_shape(device, fp8):
+def test_sparse_v4_attention_real_shape(device, target, fp8):
     rng = np.random.default_rng(1)
     n, h, r = 64, 512, 64
     window_ids = permuted_ids(rng, valid_counts(B, T, 128), 128, 512)
@@ -61,20 +71,18 @@ def test_sparse_v4_attention_real_shape(device, fp8):
     args = _put(device, random_array(rng, (B, T, n, h), jnp.bfloat16), poison_unused(pools[0], window_ids),
                 window_ids, poison_unused(pools[1], entry_ids), entry_ids, rng.standard_normal(n).astype(np.float32))
     if fp8:
-        got = fp8_rows.sparse_v4_attention_fp8(*args, scale=512**-0.5, rope_dim=r)
+        got = fp8_rows.sparse_v4_attention_fp8(*args, scale=512**-0.5, rope_dim=r, target=target)
         want = fp8_rows.sparse_v4_attention_fp8_reference(*args, scale=512**-0.5, rope_dim=r)
     else:
-        got = sparse_v4_attention(*args, scale=512**-0.5)
+        got = sparse_v4_attention(*args, scale=512**-0.5, target=target)
         want = sparse_v4_attention_reference(*args, scale=512**-0.5)
     assert_close(got[0], want[0], jnp.bfloat16, "out")
     assert_close(got[1], want[1], jnp.bfloat16, "lse")
 
 
-def test_auto_dispatch_picks_pallas_and_matches_xla(device):
+def test_auto_dispatch_picks_pallas_and_matches_xla(device, target):
     """float32 at tiny-v32's shape (C = 64, R = 16): float32 accuracy from the bf16 tensor cores."""
-    if jax.default_backend() != "gpu":
-        pytest.skip("the default backend is not the GPU (set JAX_PLATFORMS=cuda,cpu)")
-    assert ops.resolve_kernels("auto") == "pallas"
+    assert ops.resolve_kernels("auto") == target
     rng = np.random.default_rng(2)
     ids = permuted_ids(rng, valid_counts(B, 1, 64), 64, 256)
     q_latent, q_rope = random_array(rng, (B, 1, 16, 64), jnp.float32), random_array(rng, (B, 1, 16, 16), jnp.float32)

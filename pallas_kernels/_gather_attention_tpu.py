@@ -1,0 +1,271 @@
+"""The gather-attention core (``_gather_attention``'s contract) as one Mosaic TPU kernel (Pallas
+``pallas_call`` with ``pltpu.PrefetchScalarGridSpec``).
+
+A program takes one query token of one request, all of its heads (padded to a multiple of 8: all
+heads read the same rows, so the rows are gathered once per program) and one of ``S`` parts of its
+ids (split-K, dealt as ``split_k`` describes). The grid is ``(B * T, S)``. Every source's ids and
+valid counts are scalar-prefetched into SMEM; the pools stay in HBM (``pl.ANY``). A program walks
+each source ``block_k`` ids at a time, double-buffered:
+
+    rows[slot] <- pool rows at the block's valid ids     one asynchronous DMA per row (HBM -> VMEM),
+                                                         all on the slot's DMA semaphore; the next
+                                                         block's DMAs start before this block's math
+    rows_f32   <- every chunk of rows[slot] as float32   decoded chunk by chunk (FP8 bytes dequantized
+                                                         here), rows past the block's valid count zeroed
+    s = scale * (q_value . values^T + q_key . keys^T)    f32[N, bk] on the MXU, -inf past the count
+    m, l, acc <- online softmax in float32; acc += p . values
+
+Rows past the valid count are never copied and are zeroed (``where``, not a product) before any
+product, so whatever the pool or a stale buffer holds (even NaN) never reaches the result. The
+epilogue is the Mosaic GPU kernel's: an optional per-head sink joins the denominator, ``out = acc /
+denominator``, ``lse = log(denominator)``; a query with no valid row and no finite sink gets ``out =
+0, lse = -inf``.
+
+**Byte formats** (``RowLayout`` chunks) are decoded with 32-bit integer arithmetic, which every TPU
+generation has: an e4m3 byte's sign, exponent and mantissa become a float32's bits (subnormals
+``m * 2**-9``, 0x7F / 0xFF NaN), a float32 scale is four bytes shifted together, a ue8m0 scale its
+byte shifted into the exponent, and a bf16 column the two bytes of a pair, which a 0/1 selection
+matrix on the MXU picks out of the row (exact: the bytes are integers below 256) so no strided lane
+slice is needed.
+
+**Precision.** With bf16 queries and bf16 or FP8 rows the products are bf16 with float32 accumulation
+(the softmax weights rounded to bf16 before the value product, as the Mosaic GPU kernel does);
+otherwise float32 at ``Precision.HIGHEST``.
+
+**Limits** (not tuned, not compiled: no TPU has been lent): the ids of the whole batch sit in SMEM
+(``4 * B * T * K`` bytes per source); one row per DMA; VMEM per program about ``2 * block_k * row
+bytes + 4 * block_k * (Cv + Rk) + 4 * N * Cv`` plus the pipelined query and output blocks. The
+biggest unknown is the row DMA itself: a ``(1, W)`` copy at any sublane offset, with ``W`` not a
+multiple of 128 (576 bf16, 656 / 584 bytes) and, for bf16 and byte rows, two or four rows sharing
+each 32-bit sublane word. Pallas' lowering (``jax.export``) accepts it; libtpu's Mosaic compiler
+decides, and reports from other Pallas TPU users say unaligned DMAs of packed dtypes are refused
+there. If so, the fix is in the pool's layout (rows padded to whole lane tiles, or gathered a
+sublane tile at a time and masked), not in the kernel's math.
+
+``interpret`` runs the same kernel in the TPU interpreter (``pltpu.InterpretParams``: simulated VMEM,
+SMEM, DMAs and semaphores; ``detect_races`` checks the DMAs against the reads of their buffers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ess_jax.pallas_kernels.row_layout import Chunk, RowLayout
+from ess_jax.pallas_kernels.split_k import deal_ids, finish_softmax, merge_splits, pad_axis, round_up
+
+NEG_INF = float("-inf")
+HEAD_ALIGN = 8  # heads are padded to whole sublane tiles
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Everything static about one kernel instance."""
+
+    layout: RowLayout
+    sources: int
+    has_key: bool
+    has_sink: bool
+    scale: float
+    block_k: int
+    splits: int
+    bf16_dots: bool
+
+    @property
+    def value_width(self) -> int:
+        return sum(c.width for c in self.layout.values)
+
+    @property
+    def operand(self):
+        return jnp.bfloat16 if self.bf16_dots else jnp.float32
+
+    @property
+    def precision(self):
+        return None if self.bf16_dots else lax.Precision.HIGHEST
+
+
+def _e4m3(b):
+    """e4m3fn bytes (int32 in [0, 256)) -> float32."""
+    e, m = (b >> 3) & 15, b & 7
+    normal = lax.bitcast_convert_type(((e + 120) << 23) | (m << 20), jnp.float32)  # 2**(e-7) * (1 + m/8)
+    magnitude = jnp.where(e == 0, m.astype(jnp.float32) * 2.0**-9, normal)
+    magnitude = jnp.where((e == 15) & (m == 7), jnp.nan, magnitude)
+    return jnp.where(b >= 128, -magnitude, magnitude)
+
+
+def _chunk_values(raw, chunk: Chunk):
+    """One chunk of the stored rows ``raw [bk, X]`` (the pool's dtype) as float32 ``[bk, width]``."""
+    w = chunk.width
+    if chunk.kind == "plain":
+        return raw[:, chunk.start:chunk.start + w].astype(jnp.float32)
+    b = raw.astype(jnp.int32)
+    if chunk.kind == "e4m3":
+        if chunk.scale_kind == "f32":
+            s = chunk.scale_start
+            bits = b[:, s:s + 1] | (b[:, s + 1:s + 2] << 8) | (b[:, s + 2:s + 3] << 16) | (b[:, s + 3:s + 4] << 24)
+        elif chunk.scale_kind == "e8m0":
+            bits = b[:, chunk.scale_start:chunk.scale_start + 1] << 23
+        else:
+            raise ValueError(f"{chunk.scale_kind=} is not a scale format")
+        return _e4m3(b[:, chunk.start:chunk.start + w]) * lax.bitcast_convert_type(bits, jnp.float32)
+    if chunk.kind == "bf16":  # little-endian byte pairs: lo at 2k, hi at 2k + 1
+        pairs = b[:, chunk.start:chunk.start + 2 * w].astype(jnp.float32)
+        row = lax.broadcasted_iota(jnp.int32, (2 * w, w), 0)
+        col = lax.broadcasted_iota(jnp.int32, (2 * w, w), 1)
+        pick = lambda parity: lax.dot_general(pairs, (row == 2 * col + parity).astype(jnp.float32),
+                                              (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
+                                              preferred_element_type=jnp.float32).astype(jnp.int32)
+        return lax.bitcast_convert_type((pick(0) | (pick(1) << 8)) << 16, jnp.float32)
+    raise ValueError(f"{chunk.kind=} is not a chunk kind")
+
+
+def _dot(a, b, contract_b: int, plan: _Plan):
+    """``a [m, k] . b`` contracting b's axis ``contract_b``, float32 accumulation."""
+    return lax.dot_general(a.astype(plan.operand), b.astype(plan.operand), (((1,), (contract_b,)), ((), ())),
+                           precision=plan.precision, preferred_element_type=jnp.float32)
+
+
+def _kernel(*refs, plan: _Plan):
+    """One (request and query token, split). Refs: per source its ids (SMEM i32[BT * S * Ks], valid
+    ones first in each part) and valid count (SMEM i32[BT]); the queries; the sinks if any; the
+    pools (HBM); the outputs; the scratch."""
+    refs = list(refs)
+    sources = [(refs.pop(0), refs.pop(0)) for _ in range(plan.sources)]
+    q_value_ref = refs.pop(0)  # [1, Np, Cv] query columns that meet value chunks (MLA: q_latent; V4: q)
+    q_key_ref = refs.pop(0) if plan.has_key else None  # [1, Np, Rk] columns of key-only chunks (MLA: q_rope)
+    sink_ref = refs.pop(0) if plan.has_sink else None  # f32[Np, 1] per-head sink logits
+    pools = [refs.pop(0) for _ in range(plan.sources)]  # HBM [Ps, X] each
+    out_ref, lse_ref = refs.pop(0), refs.pop(0)  # f32[1, 1, Np, Cv], f32[1, 1, Np, 1]
+    # [2, bk, X] rows (two buffers), DMA semaphores [2], f32[bk, Cv + Rk], f32[Np, 1] m and l, f32[Np, Cv]
+    rows_ref, sems, rows_f32, m_ref, l_ref, acc_ref = refs
+    lay, bk, cv = plan.layout, plan.block_k, plan.value_width
+    bt, split = pl.program_id(0), pl.program_id(1)
+    q_value = q_value_ref[0]
+    q_key = q_key_ref[0] if plan.has_key else None
+    m_ref[...] = jnp.full(m_ref.shape, NEG_INF, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    columns = [c.column for c in lay.values] + [cv + c.column for c in lay.keys]  # of rows_f32
+
+    for (ids_ref, count_ref), pool_ref in zip(sources, pools):
+        ks = ids_ref.shape[0] // (count_ref.shape[0] * plan.splits)  # ids per part
+        first = (bt * plan.splits + split) * ks  # this part's first id in ids_ref
+        in_split = jnp.maximum((count_ref[bt] - split + plan.splits - 1) // plan.splits, 0)  # its valid ids
+        blocks = (in_split + bk - 1) // bk
+
+        def copies(j, slot, action, ids_ref=ids_ref, pool_ref=pool_ref, first=first, in_split=in_split):
+            """Start (or wait for) the DMAs of block j's valid rows into rows_ref[slot]."""
+            def one(i, carry):
+                row = ids_ref[first + j * bk + i]
+                copy = pltpu.make_async_copy(pool_ref.at[pl.ds(row, 1)], rows_ref.at[slot, pl.ds(i, 1)], sems.at[slot])
+                copy.start() if action == "start" else copy.wait()
+                return carry
+
+            lax.fori_loop(0, jnp.minimum(in_split - j * bk, bk), one, None)
+
+        @pl.when(blocks > 0)
+        def _(copies=copies):
+            copies(0, 0, "start")
+
+        def block(j, carry, copies=copies, blocks=blocks, in_split=in_split):
+            slot = j % 2
+
+            @pl.when(j + 1 < blocks)
+            def _():
+                copies(j + 1, 1 - slot, "start")
+
+            copies(j, slot, "wait")
+            n = jnp.minimum(in_split - j * bk, bk)  # valid rows of this block: the first n
+            raw = rows_ref[slot]
+            valid_rows = lax.broadcasted_iota(jnp.int32, (bk, 1), 0) < n
+            for chunk, column in zip(lay.chunks, columns):
+                rows_f32[:, column:column + chunk.width] = jnp.where(valid_rows, _chunk_values(raw, chunk), 0.0)
+            values = rows_f32[:, :cv]
+            s = _dot(q_value, values, 1, plan)
+            if plan.has_key:
+                s = s + _dot(q_key, rows_f32[:, cv:], 1, plan)
+            s = jnp.where(lax.broadcasted_iota(jnp.int32, (1, bk), 1) < n, s * plan.scale, NEG_INF)  # f32[Np, bk]
+            m = m_ref[...]
+            m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+            m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+            alpha = jnp.exp(m - m_safe)  # 0 while nothing was seen
+            p = jnp.exp(s - m_safe)  # 0 past the count
+            l_ref[...] = l_ref[...] * alpha + jnp.sum(p, axis=1, keepdims=True)
+            acc_ref[...] = acc_ref[...] * alpha + _dot(p, values, 0, plan)
+            m_ref[...] = m_new
+            return carry
+
+        lax.fori_loop(0, blocks, block, None)
+
+    m, l = m_ref[...], l_ref[...]
+    lse, weight = finish_softmax(m, l, sink_ref[...] if plan.has_sink else None)
+    out_ref[0, 0] = acc_ref[...] * weight
+    lse_ref[0, 0] = lse
+
+
+def gather_attention(q_value_BTNC, q_key_BTNR, sources, sinks_N, *, layout: RowLayout, scale: float,
+                     block_k: int, num_splits: int | None, interpret, name: str):
+    """``_gather_attention.gather_attention`` on Mosaic TPU: the same arguments and returns.
+    ``interpret``: run in the TPU interpreter (``True`` or ``pltpu.InterpretParams``)."""
+    b, t, n, cv = q_value_BTNC.shape
+    k_blocks = max(-(-ids.shape[-1] // block_k) for _, ids in sources)
+    splits = max(1, min(num_splits or 1, k_blocks))
+    in_kernel_sink = sinks_N is not None and splits == 1
+    float_inputs = [q_value_BTNC.dtype] + ([q_key_BTNR.dtype] if q_key_BTNR is not None else [])
+    bf16_dots = layout.dtype in ("bfloat16", "uint8") and all(d == jnp.bfloat16 for d in float_inputs)
+    plan = _Plan(layout, len(sources), q_key_BTNR is not None, in_kernel_sink, float(scale), block_k, splits,
+                 bf16_dots)
+    n_pad = round_up(n, HEAD_ALIGN)
+    bt = b * t
+    prefetch = []
+    for pool, ids in sources:
+        ids, count = deal_ids(ids, splits, block_k)
+        prefetch += [ids.reshape(-1), count]
+    whole = lambda shape: pl.BlockSpec(shape, lambda i, s, *_: (0,) * len(shape))
+    per_query = lambda x: pl.BlockSpec((1, *x.shape[1:]), lambda i, s, *_: (i, 0, 0))
+    inputs = [pad_axis(q_value_BTNC, 2, n_pad, 0).reshape(bt, n_pad, cv)]
+    if q_key_BTNR is not None:
+        inputs.append(pad_axis(q_key_BTNR, 2, n_pad, 0).reshape(bt, n_pad, q_key_BTNR.shape[-1]))
+    specs = [per_query(x) for x in inputs]
+    if in_kernel_sink:
+        inputs.append(pad_axis(sinks_N.astype(jnp.float32), 0, n_pad, 0.0)[:, None])
+        specs.append(whole((n_pad, 1)))
+    inputs += [pool for pool, _ in sources]
+    specs += [pl.BlockSpec(memory_space=pl.ANY)] * len(sources)
+    key_width = sum(c.width for c in layout.keys)
+    out_shape = (jax.ShapeDtypeStruct((bt, splits, n_pad, cv), jnp.float32),
+                 jax.ShapeDtypeStruct((bt, splits, n_pad, 1), jnp.float32))
+    kernel = pl.pallas_call(
+        lambda *refs: _kernel(*refs, plan=plan),
+        out_shape=out_shape,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(prefetch),
+            grid=(bt, splits),
+            in_specs=specs,
+            out_specs=[pl.BlockSpec((1, 1, n_pad, cv), lambda i, s, *_: (i, s, 0, 0)),
+                       pl.BlockSpec((1, 1, n_pad, 1), lambda i, s, *_: (i, s, 0, 0))],
+            scratch_shapes=[pltpu.VMEM((2, block_k, layout.row_width), jnp.dtype(layout.dtype)),
+                            pltpu.SemaphoreType.DMA((2,)),
+                            pltpu.VMEM((block_k, cv + key_width), jnp.float32),
+                            pltpu.VMEM((n_pad, 1), jnp.float32), pltpu.VMEM((n_pad, 1), jnp.float32),
+                            pltpu.VMEM((n_pad, cv), jnp.float32)],
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=(interpret if isinstance(interpret, pltpu.InterpretParams)
+                   else pltpu.InterpretParams() if interpret else False),
+        name=name,
+    )
+    if interpret:  # behind a pure_callback, as the Mosaic GPU interpreter (see _gather_attention)
+        out_BTSNC, lse_BTSN1 = jax.pure_callback(jax.jit(kernel), out_shape, *prefetch, *inputs)
+    else:
+        out_BTSNC, lse_BTSN1 = kernel(*prefetch, *inputs)
+    out_BTSNC = out_BTSNC.reshape(b, t, splits, n_pad, cv)[..., :n, :]
+    lse_BTSN = lse_BTSN1.reshape(b, t, splits, n_pad)[..., :n]
+    if splits == 1:
+        return out_BTSNC[:, :, 0], lse_BTSN[:, :, 0]
+    return merge_splits(out_BTSNC, lse_BTSN, sinks_N)

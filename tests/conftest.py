@@ -12,9 +12,12 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
                                         "--xla_llvm_disable_expensive_passes=true"]).strip()
 # Every executable the session compiles goes to a persistent compilation cache of its own (removed when the
-# session ends), so one compiled again, after _drop_compiled_code or in a CLI subprocess (which inherits
-# these), is read back instead of compiled.
-COMPILE_CACHE = tempfile.mkdtemp(prefix="ess_jax-tests-jax-")
+# session ends), so one compiled again, after _drop_compiled_code, in a CLI subprocess or in another xdist
+# worker (all inherit the session's directory through the environment), is read back instead of compiled.
+_OWNS_CACHE = "ESS_JAX_TEST_COMPILE_CACHE" not in os.environ  # the session's first process (the xdist controller)
+if _OWNS_CACHE:
+    os.environ["ESS_JAX_TEST_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="ess_jax-tests-jax-")
+COMPILE_CACHE = os.environ["ESS_JAX_TEST_COMPILE_CACHE"]
 os.environ["JAX_COMPILATION_CACHE_DIR"] = COMPILE_CACHE
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 # Parity tests compare float32 logits at 1e-4 of their scale: no TF32 / bf16 passes in matmuls on GPUs (set in
@@ -40,4 +43,16 @@ def _drop_compiled_code():
 
 
 def pytest_sessionfinish(session, exitstatus):
-    shutil.rmtree(COMPILE_CACHE, ignore_errors=True)
+    if _OWNS_CACHE:  # the controller ends after its workers
+        shutil.rmtree(COMPILE_CACHE, ignore_errors=True)
+
+
+# The modules that take longest (mostly compiling their engines), scheduled first: ``--dist loadfile`` hands each
+# worker whole modules in collection order, so the short ones fill in at the end instead of a long one trailing.
+LONGEST_FIRST = ("test_mesh.py", "test_online.py", "test_hisparse.py", "test_server.py", "test_server_handlers.py",
+                 "test_engine.py", "test_eval.py", "test_bench.py", "test_tier.py", "test_depth.py", "test_cli.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each module's own order kept

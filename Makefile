@@ -1,7 +1,7 @@
 # Every target bootstraps .venv (Python >= 3.12 from PATH or pyenv) when it is missing.
 PY := .venv/bin/python
 
-.PHONY: demo test venv fixtures
+.PHONY: demo test test-fast venv fixtures
 venv:
 	@bash tools/bootstrap.sh
 
@@ -11,6 +11,11 @@ demo: venv
 
 test: venv
 	$(PY) -m pytest -q -n auto --dist loadfile
+
+# The inner loop: everything but the multi-device, multi-process and Pallas-interpreter tests (CI runs `test`).
+test-fast: venv
+	$(PY) -m pytest -q -n auto --dist loadfile --ignore=tests/test_mesh.py --ignore=tests/test_processes.py \
+		--ignore=tests/test_serve_processes.py --ignore=tests/test_sharded_load.py --ignore=tests/kernels
 
 # Regenerates tests/fixtures/ from transformers (needs torch + transformers, see tools/requirements-fixtures.txt).
 fixtures:

@@ -148,9 +148,9 @@ def model():
 
 
 def _serve(model, **config):
-    engine = Engine(model, EngineConfig(max_batch=2, max_seq_len=448, prefill_chunk=256, index_dtype="fp4", **config))
+    engine = Engine(model, EngineConfig(max_batch=2, max_seq_len=160, prefill_chunk=128, index_dtype="fp4", **config))
     text = model.tokenizer.encode((ROOT / "checkpoints" / "heldout_code.txt").read_text())
-    for start, n, new in ((0, 256, 12), (2000, 128, 20)):  # one prefill piece each
+    for start, n, new in ((0, 128, 12), (2000, 128, 24)):  # one prefill piece each; 32 entries > top-k 16
         engine.add_request(text[start:start + n], new)
     return engine, engine.run()
 
@@ -160,10 +160,10 @@ def test_resident_and_ess_give_the_same_tokens_with_fp4_keys(model):
     ess, got = _serve(model, offload="ess", pool_size=model.cfg.index_topk + 1)
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
     assert ess.offload_metrics()["misses"] > 0
-    keys_array = resident.runner.cache.csa.index_keys
-    assert keys_array.dtype == jnp.uint8 and keys_array.shape[-1] == 17 and resident.runner.cache.csa.index_format == "fp4"
+    csa = resident.runner.cache.csa
+    assert csa.index_keys.dtype == jnp.uint8 and csa.index_keys.shape[-1] == 17 and csa.index_format == "fp4"
     # the device bytes the engine reports fall by what its layout (the planner's parts) counts
-    default = cache_layout(model.cfg, EngineConfig(max_batch=2, max_seq_len=448, offload="none"), "float32")
+    default = cache_layout(model.cfg, EngineConfig(max_batch=2, max_seq_len=160, offload="none"), "float32")
     csa_layers, keys_per_page = 2, 64 // 4
     assert default.device_bytes - resident.layout.device_bytes == (
         resident.layout.size.pages * csa_layers * keys_per_page * (4 * 32 - 17))

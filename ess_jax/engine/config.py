@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from ess_jax import mesh, ops, tier
 
 CACHE_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "fp8": jnp.uint8}  # fp8: 656-byte-style rows
-INDEX_DTYPES = ("fp4", "fp8", "bfloat16")  # indexer keys: 68 / 132 / 256 bytes at J = 128 (ess_jax.ops.index_key_storage)
+INDEX_DTYPES = ("fp4", "fp8", "bfloat16")  # indexer keys: 68 / 132 / 256 bytes at J = 128 (ops.index_key_storage)
 
 
 class Offload(enum.StrEnum):

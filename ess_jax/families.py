@@ -36,8 +36,6 @@ from ess_jax.config import ModelConfig, V4Layer
 from ess_jax.pallas_kernels import fp8_rows
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "int32": 4}
-V32_NO_FP4 = ("--index-dtype fp4 is DeepSeek-V4's indexer format (its QAT round trip); DeepSeek-V3.2's indexer was "
-              "trained for FP8 keys: use fp8 (its official format) or bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,7 +245,8 @@ class _DeepseekV32(Family):
 
     def stored_formats(self, entries, model, index=None):
         if index == "fp4":  # what init_cache refuses, refused before a model loads
-            raise ValueError(V32_NO_FP4)
+            raise ValueError("--index-dtype fp4 is DeepSeek-V4's indexer format (its QAT round trip); DeepSeek-V3.2's "
+                             "indexer was trained for FP8 keys: use fp8 (its official format) or bfloat16")
         return Formats(entries, index=index or ("fp8" if entries == "fp8" else model), rows=model, ring=model)
 
     def sparse_layers(self, cfg):

@@ -144,6 +144,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "rope, 656 bytes, and the indexer keys as 128 e4m3 + one float32 scale, 132 bytes; V4: e4m3 + "
                         "ue8m0 scale per 64 values + bf16 rope, 584 bytes); V4's indexer keys, window and HCA "
                         "entries stay in --dtype")
+    p.add_argument("--index-dtype", choices=["fp4", "fp8", "bfloat16"], default=None,  # engine.config.INDEX_DTYPES
+                   help="the indexer keys in the cache: 'fp4' = DeepSeek-V4's official QAT format (a Hadamard "
+                        "rotation, e2m1 values with a ue8m0 scale per 32: 68 bytes a key; the queries get the same "
+                        "round trip), refused for V3.2; 'fp8' = 128 e4m3 + one float32 scale (132 bytes; V3.2's "
+                        "official format); 'bfloat16'. Default: V3.2 fp8 with --cache-dtype fp8, else --dtype")
     p.add_argument("--weights-seed", type=int, default=0, help="seed of a preset's random weights (default 0)")
     p.add_argument("--mesh", default=None, metavar="data=D,expert=E",
                    help="a device mesh over every device jax sees (D x E of them): the routed experts sharded over "
@@ -202,7 +207,7 @@ def engine_config(args: argparse.Namespace, **overrides):
         max_batch=args.max_batch, page_size=args.page_size, num_pages=args.num_pages, max_seq_len=args.max_seq_len,
         prefill_chunk=args.prefill_chunk, offload=args.offload, pool_size=args.pool_size, pool_ratio=args.pool_ratio,
         fetch=args.fetch, host_cache_mb=args.host_cache_mb, kernels=args.kernels, cache_dtype=args.cache_dtype,
-        mesh=args.mesh), **overrides))
+        index_dtype=args.index_dtype, mesh=args.mesh), **overrides))
     check_before_load(args, config)
     return config
 

@@ -130,8 +130,9 @@ def _v4_row_bytes(head_dim: int, rope_dim: int, fmt: str) -> int:
 
 
 def _index_key_bytes(width: int, fmt: str) -> int:
+    """One indexer key: ``width`` values, the FP8 row (132 bytes at 128) or the FP4 key (68 bytes at 128)."""
     if fmt == "fp4":
-        return width // 2 + math.ceil(width / 32)
+        return fp8_rows.fp4_key_bytes(width)
     return _mla_row_bytes(width, 0, fmt)
 
 
@@ -174,8 +175,9 @@ class Family:
         """The KV cache of one request, part by part (parts of no layer included)."""
         raise NotImplementedError
 
-    def stored_formats(self, entries: str, model: str) -> Formats:
-        """The formats ``init_cache`` stores, for offloaded entries in ``entries`` and a model in ``model``."""
+    def stored_formats(self, entries: str, model: str, index: str | None = None) -> Formats:
+        """The formats ``init_cache`` stores, for offloaded entries in ``entries``, a model in ``model`` and
+        indexer keys in ``index`` (None: the family's default)."""
         raise NotImplementedError
 
     def sparse_layers(self, cfg: ModelConfig) -> list[int]:
@@ -188,9 +190,10 @@ class Family:
         raise NotImplementedError
 
     # ---- the engine's caches ---------------------------------------------------------------------
-    def resident_cache(self, module, size: CacheSize, dtype):
-        """An empty cache with every part on the device, the offloaded part's rows in ``dtype``."""
-        return module.init_cache(size.rows, size.pages, size.page_size, dtype)
+    def resident_cache(self, module, size: CacheSize, dtype, index: str | None = None):
+        """An empty cache with every part on the device, the offloaded part's rows in ``dtype``, the indexer keys
+        in ``index`` (``--index-dtype``; None: the family's default)."""
+        return module.init_cache(size.rows, size.pages, size.page_size, dtype, index)
 
     def store_of(self, cache):
         """The offloaded part's store (``ess_jax.cache.ResidentPages`` or the tier)."""
@@ -206,10 +209,12 @@ class Family:
         shard the request is not on)."""
         raise NotImplementedError
 
-    def offloaded_cache(self, module, size: CacheSize, part: Part, dtype, *, slots: int, fetch: str):
+    def offloaded_cache(self, module, size: CacheSize, part: Part, dtype, *, slots: int, fetch: str,
+                        index: str | None = None):
         """An empty decode cache whose offloaded part is the tier (``slots`` pool slots per sparse layer and
-        batch row, a host store of the cache's pages), every other part resident."""
-        shapes = jax.eval_shape(lambda: self.resident_cache(module, size, dtype))
+        batch row, a host store of the cache's pages), every other part resident (the indexer keys in
+        ``index``)."""
+        shapes = jax.eval_shape(lambda: self.resident_cache(module, size, dtype, index))
         pages = self.store_of(shapes).pages
         tiered = tier.init_tier(layers=pages.shape[0], rows=size.rows, slots=slots, pages=size.pages,
                                 page_size=size.page_size, rate=part.tokens_per_row, width=pages.shape[-1], dtype=dtype,
@@ -238,8 +243,11 @@ class _DeepseekV32(Family):
         return [Part("latent [c | k_rope]", "offloaded", n, latent, 1, cfg.index_topk),
                 Part("indexer key", "resident", n, _index_key_bytes(cfg.index_head_dim, formats.index), 1)]
 
-    def stored_formats(self, entries, model):
-        return Formats(entries, index="fp8" if entries == "fp8" else model, rows=model, ring=model)
+    def stored_formats(self, entries, model, index=None):
+        if index == "fp4":  # what init_cache refuses, refused before a model loads
+            raise ValueError("--index-dtype fp4 is DeepSeek-V4's indexer format (its QAT round trip); DeepSeek-V3.2's "
+                             "indexer was trained for FP8 keys: use fp8 (its official format) or bfloat16")
+        return Formats(entries, index=index or ("fp8" if entries == "fp8" else model), rows=model, ring=model)
 
     def sparse_layers(self, cfg):
         return list(range(cfg.num_hidden_layers))
@@ -284,8 +292,8 @@ class _DeepseekV4(Family):
                  Part(f"HCA compressor tails ({_SHORT[formats.ring]})", "fixed", n_hca, hca_tail, 0)]
         return parts
 
-    def stored_formats(self, entries, model):
-        return Formats(entries, index=model, rows=model, ring=model)
+    def stored_formats(self, entries, model, index=None):
+        return Formats(entries, index=index or model, rows=model, ring=model)
 
     def sparse_layers(self, cfg):
         return [i for i, t in enumerate(cfg.layer_types) if t == V4Layer.CSA]

@@ -243,6 +243,38 @@ def decode_mla_rows(rows_X: jax.Array, dtype, *, latent_dim: int, rope_dim: int)
     return rows_X.astype(dtype)
 
 
+# ---- indexer keys in a named format ---------------------------------------------------------------
+# "fp4": FP4 keys (fp8_rows.quantize_fp4_keys); "fp8": V3.2 FP8 rows without a rope part (J e4m3 + a float32
+# scale per 128); a float dtype's name: the keys cast to it.
+
+
+def index_key_storage(width: int, fmt: str) -> tuple[int, Any]:
+    """``(row width, dtype)`` of one stored indexer key of ``width`` values in format ``fmt``."""
+    if fmt == "fp4":
+        return fp8_rows.fp4_key_bytes(width), jnp.uint8
+    if fmt == "fp8":
+        return fp8_rows.mla_row_bytes(width, 0), jnp.uint8
+    return width, jnp.dtype(fmt)
+
+
+def encode_index_keys(keys_J: jax.Array, fmt: str) -> jax.Array:
+    """Indexer keys ``[..., J]`` in format ``fmt``."""
+    if fmt == "fp4":
+        return fp8_rows.quantize_fp4_keys(keys_J)
+    if fmt == "fp8":
+        return fp8_rows.quantize_mla_rows(keys_J, latent_dim=keys_J.shape[-1])
+    return keys_J.astype(fmt)
+
+
+def decode_index_keys(rows_X: jax.Array, fmt: str, dtype, *, width: int) -> jax.Array:
+    """Stored indexer keys of ``width`` values in format ``fmt`` -> ``[..., width]`` of ``dtype``."""
+    if fmt == "fp4":
+        return fp8_rows.dequantize_fp4_keys(rows_X, width=width, dtype=dtype)
+    if fmt == "fp8":
+        return fp8_rows.dequantize_mla_rows(rows_X, latent_dim=width, rope_dim=0, dtype=dtype)
+    return rows_X.astype(dtype)
+
+
 # ---- V4: attention with a sink -----------------------------------------------------------------
 
 

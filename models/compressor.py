@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ess_jax.config import RopeConfig
+from ess_jax.pallas_kernels import fp8_rows
 from ess_jax.models.layers import (Linear, RMSNorm, apply_rope_interleaved, index_scores, rope_cos_sin,
                                    rope_inv_freq)
 
@@ -151,11 +152,28 @@ class IndexerScorer(nnx.Module):
         self.weights_proj = Linear(hidden, n_heads, dtype=dtype, rngs=rngs)
 
 
+def hadamard(x: jax.Array) -> jax.Array:
+    """The normalized Walsh-Hadamard rotation ``x H / sqrt(n)`` of the last axis (``n`` a power of two; ``H`` in
+    Sylvester's order, DeepSeek's ``rotate_activation``), in float32, returned in x's dtype."""
+    n = x.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"the Hadamard rotation needs a power-of-two width, got {n}")
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return (jnp.matmul(x.astype(jnp.float32), h, precision=jax.lax.Precision.HIGHEST) * n**-0.5).astype(x.dtype)
+
+
 class Indexer(Compressor):
     """The CSA lightning indexer: its own overlapping compressor at ``index_head_dim`` (J) for the keys,
     ``q_b_proj [I*J, q_lora_rank]`` for the queries (from the attention's q-LoRA residual) and the scorer.
 
         I_t,e = sum_h w_t,h * J^-1/2 * ReLU(q_t,h . K_e) * I^-1/2,     w_t = weights_proj x_t
+
+    With FP4 keys (``fp4=True``: the official QAT path, DeepSeek-V4's ``Indexer``) the keys are stored rotated
+    (``hadamard`` after kv_norm and RoPE) and FP4 (``fp8_rows.quantize_fp4_keys``), and the queries get the same
+    rotation after their RoPE and the FP4 round trip (e2m1 with a ue8m0 scale per 32, dequantized): the rotation
+    is orthogonal, so it changes the scores only through the quantization it spreads.
     """
 
     def __init__(self, hidden: int, q_lora_rank: int, n_heads: int, head_dim: int, rate: int, top_k: int, *,
@@ -166,11 +184,15 @@ class Indexer(Compressor):
         self.n_heads, self.top_k = n_heads, top_k
 
     def scores(self, x_BTD: jax.Array, q_resid_BTQ: jax.Array, keys_BMJ: jax.Array, visible_BTM: jax.Array,
-               cos: jax.Array, sin: jax.Array) -> jax.Array:
+               cos: jax.Array, sin: jax.Array, *, fp4: bool = False) -> jax.Array:
         """Index scores ``f32[B, T, M]`` (``layers.index_scores``); -inf where ``visible_BTM`` is False.
-        cos/sin: the query positions'."""
+        cos/sin: the query positions'. ``fp4``: ``keys_BMJ`` are dequantized FP4 keys (rotated), and the queries
+        take the official round trip (rotation, FP4)."""
         b, t, _ = x_BTD.shape
         q_BTIJ = self.rope.apply(self.q_b_proj(q_resid_BTQ).reshape(b, t, self.n_heads, self.dim), cos, sin)
+        if fp4:
+            q_BTIJ = fp8_rows.dequantize_fp4_keys(fp8_rows.quantize_fp4_keys(hadamard(q_BTIJ)), width=self.dim,
+                                                  dtype=q_BTIJ.dtype)
         return index_scores(q_BTIJ, keys_BMJ, self.scorer.weights_proj(x_BTD), visible_BTM)
 
 

@@ -218,18 +218,23 @@ class DeepseekV32(nnx.Module):
         (h, kl), _ = scan_runs(self.runs, body, (h, jnp.zeros((), jnp.float32)))
         return self.lm_head(self.norm(h)).astype(jnp.float32), kl
 
-    def init_cache(self, rows: int, num_pages: int, page_size: int, latent_dtype=None) -> PagedCacheV32:
+    def init_cache(self, rows: int, num_pages: int, page_size: int, latent_dtype=None, index_dtype: str | None = None
+                   ) -> PagedCacheV32:
         """An empty, fully resident paged cache: ``num_pages`` pages (page 0 is the null page) of ``page_size``
         tokens; V3.2 keeps nothing per batch row, so ``rows`` (the batch rows) only fixes the signature both
         families share.
         ``latent_dtype`` stores the latent rows (default: the model's dtype; uint8 = FP8 rows: 656-byte
-        latent rows and 132-byte indexer keys at DeepSeek's shapes; other dtypes keep the keys in the
-        model's dtype)."""
+        latent rows at DeepSeek's shapes). ``index_dtype``: the indexer keys, "fp8" (132-byte FP8 rows, the
+        official format) or a float dtype's name; default: "fp8" with FP8 latent rows, else the model's dtype.
+        No "fp4": V3.2's indexer was trained for FP8 keys, and DeepSeek has no FP4 round trip for it."""
         cfg, n = self.cfg, self.cfg.num_hidden_layers
         latent_dtype = latent_dtype or self.dtype
         width = ops.mla_row_width(cfg.kv_lora_rank, cfg.qk_rope_head_dim, latent_dtype)
-        key_dtype = latent_dtype if jnp.dtype(latent_dtype) == jnp.uint8 else self.dtype
-        key_width = ops.mla_row_width(cfg.index_head_dim, 0, key_dtype)
+        if index_dtype == "fp4":
+            raise ValueError("index_dtype='fp4': DeepSeek-V3.2's indexer was trained for FP8 keys; use 'fp8' or a "
+                             "float dtype")
+        index_dtype = index_dtype or ("fp8" if jnp.dtype(latent_dtype) == jnp.uint8 else jnp.dtype(self.dtype).name)
+        key_width, key_dtype = ops.index_key_storage(cfg.index_head_dim, index_dtype)
         return PagedCacheV32(
             index_keys=jnp.zeros((n, num_pages, page_size, key_width), key_dtype),
             latent=ResidentPages(jnp.zeros((n, num_pages, page_size, width), latent_dtype), page_size=page_size, rate=1),

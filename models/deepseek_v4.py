@@ -36,7 +36,7 @@ from ess_jax.cache import (CsaCache, HcaCache, ResidentPages, RowSource, StepMet
                            entries_per_page, flat_ids, locate, request_rows)
 from ess_jax.config import ModelConfig, V4Layer
 from ess_jax.models import mhc
-from ess_jax.models.compressor import CSACompressor, Compressor, Indexer, TailRope, visible_entries
+from ess_jax.models.compressor import CSACompressor, Compressor, Indexer, TailRope, hadamard, visible_entries
 from ess_jax.models.layers import (Linear, MoE, RMSNorm, Router, check_stage, index_topk, indexer_kl, rms_normalize,
                                    scan_runs, stack_runs)
 
@@ -190,20 +190,24 @@ class Attention(nnx.Module):
                     x_BTD, positions_BT, record.kv_ring[index], record.gate_ring[index])
                 new_ids_BM = jnp.where(closes_BM & run_B1, entry_BM, -1)
                 new_BMW = ops.encode_v4_rows(new_BMH, record.entries.dtype, rope_dim=self.rope.dim)
+            key_format = record.index_format
+            fp4 = key_format == "fp4"
             with jax.named_scope("indexer"):
                 keys_BMJ, key_BM, key_closes_BM, index_kv, index_gate = indexer.close(
                     x_BTD, positions_BT, record.index_kv_ring[index], record.index_gate_ring[index])
                 key_page_BM, key_offset_BM = locate(meta.page_table, jnp.where(key_closes_BM & run_B1, key_BM, -1),
                                                     **geometry)
                 index_keys = record.index_keys.at[index, key_page_BM, key_offset_BM].set(
-                    keys_BMJ.astype(record.index_keys.dtype))
+                    ops.encode_index_keys(hadamard(keys_BMJ) if fp4 else keys_BMJ, key_format))
             entries = record.entries
             count = reach(meta.page_table, page_size, m)
             if count > 0:  # a cache too small for one entry has nothing to select
                 with jax.named_scope("indexer"):
-                    keys_BMJ = request_rows(index_keys, index, meta.page_table, count, **geometry)
+                    keys_BMJ = ops.decode_index_keys(request_rows(index_keys, index, meta.page_table, count,
+                                                                  **geometry), key_format, x_BTD.dtype,
+                                                     width=indexer.dim)
                     scores_BTM = indexer.scores(x_BTD, q_resid_BTQ, keys_BMJ,
-                                                visible_entries(positions_BT, count, m), cos, sin)
+                                                visible_entries(positions_BT, count, m), cos, sin, fp4=fp4)
                     ids_BTK = index_topk(scores_BTM, indexer.top_k)
                 with jax.named_scope("sparse_attention"):  # HiSparse: window + resident entries, fetched entries
                     sources = entries.read(index, meta, new_ids_BM, new_BMW, ids_BTK)
@@ -213,7 +217,7 @@ class Attention(nnx.Module):
                         sources)
             record = CsaCache(record.kv_ring.at[index].set(kv_ring), record.gate_ring.at[index].set(gate_ring),
                               record.index_kv_ring.at[index].set(index_kv),
-                              record.index_gate_ring.at[index].set(index_gate), entries, index_keys)
+                              record.index_gate_ring.at[index].set(index_gate), entries, index_keys, key_format)
         elif self.layer_type == HCA:
             geometry = dict(page_size=record.page_size, rate=self.compressor.rate)
             with jax.named_scope("compressor"):
@@ -324,12 +328,18 @@ class DeepseekV4(nnx.Module):
         types = self.cfg.layer_types
         return [i for i, t in enumerate(types) if t == CSA], [i for i, t in enumerate(types) if t == HCA]
 
-    def init_cache(self, rows: int, num_pages: int, page_size: int, csa_dtype=None) -> V4Cache:
+    def init_cache(self, rows: int, num_pages: int, page_size: int, csa_dtype=None, index_dtype: str | None = None
+                   ) -> V4Cache:
         """An empty cache: window and compressor rings for ``rows`` batch rows, compressed entries and indexer
         keys in ``num_pages`` pages (page 0 is the null page) of ``page_size`` tokens. ``csa_dtype``: the CSA
-        entries' storage (default the model dtype; uint8 = FP8 rows, ops.encode_v4_rows)."""
+        entries' storage (default the model dtype; uint8 = FP8 rows, ops.encode_v4_rows). ``index_dtype``: the
+        indexer keys' format (``CsaCache.index_format``; default the model dtype): "fp4" is the official one,
+        the indexer's QAT round trip (68-byte keys at J = 128, ``compressor.Indexer``); "fp8" stores the keys
+        as V3.2's 132-byte FP8 rows (no rotation, no query quantization: V4 has no FP8 indexer)."""
         cfg, dtype = self.cfg, self.dtype
         csa_dtype = dtype if csa_dtype is None else csa_dtype
+        index_format = index_dtype or jnp.dtype(dtype).name
+        key_width, key_dtype = ops.index_key_storage(cfg.index_head_dim, index_format)
         csa, hca = self.layer_groups()
         lc, lh, m, mh = len(csa), len(hca), cfg.compress_rate_csa, cfg.compress_rate_hca
         for rate in (m, mh):
@@ -345,7 +355,8 @@ class DeepseekV4(nnx.Module):
                          index_gate_ring=zeros(lc, rows, 2 * m, 2 * j, dt=jnp.float32),
                          entries=ResidentPages(zeros(lc, num_pages, per_csa, csa_width, dt=csa_dtype),
                                                page_size=page_size, rate=m),
-                         index_keys=zeros(lc, num_pages, per_csa, j)),
+                         index_keys=zeros(lc, num_pages, per_csa, key_width, dt=key_dtype),
+                         index_format=index_format),
             hca=HcaCache(kv_ring=zeros(lh, rows, mh, h), gate_ring=zeros(lh, rows, mh, h, dt=jnp.float32),
                          entries=zeros(lh, num_pages, per_hca, h), page_size=page_size))
 

@@ -26,6 +26,17 @@ The scale is the smallest power of two with ``amax / scale <= 448`` (``2 ** ceil
 its exponent clamped to [-126, 127], so the byte is in [1, 254]. tiny-v4 (H = 64, R = 16):
 48 + 32 + 1 + 7 = 88 bytes.
 
+**FP4 indexer key** (DeepSeek-V4's QAT format for the CSA indexer keys), 68 bytes for J = 128::
+
+    [0, J/2)                J/2 bytes        e2m1 codes, two per byte: value 2i in the low nibble, 2i+1 in the high
+    [J/2, J/2 + J/32)       J/32 x ue8m0     one power-of-two scale per block of 32 values
+    fp4_key_bytes(128) = 64 + 4 = 68;  tiny-v4 (J = 32): 16 + 1 = 17
+
+As DeepSeek's ``fp4_act_quant`` with ue8m0 scales: ``amax`` of a block floored at ``6 * 2**-126``, the
+scale ``2 ** ceil(log2(amax * (1/6)))`` (the exponent from the float's bits: exact at powers of two), the
+values ``clip(x / scale, -6, 6)`` rounded to nearest-even on the e2m1 grid {0, 0.5, 1, 1.5, 2, 3, 4, 6}
+(a code is sign bit 8 | magnitude index 0-7). Dequantize: ``e2m1 * scale``.
+
 Round-trip error (per element, scaled units ``y = x / scale``, ``|y| <= 448``): e4m3 keeps 3 mantissa
 bits, so ``|y - e4m3(y)| <= 2**-4 |y|`` for normal values and ``<= 2**-10`` below 2**-6 (subnormals);
 the rope slice is exact for bf16 inputs.
@@ -59,6 +70,8 @@ if TYPE_CHECKING:
     from ess_jax.pallas_kernels.target import Interpret
 
 E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+FP4_BLOCK = 32  # values per ue8m0 scale (V4's FP4 indexer keys)
 MLA_BLOCK = 128  # values per float32 scale (V3.2)
 V4_BLOCK = 64  # values per ue8m0 scale (V4)
 V4_SCALE_ALIGN = 8  # the V4 scale field is zero-padded to a multiple of this many bytes
@@ -78,6 +91,11 @@ def v4_row_bytes(head_dim: int, rope_dim: int) -> int:
     nope = head_dim - rope_dim
     scales = _ceil_div(nope, V4_BLOCK)
     return nope + 2 * rope_dim + _ceil_div(scales, V4_SCALE_ALIGN) * V4_SCALE_ALIGN
+
+
+def fp4_key_bytes(width: int) -> int:
+    """Bytes of one FP4 indexer key of ``width`` values (a multiple of 32): 68 for 128."""
+    return width // 2 + width // FP4_BLOCK
 
 
 def mla_fp8_layout(latent_dim: int, rope_dim: int) -> RowLayout:
@@ -208,6 +226,44 @@ def dequantize_v4_rows(rows_X: jax.Array, *, head_dim: int, rope_dim: int, dtype
     values = _from_e4m3_bytes(rows_X[..., :nope], scale, V4_BLOCK)
     rope = _from_bf16_bytes(rows_X[..., nope:scale_at])
     return jnp.concatenate([values.astype(dtype), rope.astype(dtype)], axis=-1)
+
+
+def _check_fp4_width(name: str, width: int):
+    if width < FP4_BLOCK or width % FP4_BLOCK:
+        raise ValueError(f"{name}={width} must be a positive multiple of {FP4_BLOCK} (one ue8m0 scale per block)")
+
+
+@jax.jit
+def quantize_fp4_keys(keys_J: jax.Array) -> jax.Array:
+    """Indexer keys ``[..., J]`` (float) -> FP4 keys ``u8[..., fp4_key_bytes(J)]``."""
+    _check_rows("keys_J", keys_J, 1)
+    check_float("keys_J", keys_J)
+    j = keys_J.shape[-1]
+    _check_fp4_width("J", j)
+    x = _blocks(keys_J.astype(jnp.float32), FP4_BLOCK)  # [..., nb, 32]
+    amax = jnp.maximum(jnp.max(jnp.abs(x), axis=-1), E2M1_MAX * 2.0**-126) * jnp.float32(1 / E2M1_MAX)
+    bits = lax.bitcast_convert_type(amax, jnp.uint32)  # ceil(log2(.)) from the exponent and mantissa bits
+    exponent = (bits >> 23).astype(jnp.int32) - 127 + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)
+    y = jnp.clip(x / jnp.ldexp(jnp.float32(1.0), exponent)[..., None], -E2M1_MAX, E2M1_MAX)
+    codes = lax.bitcast_convert_type(y.astype(jnp.float4_e2m1fn), jnp.uint4).astype(jnp.uint8)
+    codes = codes.reshape(*codes.shape[:-2], j // 2, 2)
+    return jnp.concatenate([codes[..., 0] | (codes[..., 1] << 4), (exponent + 127).astype(jnp.uint8)], axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("width", "dtype"))
+def dequantize_fp4_keys(rows_X: jax.Array, *, width: int, dtype=jnp.float32) -> jax.Array:
+    """FP4 keys ``u8[..., fp4_key_bytes(J)]`` -> ``[..., J]`` of ``dtype``."""
+    _check_fp4_width("width", width)
+    x = fp4_key_bytes(width)
+    if not hasattr(rows_X, "ndim") or rows_X.ndim < 1 or rows_X.shape[-1] != x or rows_X.dtype != jnp.uint8:
+        raise ValueError(f"rows_X must be u8[..., {x}] (FP4 indexer keys of J={width}), got "
+                         f"{getattr(rows_X, 'dtype', None)}{list(getattr(rows_X, 'shape', ()))}")
+    packed = rows_X[..., :width // 2]
+    codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1).astype(jnp.uint4)  # [..., J/2, 2]
+    values = lax.bitcast_convert_type(codes, jnp.float4_e2m1fn).astype(jnp.float32)
+    scale = lax.bitcast_convert_type(rows_X[..., width // 2:].astype(jnp.uint32) << 23, jnp.float32)  # 2 ** (e - 127)
+    values = values.reshape(*values.shape[:-2], -1, FP4_BLOCK) * scale[..., None]
+    return values.reshape(*values.shape[:-2], width).astype(dtype)
 
 
 # ---- kernels over FP8 rows ------------------------------------------------------------------------

@@ -175,11 +175,16 @@ def test_module_entry_point():
     assert proc.stdout == ""
 
 
-@pytest.mark.parametrize("preset, cache_dtype, offload, spec", [
-    ("deepseek-v3.2", "fp8", "ess", "data=4,expert=8"), ("deepseek-v3.2", "bfloat16", "none", "data=2,expert=16"),
-    ("deepseek-v4-flash", "bfloat16", "ess", "data=8,expert=4"), ("deepseek-v4-pro", "fp8", "none", "data=4,expert=8"),
+@pytest.mark.parametrize("preset, cache_dtype, index_dtype, offload, spec", [
+    ("deepseek-v3.2", "fp8", None, "ess", "data=4,expert=8"),
+    ("deepseek-v3.2", "bfloat16", None, "none", "data=2,expert=16"),
+    ("deepseek-v3.2", "bfloat16", "fp8", "ess", "data=4,expert=8"),
+    ("deepseek-v4-flash", "bfloat16", None, "ess", "data=8,expert=4"),
+    ("deepseek-v4-flash", "fp8", "fp4", "ess", "data=8,expert=4"),
+    ("deepseek-v4-pro", "fp8", None, "none", "data=4,expert=8"),
+    ("deepseek-v4-pro", "bfloat16", "fp4", "none", "data=4,expert=8"),
 ])
-def test_bytes_per_device_equal_the_sharded_engine_cache(preset, cache_dtype, offload, spec):
+def test_bytes_per_device_equal_the_sharded_engine_cache(preset, cache_dtype, index_dtype, offload, spec):
     """The real configs: the engine's decode cache built abstractly (jax.eval_shape) at 8 requests of 8192 tokens,
     sharded by the engine's rule (mesh.cache_shardings) over an abstract 32-device mesh, holds on each device the
     planner's bytes for its data shard's requests, in the formats the engine stores (its Parts), plus its
@@ -199,8 +204,12 @@ def test_bytes_per_device_equal_the_sharded_engine_cache(preset, cache_dtype, of
     module = nnx.eval_shape(lambda: family.module_cls(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     batch, context, page = 8, 8192, 128  # a page size that V4's 128-token HCA entries fill: no padding rows
     config = engine.EngineConfig(max_batch=batch, page_size=page, max_seq_len=context, offload=offload,
-                                 pool_ratio=0.2, cache_dtype=cache_dtype, mesh=spec)
+                                 pool_ratio=0.2, cache_dtype=cache_dtype, index_dtype=index_dtype, mesh=spec)
     layout = engine.cache_layout(cfg, config, "bfloat16")
+    if index_dtype:  # the indexer keys at the planner's bytes for --index-dtype (68 / 132 at J = 128)
+        key = next(p for p in layout.parts if "indexer key" in p.name)
+        planned = next(p for p in plan.cache_parts(cfg, cache_dtype, index_dtype) if p.name == key.name)
+        assert key.row_bytes == planned.row_bytes == {"fp4": 68, "fp8": 132}[index_dtype]
     assert layout.size.pages == shape.data * (1 + batch // shape.data * context // page)  # a pool per data shard
     decode_cache = offload_modes.MODES[config.offload].decode_cache
     cache = jax.eval_shape(lambda: decode_cache(module, layout.size, config, layout))

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from ess_jax import mesh, ops, tier
 
 CACHE_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "fp8": jnp.uint8}  # fp8: 656-byte-style rows
+INDEX_DTYPES = ("fp4", "fp8", "bfloat16")  # indexer keys: 68 / 132 / 256 bytes at J = 128 (ops.index_key_storage)
 
 
 class Offload(enum.StrEnum):
@@ -44,6 +45,8 @@ class EngineConfig:
     keep_logits: bool = False  # keep each output token's float32 logits in Request.logits
     kernels: str = "xla"  # attention kernels: "xla", "pallas", "auto" (Pallas on GPU, XLA elsewhere)
     cache_dtype: str | None = None  # offloaded part's rows: None = the model's dtype, or a CACHE_DTYPES key
+    index_dtype: str | None = None  # indexer keys, an INDEX_DTYPES entry ("fp4": DeepSeek-V4 only); None: V3.2 fp8
+    # with --cache-dtype fp8, else the model's dtype
     mesh: str | None = None  # "data=D,expert=E": a device mesh over every device (ess_jax.mesh); None: one device
 
     def __post_init__(self):
@@ -70,6 +73,9 @@ class EngineConfig:
         if self.cache_dtype not in (None, *CACHE_DTYPES):
             raise ValueError(f"--cache-dtype {self.cache_dtype!r} is not a cache dtype; use one of "
                              f"{', '.join(CACHE_DTYPES)}")
+        if self.index_dtype not in (None, *INDEX_DTYPES):
+            raise ValueError(f"--index-dtype {self.index_dtype!r} is not an indexer key format; use one of "
+                             f"{', '.join(INDEX_DTYPES)}")
         if self.fetch not in tuple(Fetch):
             raise ValueError(f"--fetch {self.fetch!r} is not a fetch backend; use one of {', '.join(Fetch)}")
         object.__setattr__(self, "offload", Offload(self.offload))

@@ -48,7 +48,8 @@ def cache_layout(cfg, config: EngineConfig, model_format: str, *, lower_bound: b
     shards = mesh.parse(config.mesh).data if config.mesh else 1
     pages = config.num_pages if config.num_pages is not None else config.max_batch // shards * pages_per_row + 1
     size = families.CacheSize(config.max_batch, shards * pages, config.page_size, max_seq_len, shards)
-    parts = family.cache_parts(cfg, family.stored_formats(config.cache_dtype or model_format, model_format))
+    parts = family.cache_parts(cfg, family.stored_formats(config.cache_dtype or model_format, model_format,
+                                                          config.index_dtype))
     for p in parts:
         if p.tokens_per_row and p.layers:
             check_geometry(config.page_size, p.tokens_per_row)

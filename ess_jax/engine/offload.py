@@ -64,7 +64,8 @@ class Resident:
 
     @staticmethod
     def decode_cache(module, size: families.CacheSize, config: EngineConfig, layout: CacheLayout):
-        return families.get(module.cfg.family).resident_cache(module, size, entry_dtype(module, config))
+        return families.get(module.cfg.family).resident_cache(module, size, entry_dtype(module, config),
+                                                              config.index_dtype)
 
     def __init__(self, runner: Runner, layout: CacheLayout, stats: EngineStats):
         self.runner = runner
@@ -132,7 +133,8 @@ class Ess:
     @staticmethod
     def decode_cache(module, size: families.CacheSize, config: EngineConfig, layout: CacheLayout):
         return families.get(module.cfg.family).offloaded_cache(
-            module, size, layout.offloaded, entry_dtype(module, config), slots=layout.pool_slots, fetch=config.fetch)
+            module, size, layout.offloaded, entry_dtype(module, config), slots=layout.pool_slots, fetch=config.fetch,
+            index=config.index_dtype)
 
     def __init__(self, runner: Runner, layout: CacheLayout, stats: EngineStats):
         self.runner, self.layout, self.stats = runner, layout, stats
@@ -141,7 +143,8 @@ class Ess:
         dtype = entry_dtype(module, runner.config)
         with runner.on_mesh():
             self.scratch, self.scratch_shardings = runner.build(
-                lambda size: self.family.resident_cache(module, size, dtype), Ess.scratch_size(layout.size))
+                lambda size: self.family.resident_cache(module, size, dtype, runner.config.index_dtype),
+                Ess.scratch_size(layout.size))
 
     def _scratch_table(self, pages_X: np.ndarray) -> np.ndarray:
         """A prompt's scratch pages: 1..n where it has pages."""

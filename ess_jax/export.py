@@ -29,6 +29,7 @@ import math
 import re
 import sys
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -104,10 +105,32 @@ def meta(rows: int, tokens: int, pages: int) -> StepMeta:
                     jax.ShapeDtypeStruct((rows, pages), I32), jax.ShapeDtypeStruct((rows,), I32))
 
 
-def engine_steps(cfg: ModelConfig, config, dtype: str, seed: int, target: Target) -> dict:
-    """Each step's name -> (jitted step, its static arguments, its array arguments, its static keyword
-    arguments), as the engine's runner and offload mode call it (``Runner.prefill``, ``Runner.compile_decode``,
-    ``Ess``)."""
+class Step(NamedTuple):
+    """One engine step as the engine calls it: ``step(*static, *args, **kwargs)``, its results in ``out``."""
+
+    step: Callable
+    static: tuple
+    args: tuple  # jax.ShapeDtypeStructs, in the runner's shardings and memory kinds
+    kwargs: dict
+    out: tuple  # the results' shardings, as the engine's step returns them (a pytree prefix of the results)
+
+
+@dataclasses.dataclass(frozen=True)
+class Abstract:
+    """An engine's parameters, caches and window as shapes, and its steps' static shardings (``Runner``, ``Ess``)."""
+
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    layout: object  # the engine's CacheLayout
+    cache: object  # the decode cache
+    shardings: mesh.Layout | None  # the decode cache's (None: no --mesh)
+    scratch: object  # the cache prefill pieces run on: the decode cache, or with ESS the prefill scratch
+    scratch_shardings: mesh.Layout | None
+    window: jax.ShapeDtypeStruct  # i32[L, D, Q, K]
+
+
+def abstract_engine(cfg: ModelConfig, config, dtype: str, seed: int, target: Target) -> Abstract:
+    """What ``Engine(model, config)`` builds on the target's devices, as shapes (``Runner.__init__``, ``Ess``)."""
     module = nnx.eval_shape(lambda: families.get(cfg.family).module_cls(cfg, dtype=DTYPES[dtype],
                                                                        rngs=nnx.Rngs(seed)))
     graphdef, params = nnx.split(module)
@@ -117,35 +140,51 @@ def engine_steps(cfg: ModelConfig, config, dtype: str, seed: int, target: Target
     mode, family = offload.MODES[config.offload], families.get(cfg.family)
     cache, shardings = abstract_cache(lambda size: mode.decode_cache(module, size, config, layout), layout.size,
                                       config, target)
-    b, d, x = config.max_batch, layout.size.shards, layout.pages_per_row
-    window = jax.ShapeDtypeStruct(window_shape(module, layout, config.kernels), I32,
-                                  sharding=NamedSharding(target.mesh, steps.LAYER_ROWS))
-    static = (graphdef, config.kernels)
-    found = {"decode": (steps.decode, static, (params, jax.ShapeDtypeStruct((b, 1), I32), meta(b, 1, x), cache,
-                                               sampling(b)), dict(shardings=shardings))}
     scratch, scratch_shardings = cache, shardings
     if config.offload == "ess":
-        dtype_ = offload.entry_dtype(module, config)
-        scratch, scratch_shardings = abstract_cache(lambda size: family.resident_cache(module, size, dtype_),
+        entries = offload.entry_dtype(module, config)
+        scratch, scratch_shardings = abstract_cache(lambda size: family.resident_cache(module, size, entries),
                                                     offload.Ess.scratch_size(layout.size), config, target)
+    window = jax.ShapeDtypeStruct(window_shape(module, layout, config.kernels), I32,
+                                  sharding=NamedSharding(target.mesh, steps.LAYER_ROWS))
+    return Abstract(graphdef, params, layout, cache, shardings, scratch, scratch_shardings, window)
+
+
+def engine_steps(cfg: ModelConfig, config, engine: Abstract, target: Target) -> dict[str, Step]:
+    """Each step the engine compiles, by name, called as the runner and the offload mode call it
+    (``Runner.compile_decode``, ``Runner.prefill``, ``Ess``)."""
+    b, d, x = config.max_batch, engine.layout.size.shards, engine.layout.pages_per_row
+    static, family = (engine.graphdef, config.kernels), families.get(cfg.family)
+    rows = NamedSharding(target.mesh, steps.ROWS if config.mesh else PartitionSpec())
+    cache_out, scratch_out = (jax.tree.map(lambda a: a.sharding, c) for c in (engine.cache, engine.scratch))
+    found = {"decode": Step(steps.decode, static, (engine.params, jax.ShapeDtypeStruct((b, 1), I32), meta(b, 1, x),
+                                                   engine.cache, sampling(b)),
+                            dict(shardings=engine.shardings), (rows, rows, cache_out))}
     for t in steps.piece_sizes(config.prefill_chunk):
-        found[f"prefill_{t}"] = (steps.prefill, static, (params, jax.ShapeDtypeStruct((d, t), I32), meta(d, t, x),
-                                                         scratch, sampling(d), window), dict(shardings=scratch_shardings))
+        found[f"prefill_{t}"] = Step(
+            steps.prefill, static, (engine.params, jax.ShapeDtypeStruct((d, t), I32), meta(d, t, x), engine.scratch,
+                                    sampling(d), engine.window),
+            dict(shardings=engine.scratch_shardings), (rows, rows, engine.window.sharding, scratch_out))
     if config.offload == "ess":
         table, row = jax.ShapeDtypeStruct((d, x), I32), jax.ShapeDtypeStruct((d,), I32)
-        found["handoff"] = (steps.handoff, (family,), (cache, scratch, table, table, row, row, window),
-                            dict(shardings=shardings, scratch_shardings=scratch_shardings))
-        found["release"] = (steps.release, (family,), (cache, row, table), dict(shardings=shardings))
-        found["flush"] = (steps.flush, (family,), (cache,), dict(shardings=shardings))
+        found["handoff"] = Step(steps.handoff, (family,), (engine.cache, engine.scratch, table, table, row, row,
+                                                           engine.window),
+                                dict(shardings=engine.shardings, scratch_shardings=engine.scratch_shardings),
+                                cache_out)
+        found["release"] = Step(steps.release, (family,), (engine.cache, row, table),
+                                dict(shardings=engine.shardings), cache_out)
+        found["flush"] = Step(steps.flush, (family,), (engine.cache,), dict(shardings=engine.shardings), cache_out)
     return found
 
 
-def export_step(name: str, step, static, args, kwargs, target: Target) -> jax.export.Exported:
-    """``step(*static, *args, **kwargs)`` exported for the target over the leaves of ``args``, returning the
-    leaves of its results (an artifact a caller feeds from its own pytrees, whatever their types); StepError
-    with the lowering's message."""
-    leaves, treedef = jax.tree.flatten(args)
-    flat = jax.jit(lambda *leaves: jax.tree.leaves(step(*static, *jax.tree.unflatten(treedef, leaves), **kwargs)))
+def export_step(name: str, step: Step, target: Target) -> jax.export.Exported:
+    """``step`` exported for the target over the leaves of its arguments, returning the leaves of its results
+    (an artifact a caller feeds from its own pytrees, whatever their types); StepError with the lowering's
+    message."""
+    leaves, treedef = jax.tree.flatten(step.args)
+    flat = jax.jit(lambda *leaves: jax.tree.leaves(step.step(*step.static, *jax.tree.unflatten(treedef, leaves),
+                                                             **step.kwargs)),
+                   out_shardings=jax.tree.leaves(step.out))
     checks = [jax.export.DisabledSafetyCheck.custom_call(c) for c in GPU_CALLS] if target.platform == "cuda" else []
     try:
         return jax.export.export(flat, platforms=[target.platform], disabled_checks=checks)(*leaves)
@@ -175,15 +214,15 @@ def export(cfg: ModelConfig, config, dtype: str, seed: int, target: Target, out:
     """Every engine step exported for ``target`` into ``out``, and the summary (also ``out/summary.json``)."""
     with jax.sharding.use_abstract_mesh(target.mesh):
         kernels = ops.resolve_kernels(config.kernels)
-        found = engine_steps(cfg, config, dtype, seed, target)
+        found = engine_steps(cfg, config, abstract_engine(cfg, config, dtype, seed, target), target)
         out.mkdir(parents=True, exist_ok=True)
         summary = {"target": {"platform": target.platform, "device_kind": target.kind, "mesh": str(target.shape),
                               "devices": target.shape.size},
                    "model": {"family": cfg.family, "num_layers": cfg.num_hidden_layers, "dtype": dtype},
                    "engine": {k: str(v) if v is not None else None for k, v in dataclasses.asdict(config).items()},
                    "kernels": kernels, "steps": {}}
-        for name, (step, static, args, kwargs) in found.items():
-            exported = export_step(name, step, static, args, kwargs, target)
+        for name, step in found.items():
+            exported = export_step(name, step, target)
             (out / f"{name}.jax_export").write_bytes(exported.serialize())
             summary["steps"][name] = {"file": f"{name}.jax_export", **describe(exported, target)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

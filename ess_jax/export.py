@@ -41,7 +41,7 @@ from ess_jax.api import DTYPES
 from ess_jax.cache import StepMeta
 from ess_jax.config import ModelConfig, resolve_model
 from ess_jax.engine import offload, steps
-from ess_jax.engine.layout import cache_layout
+from ess_jax.engine.layout import CacheLayout, cache_layout
 from ess_jax.engine.runner import window_shape
 
 PLATFORMS = {"tpu": ("tpu", "TPU v6 lite"), "cuda": ("gpu", "NVIDIA H200")}  # --platform: jax's device platform, kind
@@ -121,7 +121,7 @@ class Abstract:
 
     graphdef: nnx.GraphDef
     params: nnx.State
-    layout: object  # the engine's CacheLayout
+    layout: CacheLayout
     cache: object  # the decode cache
     shardings: mesh.Layout | None  # the decode cache's (None: no --mesh)
     scratch: object  # the cache prefill pieces run on: the decode cache, or with ESS the prefill scratch
@@ -219,7 +219,7 @@ def export(cfg: ModelConfig, config, dtype: str, seed: int, target: Target, out:
         summary = {"target": {"platform": target.platform, "device_kind": target.kind, "mesh": str(target.shape),
                               "devices": target.shape.size},
                    "model": {"family": cfg.family, "num_layers": cfg.num_hidden_layers, "dtype": dtype},
-                   "engine": {k: str(v) if v is not None else None for k, v in dataclasses.asdict(config).items()},
+                   "engine": dataclasses.asdict(config),
                    "kernels": kernels, "steps": {}}
         for name, step in found.items():
             exported = export_step(name, step, target)

@@ -192,10 +192,18 @@ def start_processes(args: argparse.Namespace):
 
 
 def engine_config(args: argparse.Namespace, **overrides):
-    """The EngineConfig the shared flags describe, every flag checked before a model loads: the engine's
+    """The EngineConfig the shared flags describe, every flag checked before a model loads: ``flags_config``'s
+    checks, and the memory the cache needs at least (when ``--model`` names a config this can read without
+    loading weights) against the machine's."""
+    config = flags_config(args, **overrides)
+    check_before_load(args, config)
+    return config
+
+
+def flags_config(args: argparse.Namespace, **overrides):
+    """The EngineConfig the shared flags describe, checked without asking this machine: the engine's checks
     (``EngineConfig`` checks types, ranges and NaN / inf), ESS-only flags given with ``--offload none``, the
-    sampling and length flags of the entry points that have them, and the memory the cache needs at least
-    (when ``--model`` names a config this can read without loading weights) against the machine's."""
+    sampling and length flags of the entry points that have them."""
     from ess_jax.engine import EngineConfig
 
     given = getattr(args, "ess_only_flags", [])
@@ -203,13 +211,11 @@ def engine_config(args: argparse.Namespace, **overrides):
         raise ValueError(f"{' and '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --offload ess only; "
                          f"drop {'it' if len(given) == 1 else 'them'} or use --offload ess")
     check_run_flags(args)
-    config = EngineConfig(**dict(dict(
+    return EngineConfig(**dict(dict(
         max_batch=args.max_batch, page_size=args.page_size, num_pages=args.num_pages, max_seq_len=args.max_seq_len,
         prefill_chunk=args.prefill_chunk, offload=args.offload, pool_size=args.pool_size, pool_ratio=args.pool_ratio,
         fetch=args.fetch, host_cache_mb=args.host_cache_mb, kernels=args.kernels, cache_dtype=args.cache_dtype,
         index_dtype=args.index_dtype, mesh=args.mesh), **overrides))
-    check_before_load(args, config)
-    return config
 
 
 def check_run_flags(args: argparse.Namespace) -> None:

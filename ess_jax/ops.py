@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import jax
 import jax.numpy as jnp
 
+from ess_jax import mesh as device_mesh
 from ess_jax.pallas_kernels import fp8_rows
 from ess_jax.pallas_kernels import sparse_mla as sparse_mla_kernel
 from ess_jax.pallas_kernels import sparse_v4_attention as v4_kernel
@@ -154,6 +155,13 @@ def _kernel_knobs(mode: str) -> dict:
     return dict(target=target, interpret=bool(interpret))
 
 
+def _unpartitioned(kernel: Callable) -> Callable:
+    """A Pallas kernel call where every mesh axis is manual (``mesh.all_manual``): the partitioner cannot split a
+    Mosaic custom call, so on a mesh (``--mesh``: inside ``mesh.per_shard``, the ``expert`` axis still its own)
+    each device runs the whole call on its data shard's operands. No mesh: the call itself."""
+    return device_mesh.all_manual(kernel)
+
+
 def _identity_ids(valid_BTK: jax.Array) -> jax.Array:
     """Ids of gathered rows flattened to ``[B * T * K, W]``: row (b, t, k) is ``(b * T + t) * K + k``, -1 if invalid."""
     ids_BTK = jnp.arange(valid_BTK.size, dtype=jnp.int32).reshape(valid_BTK.shape)
@@ -208,8 +216,8 @@ def sparse_mla_pool(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, pool_PW: j
     if ids_BTK.shape[-1] == 0 or pool_PW.shape[0] == 0:
         return _empty(q_latent_BTNC)
     kernel = fp8_rows.sparse_mla_fp8 if pool_PW.dtype == jnp.uint8 else sparse_mla_kernel.sparse_mla
-    return kernel(q_latent_BTNC, q_rope_BTNR, pool_PW, ids_BTK.astype(jnp.int32), scale=scale,
-                  **_kernel_knobs(mode))
+    return _unpartitioned(lambda *args: kernel(*args, scale=scale, **_kernel_knobs(mode)))(
+        q_latent_BTNC, q_rope_BTNR, pool_PW, ids_BTK.astype(jnp.int32))
 
 
 def mla_attention(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, sources: list[RowSource], *, scale: float,
@@ -342,9 +350,9 @@ def sparse_sink_attention_pool(q_BTNH: jax.Array, window_PH: jax.Array, window_i
         return _empty(q_BTNH, sinks_N.astype(jnp.float32))
     (window, window_ids), *rest = sources
     entries, entry_ids = rest[0] if rest else (None, None)
-    return v4_kernel.sparse_v4_attention(q_BTNH, window, window_ids.astype(jnp.int32), entries,
-                                         None if entry_ids is None else entry_ids.astype(jnp.int32), sinks_N,
-                                         scale=scale, **_kernel_knobs(mode))
+    return _unpartitioned(lambda *args: v4_kernel.sparse_v4_attention(*args, scale=scale, **_kernel_knobs(mode)))(
+        q_BTNH, window, window_ids.astype(jnp.int32), entries,
+        None if entry_ids is None else entry_ids.astype(jnp.int32), sinks_N)
 
 
 def sink_attention(q_BTNH: jax.Array, window: RowSource | None, entries: list[RowSource], sinks_N: jax.Array, *,

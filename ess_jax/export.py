@@ -1,0 +1,266 @@
+"""``python -m ess_jax.export``: the engine's compiled steps lowered for a TPU or an NVIDIA GPU on a machine
+without one (DOMAIN.md §7), written as ``jax.export`` artifacts.
+
+    python -m ess_jax.export --platform tpu|cuda [--device-kind KIND] --model NAME|DIR [--num-layers N]
+        [the engine flags: --offload, --mesh, --kernels, --max-batch, --max-seq-len, ...] --out DIR
+
+The target is an abstract mesh of ``--mesh``'s shape (one device without it) whose devices are abstract devices
+of ``--device-kind`` (default: TPU v6 lite; NVIDIA H200): ``--kernels auto`` chooses for them
+(``ops.resolve_kernels``). Every argument is a shape, nothing is allocated, so DeepSeek's full shapes lower here:
+the parameters from ``nnx.eval_shape`` in the runner's shardings (``mesh.param_sharding``), the caches from the
+engine's cache builders traced (``offload.MODES[...].decode_cache``, the ESS prefill scratch) in the runner's
+shardings (``mesh.shard_axes``, ``mesh.cache_shardings``), each array in the memory kind its builder gives it (the
+ESS host store: ``pinned_host``). The steps are the engine's own (``ess_jax.engine.steps``) with the runner's
+static arguments: ``decode``, ``prefill_T`` for each piece size T (``steps.piece_sizes``), and with ``--offload ess``
+``handoff``, ``release`` and ``flush``.
+
+``DIR/STEP.jax_export`` holds each step's ``Exported.serialize()`` (``jax.export.deserialize`` reads it back on the
+target, whose ``call`` runs it); ``DIR/summary.json`` the target, the kernels used and per step its file, the
+custom calls in its program (name: count) and its argument and output bytes per device by memory kind (an
+argument without a sharding, the host-made step metadata, counted whole). A step that does not lower for the
+target: exit 2, the step, the target and the lowering's message on standard error."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import re
+import sys
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding, PartitionSpec
+
+from ess_jax import cli, families, mesh, ops
+from ess_jax.api import DTYPES
+from ess_jax.cache import StepMeta
+from ess_jax.config import ModelConfig, resolve_model
+from ess_jax.engine import offload, steps
+from ess_jax.engine.layout import CacheLayout, cache_layout
+from ess_jax.engine.runner import window_shape
+
+PLATFORMS = {"tpu": ("tpu", "TPU v6 lite"), "cuda": ("gpu", "NVIDIA H200")}  # --platform: jax's device platform, kind
+GPU_CALLS = ("mosaic_gpu_v2",)  # the Mosaic GPU kernels' custom call: jax.export serializes it only when told to
+I32 = jnp.int32
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What the steps are lowered for: ``platform`` ("tpu" or "cuda"), the devices' kind, the mesh's shape."""
+
+    platform: str
+    kind: str
+    shape: mesh.MeshShape
+
+    @property
+    def mesh(self) -> AbstractMesh:
+        device = AbstractDevice(device_kind=self.kind, num_cores=1 if self.platform == "tpu" else None,
+                                platform=PLATFORMS[self.platform][0])
+        return AbstractMesh(tuple(getattr(self.shape, a) for a in mesh.AXES), mesh.AXES,
+                            axis_types=(AxisType.Auto,) * len(mesh.AXES), abstract_device=device)
+
+    def __str__(self) -> str:
+        return f"{self.kind} ({self.platform}, mesh {self.shape})"
+
+
+class StepError(Exception):
+    """A step that does not lower for the target."""
+
+
+def shaped(x, sharding=None) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def model_config(name: str, num_layers: int | None) -> ModelConfig:
+    """``--model``'s config, cut to its first ``num_layers`` layers when given."""
+    raw = resolve_model(name).raw_config()
+    return ModelConfig.from_hf_dict(dict(raw, num_hidden_layers=num_layers) if num_layers else raw)
+
+
+def abstract_cache(make, size: families.CacheSize, config, target: Target):
+    """The cache ``make(size)`` as shapes in the shardings the runner commits it to (``Runner.build``), each
+    array in the memory kind ``make`` gives it; and the steps' static shardings (None without ``--mesh``)."""
+    closed, shapes = jax.make_jaxpr(lambda: make(size), return_shape=True)()
+    leaves, treedef = jax.tree.flatten(shapes)
+    kinds = ["pinned_host" if a.memory_space == jax.memory.Space.Host else None for a in closed.out_avals]
+    kinded = [shaped(x, NamedSharding(target.mesh, PartitionSpec(), memory_kind=k)) for x, k in zip(leaves, kinds)]
+    axes = mesh.shard_axes(lambda rows, pages: make(dataclasses.replace(size, rows=rows, pages=pages)))
+    shardings = mesh.cache_shardings(jax.tree.unflatten(treedef, kinded), axes, target.mesh)
+    cache = jax.tree.map(shaped, shapes, shardings)
+    return cache, mesh.Layout.of(shardings) if config.mesh else None
+
+
+def sampling(rows: int) -> steps.SamplingBatch:
+    return steps.SamplingBatch(*(jax.ShapeDtypeStruct((rows,), d) for d in (jnp.float32, I32, jnp.float32,
+                                                                             jnp.uint32, I32)))
+
+
+def meta(rows: int, tokens: int, pages: int) -> StepMeta:
+    return StepMeta(jax.ShapeDtypeStruct((rows, tokens), I32), jax.ShapeDtypeStruct((rows, tokens), bool),
+                    jax.ShapeDtypeStruct((rows, pages), I32), jax.ShapeDtypeStruct((rows,), I32))
+
+
+class Step(NamedTuple):
+    """One engine step as the engine calls it: ``step(*static, *args, **kwargs)``, its results in ``out``."""
+
+    step: Callable
+    static: tuple
+    args: tuple  # jax.ShapeDtypeStructs, in the runner's shardings and memory kinds
+    kwargs: dict
+    out: tuple  # the results' shardings, as the engine's step returns them (a pytree prefix of the results)
+
+
+@dataclasses.dataclass(frozen=True)
+class Abstract:
+    """An engine's parameters, caches and window as shapes, and its steps' static shardings (``Runner``, ``Ess``)."""
+
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    layout: CacheLayout
+    cache: object  # the decode cache
+    shardings: mesh.Layout | None  # the decode cache's (None: no --mesh)
+    scratch: object  # the cache prefill pieces run on: the decode cache, or with ESS the prefill scratch
+    scratch_shardings: mesh.Layout | None
+    window: jax.ShapeDtypeStruct  # i32[L, D, Q, K]
+
+
+def abstract_engine(cfg: ModelConfig, config, dtype: str, seed: int, target: Target) -> Abstract:
+    """What ``Engine(model, config)`` builds on the target's devices, as shapes (``Runner.__init__``, ``Ess``)."""
+    module = nnx.eval_shape(lambda: families.get(cfg.family).module_cls(cfg, dtype=DTYPES[dtype],
+                                                                       rngs=nnx.Rngs(seed)))
+    graphdef, params = nnx.split(module)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: shaped(x, mesh.param_sharding(target.mesh, mesh.path_names(path), x.shape)), params)
+    layout = cache_layout(cfg, config, jnp.dtype(module.dtype).name)
+    mode, family = offload.MODES[config.offload], families.get(cfg.family)
+    cache, shardings = abstract_cache(lambda size: mode.decode_cache(module, size, config, layout), layout.size,
+                                      config, target)
+    scratch, scratch_shardings = cache, shardings
+    if config.offload == "ess":
+        entries = offload.entry_dtype(module, config)
+        scratch, scratch_shardings = abstract_cache(lambda size: family.resident_cache(module, size, entries),
+                                                    offload.Ess.scratch_size(layout.size), config, target)
+    window = jax.ShapeDtypeStruct(window_shape(module, layout, config.kernels), I32,
+                                  sharding=NamedSharding(target.mesh, steps.LAYER_ROWS))
+    return Abstract(graphdef, params, layout, cache, shardings, scratch, scratch_shardings, window)
+
+
+def engine_steps(cfg: ModelConfig, config, engine: Abstract, target: Target) -> dict[str, Step]:
+    """Each step the engine compiles, by name, called as the runner and the offload mode call it
+    (``Runner.compile_decode``, ``Runner.prefill``, ``Ess``)."""
+    b, d, x = config.max_batch, engine.layout.size.shards, engine.layout.pages_per_row
+    static, family = (engine.graphdef, config.kernels), families.get(cfg.family)
+    rows = NamedSharding(target.mesh, steps.ROWS if config.mesh else PartitionSpec())
+    cache_out, scratch_out = (jax.tree.map(lambda a: a.sharding, c) for c in (engine.cache, engine.scratch))
+    found = {"decode": Step(steps.decode, static, (engine.params, jax.ShapeDtypeStruct((b, 1), I32), meta(b, 1, x),
+                                                   engine.cache, sampling(b)),
+                            dict(shardings=engine.shardings), (rows, rows, cache_out))}
+    for t in steps.piece_sizes(config.prefill_chunk):
+        found[f"prefill_{t}"] = Step(
+            steps.prefill, static, (engine.params, jax.ShapeDtypeStruct((d, t), I32), meta(d, t, x), engine.scratch,
+                                    sampling(d), engine.window),
+            dict(shardings=engine.scratch_shardings), (rows, rows, engine.window.sharding, scratch_out))
+    if config.offload == "ess":
+        table, row = jax.ShapeDtypeStruct((d, x), I32), jax.ShapeDtypeStruct((d,), I32)
+        found["handoff"] = Step(steps.handoff, (family,), (engine.cache, engine.scratch, table, table, row, row,
+                                                           engine.window),
+                                dict(shardings=engine.shardings, scratch_shardings=engine.scratch_shardings),
+                                cache_out)
+        found["release"] = Step(steps.release, (family,), (engine.cache, row, table),
+                                dict(shardings=engine.shardings), cache_out)
+        found["flush"] = Step(steps.flush, (family,), (engine.cache,), dict(shardings=engine.shardings), cache_out)
+    return found
+
+
+def export_step(name: str, step: Step, target: Target) -> jax.export.Exported:
+    """``step`` exported for the target over the leaves of its arguments, returning the leaves of its results
+    (an artifact a caller feeds from its own pytrees, whatever their types); StepError with the lowering's
+    message."""
+    leaves, treedef = jax.tree.flatten(step.args)
+    flat = jax.jit(lambda *leaves: jax.tree.leaves(step.step(*step.static, *jax.tree.unflatten(treedef, leaves),
+                                                             **step.kwargs)),
+                   out_shardings=jax.tree.leaves(step.out))
+    checks = [jax.export.DisabledSafetyCheck.custom_call(c) for c in GPU_CALLS] if target.platform == "cuda" else []
+    try:
+        return jax.export.export(flat, platforms=[target.platform], disabled_checks=checks)(*leaves)
+    except Exception as e:  # whatever the lowering raises, reported with the step and the target
+        raise StepError(f"the {name} step does not lower for {target}: {type(e).__name__}: {e}") from e
+
+
+def bytes_per_device(avals, shardings) -> dict[str, int]:
+    """Bytes of each memory kind one device holds of arrays ``avals`` in ``shardings`` (None: whole)."""
+    total = collections.Counter()
+    for aval, sharding in zip(avals, shardings):
+        shape = sharding.shard_shape(aval.shape) if sharding is not None else aval.shape
+        kind = "pinned_host" if aval.memory_space == jax.memory.Space.Host else "device"
+        total[kind] += math.prod(shape) * aval.dtype.itemsize
+    return dict(total)
+
+
+def describe(exported: jax.export.Exported, target: Target) -> dict:
+    """The summary of one step: its custom calls (name: count) and bytes per device."""
+    calls = collections.Counter(re.findall(r"stablehlo\.custom_call @(\w+)", exported.mlir_module()))
+    return {"custom_calls": dict(sorted(calls.items())),
+            "argument_bytes_per_device": bytes_per_device(exported.in_avals, exported.in_shardings_jax(target.mesh)),
+            "output_bytes_per_device": bytes_per_device(exported.out_avals, exported.out_shardings_jax(target.mesh))}
+
+
+def export(cfg: ModelConfig, config, dtype: str, seed: int, target: Target, out: Path) -> dict:
+    """Every engine step exported for ``target`` into ``out``, and the summary (also ``out/summary.json``)."""
+    with jax.sharding.use_abstract_mesh(target.mesh):
+        kernels = ops.resolve_kernels(config.kernels)
+        found = engine_steps(cfg, config, abstract_engine(cfg, config, dtype, seed, target), target)
+        out.mkdir(parents=True, exist_ok=True)
+        summary = {"target": {"platform": target.platform, "device_kind": target.kind, "mesh": str(target.shape),
+                              "devices": target.shape.size},
+                   "model": {"family": cfg.family, "num_layers": cfg.num_hidden_layers, "dtype": dtype},
+                   "engine": dataclasses.asdict(config),
+                   "kernels": kernels, "steps": {}}
+        for name, step in found.items():
+            exported = export_step(name, step, target)
+            (out / f"{name}.jax_export").write_bytes(exported.serialize())
+            summary["steps"][name] = {"file": f"{name}.jax_export", **describe(exported, target)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def parse_args(argv: list[str] | None):
+    p = cli.Parser("python -m ess_jax.export", __doc__, compile_cache=False)
+    p.add_argument("--platform", choices=sorted(PLATFORMS), required=True, help="the target's platform")
+    p.add_argument("--device-kind", default=None,
+                   help="the target devices' kind, as jax reports it (default: TPU v6 lite; NVIDIA H200), e.g. "
+                        "'NVIDIA A100', 'TPU v5 lite': --kernels auto chooses for it")
+    p.add_argument("--num-layers", type=int, default=None, help="export the model's first N layers only")
+    p.add_argument("--out", type=Path, required=True, help="directory the artifacts and summary.json are written to")
+    cli.add_model_flag(p)
+    cli.add_engine_flags(p)
+    return p, p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser, args = parse_args(argv)
+    try:
+        if args.weights != "dequantized":
+            raise ValueError("--weights release: the export lowers the dequantized weights' shapes only")
+        if args.num_layers is not None and args.num_layers < 1:
+            raise ValueError(f"--num-layers {args.num_layers} must be >= 1")
+        config = cli.flags_config(args)
+        shape = mesh.parse(config.mesh) if config.mesh else mesh.MeshShape()
+        target = Target(args.platform, args.device_kind or PLATFORMS[args.platform][1], shape)
+        summary = export(model_config(args.model, args.num_layers), config, args.dtype, args.weights_seed, target,
+                         args.out)
+    except (ValueError, StepError) as e:
+        parser.error(str(e))
+    for name, step in summary["steps"].items():
+        print(f"{name}: {step['custom_calls']} arguments {step['argument_bytes_per_device']} outputs "
+              f"{step['output_bytes_per_device']} bytes per device")
+    print(f"kernels {summary['kernels']}; {len(summary['steps'])} steps for {target} in {args.out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -137,14 +137,10 @@ def abstract_engine(cfg: ModelConfig, config, dtype: str, seed: int, target: Tar
     params = jax.tree_util.tree_map_with_path(
         lambda path, x: shaped(x, mesh.param_sharding(target.mesh, mesh.path_names(path), x.shape)), params)
     layout = cache_layout(cfg, config, jnp.dtype(module.dtype).name)
-    mode, family = offload.MODES[config.offload], families.get(cfg.family)
+    mode = offload.MODES[config.offload]
     cache, shardings = abstract_cache(lambda size: mode.decode_cache(module, size, config, layout), layout.size,
                                       config, target)
-    scratch, scratch_shardings = cache, shardings
-    if config.offload == "ess":
-        entries = offload.entry_dtype(module, config)
-        scratch, scratch_shardings = abstract_cache(lambda size: family.resident_cache(module, size, entries),
-                                                    offload.Ess.scratch_size(layout.size), config, target)
+    scratch, scratch_shardings = abstract_cache(*mode.prefill_cache(module, config, layout), config, target)
     window = jax.ShapeDtypeStruct(window_shape(module, layout, config.kernels), I32,
                                   sharding=NamedSharding(target.mesh, steps.LAYER_ROWS))
     return Abstract(graphdef, params, layout, cache, shardings, scratch, scratch_shardings, window)
@@ -165,16 +161,16 @@ def engine_steps(cfg: ModelConfig, config, engine: Abstract, target: Target) -> 
             steps.prefill, static, (engine.params, jax.ShapeDtypeStruct((d, t), I32), meta(d, t, x), engine.scratch,
                                     sampling(d), engine.window),
             dict(shardings=engine.scratch_shardings), (rows, rows, engine.window.sharding, scratch_out))
-    if config.offload == "ess":
-        table, row = jax.ShapeDtypeStruct((d, x), I32), jax.ShapeDtypeStruct((d,), I32)
-        found["handoff"] = Step(steps.handoff, (family,), (engine.cache, engine.scratch, table, table, row, row,
+    table, row = jax.ShapeDtypeStruct((d, x), I32), jax.ShapeDtypeStruct((d,), I32)
+    moves = {  # the offload mode's own steps
+        "handoff": lambda: Step(steps.handoff, (family,), (engine.cache, engine.scratch, table, table, row, row,
                                                            engine.window),
                                 dict(shardings=engine.shardings, scratch_shardings=engine.scratch_shardings),
-                                cache_out)
-        found["release"] = Step(steps.release, (family,), (engine.cache, row, table),
-                                dict(shardings=engine.shardings), cache_out)
-        found["flush"] = Step(steps.flush, (family,), (engine.cache,), dict(shardings=engine.shardings), cache_out)
-    return found
+                                cache_out),
+        "release": lambda: Step(steps.release, (family,), (engine.cache, row, table), dict(shardings=engine.shardings),
+                                cache_out),
+        "flush": lambda: Step(steps.flush, (family,), (engine.cache,), dict(shardings=engine.shardings), cache_out)}
+    return found | {name: moves[name]() for name in offload.MODES[config.offload].steps}
 
 
 def export_step(name: str, step: Step, target: Target) -> jax.export.Exported:

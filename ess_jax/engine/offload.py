@@ -62,10 +62,17 @@ class Resident:
     def sizes(cfg, config: EngineConfig, size: families.CacheSize, parts, *, lower_bound: bool) -> Sizes:
         return Sizes(size, None, families.resident_bytes(parts, size, size.pages), 0)
 
+    steps: tuple[str, ...] = ()  # the mode's own jitted steps (``ess_jax.engine.steps``) beside prefill and decode
+
     @staticmethod
     def decode_cache(module, size: families.CacheSize, config: EngineConfig, layout: CacheLayout):
         return families.get(module.cfg.family).resident_cache(module, size, entry_dtype(module, config),
                                                               config.index_dtype)
+
+    @staticmethod
+    def prefill_cache(module, config: EngineConfig, layout: CacheLayout):
+        """What prompts prefill on, as a builder of it and its size: the decode cache itself."""
+        return (lambda size: Resident.decode_cache(module, size, config, layout)), layout.size
 
     def __init__(self, runner: Runner, layout: CacheLayout, stats: EngineStats):
         self.runner = runner
@@ -130,6 +137,15 @@ class Ess:
         pages_per_row = -(-size.max_seq_len // size.page_size)
         return dataclasses.replace(size, rows=size.shards, pages=size.shards * (pages_per_row + 1))
 
+    steps: tuple[str, ...] = ("handoff", "release", "flush")
+
+    @staticmethod
+    def prefill_cache(module, config: EngineConfig, layout: CacheLayout):
+        """What prompts prefill on, as a builder of it and its size: every part resident, a row per data shard."""
+        family, dtype = families.get(module.cfg.family), entry_dtype(module, config)
+        return (lambda size: family.resident_cache(module, size, dtype, config.index_dtype)), Ess.scratch_size(
+            layout.size)
+
     @staticmethod
     def decode_cache(module, size: families.CacheSize, config: EngineConfig, layout: CacheLayout):
         return families.get(module.cfg.family).offloaded_cache(
@@ -140,11 +156,8 @@ class Ess:
         self.runner, self.layout, self.stats = runner, layout, stats
         module = runner.model.module
         self.family = families.get(module.cfg.family)
-        dtype = entry_dtype(module, runner.config)
         with runner.on_mesh():
-            self.scratch, self.scratch_shardings = runner.build(
-                lambda size: self.family.resident_cache(module, size, dtype, runner.config.index_dtype),
-                Ess.scratch_size(layout.size))
+            self.scratch, self.scratch_shardings = runner.build(*Ess.prefill_cache(module, runner.config, layout))
 
     def _scratch_table(self, pages_X: np.ndarray) -> np.ndarray:
         """A prompt's scratch pages: 1..n where it has pages."""

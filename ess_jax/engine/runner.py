@@ -107,7 +107,7 @@ class Runner:
         logits = mesh.host_array(logits_DV) if wanted else None
         scored = {}
         if scores is not None:
-            fields = [mesh.host_array(x) for x in (scores.logprob_BT, scores.rank_BT, scores.top_ids_BTK, scores.top_BTK)]
+            fields = [mesh.host_array(x) for x in jax.tree.leaves(scores)]  # in PromptScores' field order
             scored = {s: tuple(x[s, :len(piece.targets)] for x in fields) for s, piece in group.slices.items()
                       if piece.prompt_logprobs is not None}
         return PrefillResult(sampled, {s: logits[s] for s in wanted}, scored), cache

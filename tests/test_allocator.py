@@ -189,7 +189,7 @@ class AdmissionMachine(RuleBasedStateMachine):
     @rule(prompt_len=st.integers(0, 80), max_new=st.integers(0, 40))
     def submit(self, prompt_len, max_new):
         alloc = self.adm.allocators[0]
-        fits = (prompt_len >= 1 and max_new >= 1 and prompt_len + max_new <= 96
+        fits = (prompt_len >= 1 and max_new >= 0 and prompt_len + max_new <= 96
                 and alloc.pages_for(prompt_len + max_new) <= alloc.capacity)
         if fits:
             self.adm.submit(self.next_id, prompt_len, max_new)

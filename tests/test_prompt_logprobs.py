@@ -84,3 +84,22 @@ def test_bad_prompt_logprobs_requests_are_refused_naming_the_field(kwargs, match
     with pytest.raises(ValueError, match=match):
         eng.add_request([1, 2, 3], **kwargs)
     assert not eng.has_unfinished()
+
+
+def test_loglikelihood_scores_continuations_as_the_full_forward():
+    """``ess_jax.loglikelihood`` (lm-eval's contract, no server): each continuation's summed log-probability after
+    its context and whether it is greedy, against the full forward; the greedy continuation found greedy."""
+    m = model("v32")
+    context = prompt(63, 3)  # with its continuations: pieces of 64, the size the tests above compiled
+    full = full_logprobs(m, context)
+    greedy = [int(np.argmax(full[-1]))]
+    pairs = [(context, greedy), (prompt(100, 4), prompt(28, 5))]
+    got = ess_jax.loglikelihood(m, pairs, engine=ONLINE["resident"])
+    for (ctx, cont), (logprob, is_greedy) in zip(pairs, got):
+        full = full_logprobs(m, ctx + cont)
+        rows = full[np.arange(len(ctx) - 1, len(ctx) + len(cont) - 1)]
+        np.testing.assert_allclose(logprob, rows[np.arange(len(cont)), cont].sum(), atol=1e-4)
+        assert is_greedy == bool((rows.argmax(-1) == cont).all())
+    assert [g for _, g in got] == [True, False]
+    with pytest.raises(ValueError, match="request 1: the continuation is empty"):
+        ess_jax.loglikelihood(m, [(context, greedy), (context, [])])

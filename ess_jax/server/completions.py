@@ -66,11 +66,7 @@ def vllm_prompt_logprobs(tokenizer, scores: list, top: int) -> list[dict | None]
     return out
 
 
-def choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def scored_choice(ctx: ServeContext, body: CompletionBody, index: int, prompt_ids: list[int], echo: str,
+def choice(ctx: ServeContext, body: CompletionBody, index: int, prompt_ids: list[int], echo: str,
                   piece: Piece, offset: int) -> tuple[dict, int]:
     """A choice (or a stream's chunk of one) of ``piece``: its echo in front, the prompt's rows leading its
     ``logprobs`` when it carries the prompt's scores and echoes, vLLM's ``prompt_logprobs`` when asked; and the
@@ -82,7 +78,7 @@ def scored_choice(ctx: ServeContext, body: CompletionBody, index: int, prompt_id
             rows = prompt_rows(ctx.tokenizer, prompt_ids, piece.prompt_logprobs, body.logprobs)
         rows += [token_logprobs(ctx.tokenizer, lp, body.logprobs) for lp in piece.logprobs or []]
         logprobs, offset = logprob_block(rows, offset)
-    out = choice(index, echo + piece.text, logprobs, piece.finish_reason)
+    out = {"index": index, "text": echo + piece.text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
     if body.prompt_logprobs is not None and piece.prompt_logprobs is not None:
         out["prompt_logprobs"] = vllm_prompt_logprobs(ctx.tokenizer, piece.prompt_logprobs, body.prompt_logprobs)
     return out, offset
@@ -102,7 +98,7 @@ async def completions(ctx: ServeContext, body: CompletionBody, disconnected: Dis
     if body.stream:
         return events(ctx, body, head, prompts, streams, echoes)
     pieces = await asyncio.gather(*(collect(s) for s in streams))
-    choices = [scored_choice(ctx, body, i, ids, echo, p, 0)[0]
+    choices = [choice(ctx, body, i, ids, echo, p, 0)[0]
                for i, (ids, echo, p) in enumerate(zip(prompts, echoes, pieces))]
     return dict(head, choices=choices,
                 usage=usage(sum(map(len, prompts)), sum(len(p.token_ids) for p in pieces)))
@@ -119,7 +115,7 @@ async def events(ctx: ServeContext, body: CompletionBody, head: dict, prompts: l
             tokens[index] += len(piece.token_ids)
             echo = "" if started[index] else echoes[index]
             started[index] = True
-            out, offsets[index] = scored_choice(ctx, body, index, prompts[index], echo, piece, offsets[index])
+            out, offsets[index] = choice(ctx, body, index, prompts[index], echo, piece, offsets[index])
             chunk = dict(head, choices=[out])
             if body.include_usage:
                 chunk["usage"] = usage(len(prompts[index]), tokens[index]) if body.continuous_usage else None

@@ -9,6 +9,9 @@ import pytest
 
 import ess_jax
 from ess_jax.engine import MAX_PROMPT_LOGPROBS, Engine
+from ess_jax.engine.request import make_request
+from ess_jax.engine.scheduler import EngineStats, PrefillResult, Scheduler
+from ess_jax.sampling import SamplingParams
 from helpers import FIXTURES, ONLINE
 
 FAMILIES = {"v32": FIXTURES / "hf-v32-a", "v4": FIXTURES / "hf-v4-a"}
@@ -74,7 +77,8 @@ def test_prompt_logprobs_equal_the_full_forward(family, mode):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(max_new_tokens=0), r"max_new_tokens=0 must be an integer >= 1 \(0 only with prompt_logprobs"),
-    (dict(max_new_tokens=1, prompt_logprobs=MAX_PROMPT_LOGPROBS + 1), r"prompt_logprobs=21 must be an integer in \[0, 20\]"),
+    (dict(max_new_tokens=1, prompt_logprobs=MAX_PROMPT_LOGPROBS + 1),
+     r"prompt_logprobs=21 must be an integer in \[0, 20\]"),
     (dict(max_new_tokens=1, prompt_logprobs=-1), r"prompt_logprobs=-1 must be"),
     (dict(max_new_tokens=1, prompt_logprobs=True), r"prompt_logprobs=True must be"),
     (dict(max_new_tokens=-1, prompt_logprobs=0), r"max_new_tokens=-1 must be an integer >= 1"),
@@ -103,3 +107,29 @@ def test_loglikelihood_scores_continuations_as_the_full_forward():
     assert [g for _, g in got] == [True, False]
     with pytest.raises(ValueError, match="request 1: the continuation is empty"):
         ess_jax.loglikelihood(m, [(context, greedy), (context, [])])
+
+
+def test_the_scheduler_scores_each_piece_against_the_next_prompt_tokens():
+    """Host only: each piece's targets are the prompt tokens after its positions (the last piece one fewer), a
+    request of no new tokens ends after its last piece with no token and its prompt's scores in its output."""
+    s = Scheduler(ONLINE["resident"], shards=1, pages=40, pages_per_row=38, max_seq_len=606, stats=EngineStats())
+    ids = prompt(70, 9)  # pieces 64, 4, 2
+    s.inbox.add(make_request(model("v32").tokenizer, [], ids, 0, SamplingParams(), prompt_logprobs=1), s.check(70, 0))
+    s.take_inbox()
+    pieces = []
+    for _ in range(3):
+        for group in s.schedule_prefill():
+            [piece] = group.slices.values()
+            pieces.append((piece.start, piece.targets))
+            n = len(piece.targets)  # scores: logprob -t, rank 1, top the target itself
+            scores = (-np.asarray(piece.targets, np.float32), np.ones(n, np.int32),
+                      np.asarray(piece.targets, np.int32)[:, None], -np.asarray(piece.targets, np.float32)[:, None])
+            released = s.update_prefill(group, PrefillResult(np.zeros(1, np.int32), {}, {0: scores}))
+            assert len(released) == piece.last  # its row and pages, after its last piece
+    assert pieces == [(0, tuple(ids[1:65])), (64, tuple(ids[65:69])), (68, tuple(ids[69:70]))]
+    [out] = s.outputs()
+    assert (out.new_token_ids, out.finished, out.finish_reason) == ([], True, "length")
+    assert out.prompt_logprobs[0] is None
+    assert [(lp.token_id, lp.logprob, lp.top) for lp in out.prompt_logprobs[1:]] == [(t, -t, ((t, -t),))
+                                                                                     for t in ids[1:]]
+    assert not s.inbox.has_unfinished()

@@ -257,8 +257,7 @@ class Scheduler:
             if piece.prompt_logprobs is not None:
                 request.prompt_scores += prompt_token_logprobs(piece.targets, *result.scores[shard],
                                                                piece.prompt_logprobs)
-            if piece.last and request.max_new_tokens == 0:
-                self._prefilling = deque(e for e in self._prefilling if e.request_id != piece.request_id)
+            if piece.last and request.max_new_tokens == 0:  # (finish drops it from the prefilling queue)
                 self._new.setdefault(piece.request_id, (request, []))
                 released += self.finish(piece.request_id, "length")
             elif piece.last:

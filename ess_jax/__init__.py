@@ -14,6 +14,7 @@ _EXPORTS = {
     "Result": "ess_jax.api",
     "generate": "ess_jax.api",
     "load_model": "ess_jax.api",
+    "loglikelihood": "ess_jax.api",
     "Engine": "ess_jax.engine",
     "EngineConfig": "ess_jax.engine",
     "RequestOutput": "ess_jax.engine",

@@ -165,14 +165,14 @@ class Admission:
 
     def check(self, request_id: Hashable, prompt_len: int, max_new_tokens: int) -> int:
         """The pages a request reserves; raises ``ValueError`` when it could never run: an empty prompt,
-        ``max_new_tokens < 1``, more positions than the model has, or more pages than the whole pool.
+        ``max_new_tokens < 0``, more positions than the model has, or more pages than the whole pool.
         Reads only the pool's fixed size, so any thread may call it. ``request_id`` None: a request not
         yet queued (its messages say "the request")."""
         who = "the request" if request_id is None else f"request {request_id!r}"
         if prompt_len < 1:
             raise ValueError(f"{who} has an empty prompt ({prompt_len=})")
-        if max_new_tokens < 1:
-            raise ValueError(f"{who}: {max_new_tokens=} must be >= 1")
+        if max_new_tokens < 0:
+            raise ValueError(f"{who}: {max_new_tokens=} must be >= 0")
         tokens = prompt_len + max_new_tokens
         if tokens > self.max_position_embeddings:
             raise ValueError(

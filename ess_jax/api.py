@@ -1,4 +1,4 @@
-"""The Python API: ``load_model``, ``Model.logits`` and ``generate``."""
+"""The Python API: ``load_model``, ``Model.logits``, ``generate`` and ``loglikelihood``."""
 
 from __future__ import annotations
 
@@ -156,3 +156,35 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
     outputs = [r.output_ids for r in requests]
     return Result(outputs, [model.tokenizer.decode(o) for o in outputs], [r.finish_reason for r in requests], metrics,
                   server.layout.pool_slots)
+
+
+def loglikelihood(model: Model, requests: Sequence[tuple[Sequence[int], Sequence[int]]], *,
+                  engine: EngineConfig = EngineConfig()) -> list[tuple[float, bool]]:
+    """lm-evaluation-harness's ``loglikelihood`` contract on token ids, without a server: for each ``(context,
+    continuation)`` the continuation's log-probability after the context (natural log, summed over its tokens)
+    and whether it is the greedy one (each of its tokens the most likely, the lower id first on ties). Scored
+    by the engine's prompt log-probabilities (``Engine.add_request(..., prompt_logprobs=0)``: context and
+    continuation as one prompt, prefilled in pieces, nothing generated), every request batched, the engine
+    sized to the workload as ``generate`` sizes it (``engine.offload="ess"`` for the host tier)."""
+    pairs = [([int(t) for t in context], [int(t) for t in continuation]) for context, continuation in requests]
+    if not pairs:
+        raise ValueError("no requests given")
+    for i, (context, continuation) in enumerate(pairs):
+        if not context or not continuation:
+            what = "context" if not context else "continuation"
+            raise ValueError(f"request {i}: the {what} is empty; a context needs one token at least (lm-eval "
+                             "puts the eot token there) and a continuation one to score")
+    longest = max(len(c) + len(x) for c, x in pairs)
+    engine = dataclasses.replace(engine, max_batch=device_mesh.batch_rows(len(pairs), engine.max_batch, engine.mesh),
+                                 max_seq_len=engine.max_seq_len or min(longest, model.cfg.max_position_embeddings))
+    server = Engine(model, engine)
+    for i, (context, continuation) in enumerate(pairs):
+        try:
+            server.add_request(context + continuation, 0, prompt_logprobs=1)
+        except ValueError as e:
+            raise ValueError(f"request {i}: {e}") from None
+    out = []
+    for (context, _), request in zip(pairs, server.run()):
+        scored = request.prompt_scores[len(context):]
+        out.append((sum(lp.logprob for lp in scored), all(lp.top[0][0] == lp.token_id for lp in scored)))
+    return out

@@ -521,8 +521,8 @@ def topk_trace(model, prompt: list[int], steps: int, *, chunk: int, page_size: i
         if window is None:  # the window's shape: the top-k ids of the model's layers that select
             ids_LBTK = jax.eval_shape(lambda t, m, c: module.step(t, m, c, kernels=kernels)[1], tokens, meta, cache)
             window = jnp.full((ids_LBTK.shape[0], 1, tier.WARMUP_QUERIES, ids_LBTK.shape[3]), -1, jnp.int32)
-        token, _, window, cache = engine_steps.prefill(model.graphdef, kernels, model.params, tokens, meta, cache,
-                                                       greedy, window)
+        token, _, _, window, cache = engine_steps.prefill(model.graphdef, kernels, model.params, tokens, meta, cache,
+                                                          greedy, window, jnp.zeros_like(tokens))
         start += real
     warm_LTK = np.asarray(window[:, 0])
     token, m = int(token[0]), part.tokens_per_row

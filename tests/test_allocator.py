@@ -78,7 +78,7 @@ def make_admission(num_pages=9, page_size=4, max_batch=3, max_position_embedding
 
 @pytest.mark.parametrize("prompt_len, max_new, match", [
     (0, 4, "empty prompt"),
-    (4, 0, "max_new_tokens=0 must be >= 1"),
+    (4, -1, "max_new_tokens=-1 must be >= 0"),
     (60, 5, r"prompt \(60 tokens\) \+ max_new_tokens \(5\) = 65 exceeds the 64 tokens"),
     (30, 3, r"needs 9 pages \(33 tokens at page size 4\) but the pool has 8 allocatable pages \(32 tokens\); "
             "raise --num-pages to at least 10"),
@@ -189,7 +189,7 @@ class AdmissionMachine(RuleBasedStateMachine):
     @rule(prompt_len=st.integers(0, 80), max_new=st.integers(0, 40))
     def submit(self, prompt_len, max_new):
         alloc = self.adm.allocators[0]
-        fits = (prompt_len >= 1 and max_new >= 1 and prompt_len + max_new <= 96
+        fits = (prompt_len >= 1 and max_new >= 0 and prompt_len + max_new <= 96
                 and alloc.pages_for(prompt_len + max_new) <= alloc.capacity)
         if fits:
             self.adm.submit(self.next_id, prompt_len, max_new)

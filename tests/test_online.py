@@ -284,7 +284,7 @@ def test_logprobs_follow_the_logits():
 @pytest.mark.parametrize("family,mode", COMBOS)
 def test_nothing_compiles_after_warm_up(family, mode):
     """After ``warm_up`` a mixed workload lowers no program: prompts of several lengths (every piece size),
-    two finishing their prefill in one step, two waiting for a row, an abort mid-decode, requests leaving
+    one scoring its prompt and ending after its prefill, two finishing their prefill in one step, two waiting for a row, an abort mid-decode, requests leaving
     while others decode. Every compiled program is dropped first (``jax.clear_caches``), so the warm-up
     alone must have made what the workload runs (the earlier tests' compiles come back from the persistent
     cache, so it stays cheap)."""
@@ -298,6 +298,8 @@ def test_nothing_compiles_after_warm_up(family, mode):
             lowered.append(event)
 
     def on_step(step, ids):
+        if step == 1:  # prompt log-probabilities over several pieces, no new tokens: the scored prefill steps
+            ids["e"] = eng.add_request(prompt(70, 5), 0, prompt_logprobs=2)
         if step == 3:
             eng.abort(ids["b"])
 
@@ -308,5 +310,5 @@ def test_nothing_compiles_after_warm_up(family, mode):
         got, reasons = drive(eng, arrivals, on_step)
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
-    assert reasons == {"a": "length", "b": "abort", "c": "length", "d": "length"}
+    assert reasons == {"a": "length", "b": "abort", "c": "length", "d": "length", "e": "length"}
     assert lowered == []

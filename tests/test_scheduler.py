@@ -33,7 +33,7 @@ def add(s: Scheduler, prompt_len: int, new: int, *, forced=None, logprobs=None, 
 def sampled(s: Scheduler, group, token: int, logits=None) -> PrefillResult:
     """A prefill call's result: ``token`` sampled on every shard, ``logits`` for the finishing slices."""
     wanted = {shard: logits for shard, piece in group.slices.items() if piece.last and logits is not None}
-    return PrefillResult(np.full(len(s.allocators), token, np.int32), wanted)
+    return PrefillResult(np.full(len(s.allocators), token, np.int32), wanted, {})
 
 
 def prefill_all(s: Scheduler, token: int = 50) -> list:

@@ -162,7 +162,8 @@ def test_refusals_name_the_field_before_anything_is_queued(ctx):
              (dict(prompt=[]), "prompt", "the prompt is empty"),
              (dict(prompt=["fine", ""]), "prompt", "the prompt is empty"),
              (dict(prompt=[1, 2], stop=["ok", ""]), "stop", "stop strings must be non-empty"),
-             (dict(prompt=[1, 2], echo=True, logprobs=1), "echo", "echo with logprobs is not supported"),
+             (dict(prompt=[1, 2], max_tokens=0), "max_tokens", "max_tokens=0 generates nothing: send echo"),
+             (dict(prompt=[1, 2], prompt_logprobs=21), "prompt_logprobs", "less than or equal to 20"),
              (dict(prompt=[1, 2], top_k=2**31), "top_k", "less than 2147483648")]
     for fields, param, message in cases:
         with pytest.raises(APIError, match=message) as refused:
@@ -305,3 +306,41 @@ def test_stop_strings_hold_back_what_could_start_one():
     assert StopStrings([]).push("all of it", False) == ("all of it", False)
     across = StopStrings(["stop"])
     assert [across.push(d, False) for d in ["go st", "o", "p now"]] == [("go", False), (" ", False), ("", True)]
+
+
+def test_echo_with_logprobs_leads_with_the_prompts_tokens(ctx):
+    """``echo`` + ``logprobs`` (as OpenAI's legacy API and vLLM): the prompt's tokens, then the generated ones,
+    the first prompt token ``null``, the others the full forward's log-softmax; ``text_offset`` counts the
+    tokens' texts; streamed, the first chunk carries the prompt's rows; ``max_tokens`` 0 scores and generates
+    nothing; vLLM's ``prompt_logprobs`` has each token, its rank and the top N by id."""
+    tokenizer, ids = ctx.tokenizer, np.random.default_rng(7).integers(0, 300, 40).tolist()
+    logits = ctx.engine.model.logits([ids])[0].astype(np.float64)
+    full = logits - logits.max(-1, keepdims=True)
+    full -= np.log(np.exp(full).sum(-1, keepdims=True))
+    fields = dict(prompt=ids, echo=True, logprobs=2, max_tokens=2, temperature=0, ignore_eos=True)
+    [choice] = reply(ctx, completions, **fields)["choices"]
+    block = choice["logprobs"]
+    assert block["tokens"][:40] == [tokenizer.token_text(t) for t in ids] and len(block["tokens"]) == 42
+    assert block["token_logprobs"][0] is None and block["top_logprobs"][0] is None
+    np.testing.assert_allclose(block["token_logprobs"][1:40], full[np.arange(39), ids[1:]], atol=1e-4)
+    assert {len(top) for top in block["top_logprobs"][1:]} <= {1, 2}  # keyed by text: tokens of one text collide
+    np.testing.assert_allclose([max(top.values()) for top in block["top_logprobs"][1:40]], full[:39].max(-1),
+                               atol=1e-4)
+    assert block["text_offset"] == list(np.cumsum([0] + [len(t) for t in block["tokens"][:-1]]))
+    assert choice["text"].startswith(tokenizer.decode(ids)) and "prompt_logprobs" not in choice
+
+    chunks = [e for e in streamed(ctx, completions, **fields) if e != "[DONE]"]
+    merged = {k: sum((c["choices"][0]["logprobs"][k] for c in chunks), []) for k in block}
+    assert merged == block and "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
+
+    [only] = reply(ctx, completions, **dict(fields, max_tokens=0, prompt_logprobs=1))["choices"]
+    assert only["text"] == tokenizer.decode(ids) and only["finish_reason"] == "length"
+    assert only["logprobs"] == {k: v[:40] for k, v in block.items()}
+    vllm = only["prompt_logprobs"]
+    assert vllm[0] is None and len(vllm) == 40
+    for t, row in enumerate(vllm[1:], start=1):
+        assert str(ids[t]) in row and len(row) in (1, 2)
+        better = full[t - 1] - full[t - 1, ids[t]]
+        assert (better > 1e-4).sum() + 1 <= row[str(ids[t])]["rank"] <= (better > -1e-4).sum() + 1
+        assert any(v["rank"] == 1 for v in row.values())
+    assert ctx.loop.waiting == 0 and not ctx.engine.has_unfinished()

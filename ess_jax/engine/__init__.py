@@ -20,6 +20,7 @@ _EXPORTS = {
     "CacheLayout": "ess_jax.engine.layout",
     "cache_layout": "ess_jax.engine.layout",
     "check_memory": "ess_jax.engine.layout",
+    "MAX_PROMPT_LOGPROBS": "ess_jax.engine.request",
     "Request": "ess_jax.engine.request",
     "RequestOutput": "ess_jax.engine.request",
     "TokenLogprob": "ess_jax.engine.request",

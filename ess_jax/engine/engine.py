@@ -61,7 +61,7 @@ class Engine:
     # ---- any thread ----------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                     stop_token_ids: Sequence[int] = (), *, ignore_eos: bool = False, logprobs: int | None = None,
-                    forced_ids: Sequence[int] | None = None) -> int:
+                    forced_ids: Sequence[int] | None = None, prompt_logprobs: int | None = None) -> int:
         """Queue a request; its id. Safe to call from any thread, also while another thread steps.
         Stops at one of the config's eos ids (unless ``ignore_eos``), one of ``stop_token_ids``, or after
         ``max_new_tokens``. ``logprobs=N`` reports each output token's log-probability and the top N.
@@ -69,21 +69,28 @@ class Engine:
         step (the prefill's, then each decode step's), each fed to the next step in place of the sampled one,
         and reports each one's log-probability under the step's logits (``logprobs`` defaults to 0 then);
         ``max_new_tokens`` must equal their number, and no eos or stop id ends it early.
+        ``prompt_logprobs=N`` (at most ``MAX_PROMPT_LOGPROBS``): the log-probability of every prompt token after
+        the first and the top N, computed in the prefill pieces (each piece's logits reduced on the device), in
+        the request's first output (``RequestOutput.prompt_logprobs``); with it ``max_new_tokens`` may be 0,
+        a request that ends after its prefill.
         Raises ValueError naming the problem if the request can never be served."""
         prompt_ids, stop_token_ids, forced_ids = _listed(prompt_ids), _listed(stop_token_ids), _listed(forced_ids)
-        pages = self.check_request(prompt_ids, max_new_tokens, stop_token_ids, logprobs=logprobs, forced_ids=forced_ids)
+        pages = self.check_request(prompt_ids, max_new_tokens, stop_token_ids, logprobs=logprobs, forced_ids=forced_ids,
+                                   prompt_logprobs=prompt_logprobs)
         request = make_request(self.model.tokenizer, self.model.cfg.eos_token_id, prompt_ids, max_new_tokens, sampling,
-                               stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs, forced_ids=forced_ids)
+                               stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs, forced_ids=forced_ids,
+                               prompt_logprobs=prompt_logprobs)
         return self.scheduler.inbox.add(request, pages)
 
     def check_request(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int] = (), *,
-                      logprobs: int | None = None, forced_ids: Sequence[int] | None = None) -> int:
+                      logprobs: int | None = None, forced_ids: Sequence[int] | None = None,
+                      prompt_logprobs: int | None = None) -> int:
         """The pages a request would reserve; raises ValueError naming the problem (and the numbers) if it can
         never be served: token ids outside the vocabulary, an empty prompt, more tokens than the engine serves,
         more pages than the pool has, forced ids that are not ``max_new_tokens`` of them or come with stop ids.
         ``add_request`` runs it; callers may run it first to refuse early."""
         check_ids(self.model.cfg.vocab_size, max_new_tokens, prompt_ids, stop_token_ids, logprobs=logprobs,
-                  forced_ids=forced_ids)
+                  forced_ids=forced_ids, prompt_logprobs=prompt_logprobs)
         return self.scheduler.check(len(prompt_ids), max_new_tokens)
 
     def abort(self, request_id: int) -> None:
@@ -146,14 +153,17 @@ class Engine:
         return [requests[i] for i in sorted(requests)]
 
     def warm_up(self) -> None:
-        """Compile ahead on the calling thread: the decode step, every prefill piece size and the offload mode's
-        steps, through one request of ``2 x prefill_chunk - 1`` tokens (one piece of each size), served to the
-        end. Every step's arguments are placed as in serving (``Runner``), so nothing compiles afterwards. Call
-        it on an idle engine, before serving."""
+        """Compile ahead on the calling thread: the decode step, every prefill piece size (with and without prompt
+        log-probabilities) and the offload mode's steps, through two requests of ``2 x prefill_chunk - 1`` tokens
+        (one piece of each size): one served to the end, one scoring its prompt and ending after its prefill.
+        Every step's arguments are placed as in serving (``Runner``), so nothing compiles afterwards. Call it on
+        an idle engine, before serving."""
         if self.has_unfinished():
             raise RuntimeError("warm_up needs an idle engine: requests are unfinished")
         room = min(self.max_seq_len, self.scheduler.allocators[0].capacity * self.config.page_size) - 1
-        self.add_request([0] * min(2 * self.config.prefill_chunk - 1, room), 1, ignore_eos=True)
+        prompt = [0] * min(2 * self.config.prefill_chunk - 1, room)
+        self.add_request(prompt, 1, ignore_eos=True)
+        self.add_request(prompt, 0, prompt_logprobs=0)
         self.run()
         self.stats.peak_reserved_pages = self.stats.reserved_pages  # the warm-up request is no workload
         if self.stats.steps is not None:

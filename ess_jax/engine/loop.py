@@ -91,15 +91,16 @@ class EngineLoop:
             return max(len(self._queues) - len(self._leaving) + more - self.engine.config.max_batch, 0)
 
     def add(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, stop_token_ids: list[int],
-            ignore_eos: bool, logprobs: int | None) -> tuple[int, asyncio.Queue]:
+            ignore_eos: bool, logprobs: int | None, prompt_logprobs: int | None = None) -> tuple[int, asyncio.Queue]:
         """Check a request (ValueError naming the problem; ``SamplingParams`` checked itself when built) and
         queue it for the engine: its id here, and the queue its outputs arrive on. Call it on an asyncio loop."""
         if self.error is not None:
             raise EngineDied(f"the engine stopped: {self.error!r}")
-        self.engine.check_request(prompt_ids, max_tokens, stop_token_ids, logprobs=logprobs)
+        self.engine.check_request(prompt_ids, max_tokens, stop_token_ids, logprobs=logprobs,
+                                  prompt_logprobs=prompt_logprobs)
         request = {"prompt_ids": [int(t) for t in prompt_ids], "max_new_tokens": int(max_tokens),
                    "sampling": dataclasses.asdict(sampling), "stop_token_ids": [int(t) for t in stop_token_ids],
-                   "ignore_eos": bool(ignore_eos), "logprobs": logprobs}
+                   "ignore_eos": bool(ignore_eos), "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             request_id, self._next_id = self._next_id, self._next_id + 1
@@ -191,7 +192,8 @@ def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item) -> Non
 def add_from_tick(engine: Engine, request: dict) -> int:
     """Add a request ``EngineLoop.add`` checked (its fields as ``Ticks`` sends them) to ``engine``: its id."""
     return engine.add_request(request["prompt_ids"], request["max_new_tokens"], SamplingParams(**request["sampling"]),
-                              request["stop_token_ids"], ignore_eos=request["ignore_eos"], logprobs=request["logprobs"])
+                              request["stop_token_ids"], ignore_eos=request["ignore_eos"], logprobs=request["logprobs"],
+                              prompt_logprobs=request["prompt_logprobs"])
 
 
 def tick(engine: Engine, done: list, steps: int, metrics_every: int,

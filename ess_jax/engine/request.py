@@ -12,6 +12,8 @@ import numpy as np
 from ess_jax.sampling import SamplingParams
 from ess_jax.tokenizer import IncrementalDetokenizer
 
+MAX_PROMPT_LOGPROBS = 20  # the top-N a prefill piece keeps per prompt token (``steps.PromptScores``)
+
 
 @dataclasses.dataclass
 class Request:
@@ -28,6 +30,9 @@ class Request:
     finish_reason: str | None = None  # "stop" (a stop id), "length" (max_new_tokens) or "abort"
     prefilled: int = 0  # prompt tokens in the cache (chunked prefill progress)
     forced_ids: tuple[int, ...] | None = None  # teacher forcing: the output tokens, taken instead of the sampled ones
+    prompt_logprobs: int | None = None  # top-N log-probabilities to report per prompt token (0: the token only)
+    prompt_scores: list[TokenLogprob | None] = dataclasses.field(default_factory=list)  # per prompt token so far
+    reported: bool = False  # an output of it was made (the first carries the prompt's scores)
 
     def accept(self, sampled: int) -> tuple[int, str | None]:
         """Append the next output token (``sampled``, or a forced request's next forced id); the token taken and
@@ -53,6 +58,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]
+    rank: int  # 1 + the number of tokens more likely than it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +71,8 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop", "length" or "abort" once finished
     logprobs: list[TokenLogprob] | None = None  # one per new token when the request asked for them
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # the request's first output, when it asked for them
+    # and its prompt was all prefilled: one per prompt token, the first None (nothing precedes it)
 
 
 def make_output(request_id: int, request: Request, tokens: list[tuple[int, np.ndarray | None]]) -> RequestOutput:
@@ -75,7 +83,12 @@ def make_output(request_id: int, request: Request, tokens: list[tuple[int, np.nd
     logprobs = None
     if request.logprobs is not None:
         logprobs = [token_logprob(t, logits, request.logprobs) for t, logits in tokens]
-    return RequestOutput(request_id, ids, delta, finished, request.finish_reason, logprobs)
+    prompt = None
+    if request.prompt_logprobs is not None and not request.reported and len(request.prompt_scores) == len(
+            request.prompt_ids):
+        prompt = request.prompt_scores
+    request.reported = True
+    return RequestOutput(request_id, ids, delta, finished, request.finish_reason, logprobs, prompt)
 
 
 def token_logprob(token: int, logits_V: np.ndarray, top: int) -> TokenLogprob:
@@ -84,7 +97,17 @@ def token_logprob(token: int, logits_V: np.ndarray, top: int) -> TokenLogprob:
     shifted = logits - logits.max()
     logprobs_V = shifted - np.log(np.exp(shifted).sum())
     best = np.argsort(-logprobs_V, kind="stable")[:top] if top else ()
-    return TokenLogprob(token, float(logprobs_V[token]), tuple((int(i), float(logprobs_V[i])) for i in best))
+    return TokenLogprob(token, float(logprobs_V[token]), tuple((int(i), float(logprobs_V[i])) for i in best),
+                        int((logprobs_V > logprobs_V[token]).sum()) + 1)
+
+
+def prompt_token_logprobs(targets: Sequence[int], logprob_T: np.ndarray, rank_T: np.ndarray, top_ids_TK: np.ndarray,
+                          top_TK: np.ndarray, top: int) -> list[TokenLogprob]:
+    """The ``TokenLogprob`` of each of ``targets`` from a prefill piece's scores (``steps.PromptScores`` on the
+    host, one row per target): its log-probability, rank and the ``top`` best."""
+    return [TokenLogprob(int(t), float(logprob_T[i]),
+                         tuple((int(j), float(v)) for j, v in zip(top_ids_TK[i, :top], top_TK[i, :top])),
+                         int(rank_T[i])) for i, t in enumerate(targets)]
 
 
 def check_sampling(sampling: SamplingParams) -> None:
@@ -104,12 +127,20 @@ def _is_int(t) -> bool:
     return not isinstance(t, bool) and isinstance(t, (int, np.integer))
 
 
-def check_ids(vocab: int, max_new_tokens, prompt_ids, stop_token_ids=(), *, logprobs=None, forced_ids=None) -> None:
+def check_ids(vocab: int, max_new_tokens, prompt_ids, stop_token_ids=(), *, logprobs=None, forced_ids=None,
+              prompt_logprobs=None) -> None:
     """ValueError naming the problem unless the request's ids and counts are well formed for a vocabulary
-    of ``vocab``: integers inside it, ``logprobs`` in [0, vocab], forced ids that are exactly
-    ``max_new_tokens`` of them and come without stop ids. (Lengths against the pool: the scheduler.)"""
-    if not _is_int(max_new_tokens):
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    of ``vocab``: integers inside it, ``logprobs`` in [0, vocab], ``prompt_logprobs`` in [0, MAX_PROMPT_LOGPROBS],
+    ``max_new_tokens`` >= 1 (0 only with ``prompt_logprobs``: a prefill that scores the prompt), forced ids that
+    are exactly ``max_new_tokens`` of them and come without stop ids. (Lengths against the pool: the scheduler.)"""
+    if prompt_logprobs is not None and (not _is_int(prompt_logprobs)
+                                        or not 0 <= prompt_logprobs <= min(MAX_PROMPT_LOGPROBS, vocab)):
+        raise ValueError(f"prompt_logprobs={prompt_logprobs!r} must be an integer in "
+                         f"[0, {min(MAX_PROMPT_LOGPROBS, vocab)}] (the top-N the prefill keeps per token)")
+    low = 0 if prompt_logprobs is not None else 1
+    if not _is_int(max_new_tokens) or max_new_tokens < low:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1 (0 only with prompt_logprobs: "
+                         "a prefill that scores the prompt and generates nothing)")
     for name, ids in (("prompt token id", prompt_ids), ("stop token id", stop_token_ids),
                       ("forced token id", forced_ids or ())):
         if isinstance(ids, (str, bytes)):
@@ -133,13 +164,15 @@ def check_ids(vocab: int, max_new_tokens, prompt_ids, stop_token_ids=(), *, logp
 
 def make_request(tokenizer, eos_ids: Sequence[int], prompt_ids, max_new_tokens: int, sampling: SamplingParams,
                  stop_token_ids=(), *, ignore_eos: bool = False, logprobs: int | None = None,
-                 forced_ids=None) -> Request:
+                 forced_ids=None, prompt_logprobs: int | None = None) -> Request:
     """A checked request's ``Request``: its stop ids (``eos_ids`` unless ``ignore_eos``, and ``stop_token_ids``;
-    none for a forced request, which reports logprobs, 0 by default)."""
+    none for a forced request, which reports logprobs, 0 by default); with ``prompt_logprobs`` its prompt's
+    scores start with None (its first token has nothing before it)."""
     check_sampling(sampling)
     forced = None if forced_ids is None else tuple(int(t) for t in forced_ids)
     stop = frozenset(() if ignore_eos else eos_ids) | frozenset(map(int, stop_token_ids))
     if forced is not None:
         stop, logprobs = frozenset(), 0 if logprobs is None else logprobs
     return Request([int(t) for t in prompt_ids], max_new_tokens, sampling, stop, IncrementalDetokenizer(tokenizer),
-                   logprobs, forced_ids=forced)
+                   logprobs, forced_ids=forced, prompt_logprobs=prompt_logprobs,
+                   prompt_scores=[None] if prompt_logprobs is not None else [])

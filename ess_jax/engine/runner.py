@@ -25,6 +25,7 @@ from ess_jax.cache import StepMeta
 from ess_jax.engine import steps
 from ess_jax.engine.config import EngineConfig
 from ess_jax.engine.layout import CacheLayout
+from ess_jax.engine.request import MAX_PROMPT_LOGPROBS
 from ess_jax.engine.scheduler import DecodeBatch, DecodeResult, EngineStats, PrefillGroup, PrefillResult, StepTimes
 from ess_jax.sampling import SamplingParams
 
@@ -66,6 +67,7 @@ class Runner:
         self.params = mesh.place_params(model.params, self.mesh) if self.mesh else model.params
         self.shards = layout.size.shards
         self.rows_per_shard = config.max_batch // self.shards
+        self.prompt_top = min(MAX_PROMPT_LOGPROBS, model.cfg.vocab_size)  # the top-N a scored prefill piece keeps
         self._compiled_decode = None
         with self.on_mesh():
             self.cache, self.shardings = self.build(decode_cache, layout.size)
@@ -98,19 +100,26 @@ class Runner:
         table ``table_DX`` and batch row ``row_D`` (in its shard); the result and the cache."""
         d, t = self.shards, group.size
         tokens, positions = np.zeros((d, t), np.int32), np.zeros((d, t), np.int32)
-        valid = np.zeros((d, t), bool)
+        valid, targets = np.zeros((d, t), bool), np.zeros((d, t), np.int32)
         params, steps_D = [SamplingParams()] * d, np.zeros(d, np.int32)
         for shard, piece in group.slices.items():
             tokens[shard], positions[shard], valid[shard] = piece.tokens, piece.start + np.arange(t), True
+            targets[shard, :len(piece.targets)] = piece.targets
             params[shard] = piece.sampling
         meta = StepMeta(*(jnp.asarray(x) for x in (positions, valid, table_DX, row_D)))
-        token, logits_DV, self.window, cache = steps.prefill(
+        token, logits_DV, scores, self.window, cache = steps.prefill(
             self.model.graphdef, self.kernels, self.params, jnp.asarray(tokens), meta, cache,
-            sampling_batch(tuple(params), steps_D), self.window, shardings=shardings)
+            sampling_batch(tuple(params), steps_D), self.window, jnp.asarray(targets), shardings=shardings,
+            scored=self.prompt_top if group.scored else 0)
         sampled = mesh.host_array(token)
         wanted = [s for s, piece in group.slices.items() if piece.last and piece.wants_logits]
         logits = mesh.host_array(logits_DV) if wanted else None
-        return PrefillResult(sampled, {s: logits[s] for s in wanted}), cache
+        scored = {}
+        if scores is not None:
+            fields = [mesh.host_array(x) for x in jax.tree.leaves(scores)]  # in PromptScores' field order
+            scored = {s: tuple(x[s, :len(piece.targets)] for x in fields) for s, piece in group.slices.items()
+                      if piece.prompt_logprobs is not None}
+        return PrefillResult(sampled, {s: logits[s] for s in wanted}, scored), cache
 
     # ---- decode --------------------------------------------------------------------------------
     def _decode_args(self, batch: DecodeBatch):

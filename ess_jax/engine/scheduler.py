@@ -16,7 +16,7 @@ import numpy as np
 
 from ess_jax.allocator import Admission, Admitted, PageAllocator
 from ess_jax.engine.config import EngineConfig
-from ess_jax.engine.request import Request, RequestOutput, make_output
+from ess_jax.engine.request import Request, RequestOutput, make_output, prompt_token_logprobs
 from ess_jax.engine.steps import piece_size
 from ess_jax.sampling import SamplingParams
 
@@ -60,6 +60,8 @@ class PrefillSlice:
     last: bool  # the prompt is all in the cache after this piece
     sampling: SamplingParams
     wants_logits: bool  # its first output token's logits are read back (logprobs or kept logits)
+    targets: tuple[int, ...]  # the prompt token after each of its positions (the last piece: one fewer)
+    prompt_logprobs: int | None  # the top-N of each target's log-probability to report (None: not scored)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,11 +71,18 @@ class PrefillGroup:
     size: int
     slices: dict[int, PrefillSlice]  # data shard -> its piece
 
+    @property
+    def scored(self) -> bool:
+        """Some piece's prompt log-probabilities are read back."""
+        return any(piece.prompt_logprobs is not None for piece in self.slices.values())
+
 
 @dataclasses.dataclass(frozen=True)
 class PrefillResult:
     sampled_D: np.ndarray  # i32[D] the token sampled after each shard's piece
     logits: dict[int, np.ndarray]  # data shard -> f32[V], for the finishing slices that want them
+    scores: dict[int, tuple[np.ndarray, ...]]  # data shard -> its piece's ``steps.PromptScores`` fields on the host
+    # (logprob_T, rank_T, top_ids_TK, top_TK), for the scored pieces
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,16 +243,24 @@ class Scheduler:
         length = len(request.prompt_ids)
         return PrefillSlice(entry.request_id, entry.row, start, tuple(request.prompt_ids[start:start + size]),
                             self.page_table(entry.pages), length, start + size == length, request.sampling,
-                            self._wants_logits(request))
+                            self._wants_logits(request), tuple(request.prompt_ids[start + 1:start + size + 1]),
+                            request.prompt_logprobs)
 
     def update_prefill(self, group: PrefillGroup, result: PrefillResult) -> list[Released]:
-        """Record a prefill call: the prompts it finished join the decode with their first token."""
+        """Record a prefill call: its prompt log-probabilities; the prompts it finished join the decode with
+        their first token, or end (those of no new tokens)."""
         released = []
         for shard, piece in group.slices.items():
             request = self._requests[piece.request_id]
             request.prefilled += group.size
             self.stats.prefill_tokens += group.size
-            if piece.last:
+            if piece.prompt_logprobs is not None:
+                request.prompt_scores += prompt_token_logprobs(piece.targets, *result.scores[shard],
+                                                               piece.prompt_logprobs)
+            if piece.last and request.max_new_tokens == 0:  # (finish drops it from the prefilling queue)
+                self._new.setdefault(piece.request_id, (request, []))
+                released += self.finish(piece.request_id, "length")
+            elif piece.last:
                 self._prefilling = deque(e for e in self._prefilling if e.request_id != piece.request_id)
                 self._lengths[piece.row] = piece.prompt_len
                 self._decoding[piece.request_id] = piece.row

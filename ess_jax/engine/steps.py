@@ -1,7 +1,9 @@
 """The engine's device steps: pure functions of parameters, step metadata and caches, jitted at module level
 so that engines over the same model and shapes share their executables, each donating the cache it returns.
 
-- ``prefill``: one exact piece of one prompt per data shard ``[D, T]`` (the shards without one do not run);
+- ``prefill``: one exact piece of one prompt per data shard ``[D, T]`` (the shards without one do not run); with
+  ``scored`` (static) also each position's log-probability of the prompt's next token and its top-N
+  (``PromptScores``), reduced on the device from the piece's logits;
 - ``decode``: one token for every batch row ``[B, 1]``, inactive rows masked;
 - ``handoff``, ``release``, ``flush``: the offloaded tier's moves (``ess_jax.engine.offload``).
 
@@ -43,6 +45,26 @@ class SamplingBatch:
         return sample(logits_BV, self.temperature_B, self.top_k_B, self.top_p_B, self.seed_B, self.step_B)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PromptScores:
+    """A prefill piece's log-softmax at each position, reduced to what prompt log-probabilities report."""
+
+    logprob_BT: jax.Array  # f32[B, T] of the target (the prompt's next token) at each position
+    rank_BT: jax.Array  # i32[B, T] 1 + the number of tokens more likely than the target
+    top_ids_BTK: jax.Array  # i32[B, T, K] the K most likely tokens, most likely first (lower id first on ties)
+    top_BTK: jax.Array  # f32[B, T, K] their log-probabilities
+
+
+def prompt_scores(logits_BTV: jax.Array, targets_BT: jax.Array, top: int) -> PromptScores:
+    """``PromptScores`` of the ``top`` best from a piece's logits (float32 log-softmax)."""
+    logprobs_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+    target_BT = jnp.take_along_axis(logprobs_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    rank_BT = (logprobs_BTV > target_BT[..., None]).sum(-1, dtype=jnp.int32) + 1
+    top_BTK, ids_BTK = jax.lax.top_k(logprobs_BTV, top)
+    return PromptScores(target_BT, rank_BT, ids_BTK.astype(jnp.int32), top_BTK)
+
+
 def placed(shardings: mesh.Layout | None, cache):
     """``cache`` in ``shardings`` (the engine's mesh; None: one device, as it is)."""
     return shardings.constrain(cache) if shardings else cache
@@ -69,23 +91,25 @@ def next_window(prev_LBQK: jax.Array, ids_LBTK: jax.Array, meta: StepMeta) -> ja
 
 
 def _prefill(graphdef, kernels: str, params, tokens_BT, meta: StepMeta, cache, sampling: SamplingBatch, window_LBQK,
-             shardings=None):
+             targets_BT, shardings=None, scored: int = 0):
     """One prefill piece, a row per data shard (rows not valid: nothing written). Returns the token sampled after
-    each row's last token ``i32[B]``, its logits ``f32[B, V]``, each row's window of top-k ids (``next_window``)
-    and the cache."""
-    def run(params, tokens_BT, meta, cache, sampling, window_LBQK):
+    each row's last token ``i32[B]``, its logits ``f32[B, V]``, with ``scored`` (static: the top-N kept; 0: none)
+    the ``PromptScores`` of ``targets_BT`` (``i32[B, T]``, each position's next prompt token) else None, each
+    row's window of top-k ids (``next_window``) and the cache."""
+    def run(params, tokens_BT, meta, cache, sampling, window_LBQK, targets_BT):
         logits_BTV, ids_LBTK, cache = nnx.merge(graphdef, params).step(tokens_BT, meta, cache, kernels=kernels)
         logits_BV = logits_BTV[:, -1]
         window_LBQK = next_window(window_LBQK, ids_LBTK, meta).astype(window_LBQK.dtype)
-        return sampling.sample(logits_BV), logits_BV, window_LBQK, cache
+        scores = prompt_scores(logits_BTV, targets_BT, scored) if scored else None
+        return sampling.sample(logits_BV), logits_BV, scores, window_LBQK, cache
 
     specs = shardings and shardings.specs
-    token, logits_BV, window_LBQK, cache = on_shards(
-        run, shardings, (ALL, ROWS, ROWS, specs, ROWS, LAYER_ROWS), (ROWS, ROWS, LAYER_ROWS, specs))(
-        params, tokens_BT, meta, cache, sampling, window_LBQK)
+    token, logits_BV, scores, window_LBQK, cache = on_shards(
+        run, shardings, (ALL, ROWS, ROWS, specs, ROWS, LAYER_ROWS, ROWS), (ROWS, ROWS, ROWS, LAYER_ROWS, specs))(
+        params, tokens_BT, meta, cache, sampling, window_LBQK, targets_BT)
     if shardings:  # the window in the shardings it was built with, whatever the partitioner chose
         window_LBQK = jax.lax.with_sharding_constraint(window_LBQK, NamedSharding(shardings.mesh, LAYER_ROWS))
-    return token, logits_BV, window_LBQK, placed(shardings, cache)
+    return token, logits_BV, scores, window_LBQK, placed(shardings, cache)
 
 
 def _decode(graphdef, kernels: str, params, tokens_BT, meta: StepMeta, cache, sampling: SamplingBatch,
@@ -135,7 +159,7 @@ def _release(family: families.Family, cache, row_D, pages_DX, shardings=None):
 
 
 # The split backend's NumPy store is part of a step's static identity (its engine's own).
-prefill = jax.jit(_prefill, static_argnums=(0, 1), static_argnames="shardings", donate_argnums=(5, 7))
+prefill = jax.jit(_prefill, static_argnums=(0, 1), static_argnames=("shardings", "scored"), donate_argnums=(5, 7))
 decode = jax.jit(_decode, static_argnums=(0, 1), static_argnames="shardings", donate_argnums=5)
 handoff = jax.jit(_handoff, static_argnums=0, static_argnames=("shardings", "scratch_shardings"), donate_argnums=1)
 flush = jax.jit(_flush, static_argnums=0, static_argnames="shardings", donate_argnums=1)

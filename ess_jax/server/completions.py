@@ -27,60 +27,96 @@ def encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
 
 
 def token_logprobs(tokenizer, lp, top: int) -> tuple[str, float, dict[str, float]]:
-    """A ``TokenLogprob`` as text: the token, its log-probability and the ``top`` best by their text."""
-    return (tokenizer.token_text(lp.token_id), lp.logprob, {tokenizer.token_text(t): v for t, v in lp.top[:top]})
+    """A ``TokenLogprob`` as text: the token, its log-probability and the ``top`` best by their text (of tokens
+    with one text, the most likely: the best stays the maximum, which lm-evaluation-harness's greedy check reads)."""
+    best: dict[str, float] = {}
+    for t, v in lp.top[:top]:
+        best.setdefault(tokenizer.token_text(t), v)
+    return tokenizer.token_text(lp.token_id), lp.logprob, best
 
 
-def logprob_block(tokenizer, lps: list, top: int | None, offset: int) -> dict | None:
-    """The legacy ``logprobs`` object of a choice (None unless asked for); ``text_offset`` from ``offset``."""
-    if top is None:
-        return None
-    rows = [token_logprobs(tokenizer, lp, top) for lp in lps]
-    offsets, at = [], offset
+def prompt_rows(tokenizer, prompt_ids: list[int], scores: list, top: int) -> list[tuple]:
+    """The echoed prompt's logprobs rows: its first token with ``None`` (nothing precedes it), the rest scored."""
+    return [(tokenizer.token_text(prompt_ids[0]), None, None)] + [token_logprobs(tokenizer, lp, top)
+                                                                  for lp in scores[1:]]
+
+
+def logprob_block(rows: list[tuple], offset: int) -> tuple[dict, int]:
+    """The legacy ``logprobs`` object of ``rows`` (token text, log-probability, top) with ``text_offset`` counted
+    from ``offset`` by the tokens' texts (as vLLM), and the offset after them."""
+    offsets = []
     for token, _, _ in rows:
-        offsets.append(at)
-        at += len(token)
+        offsets.append(offset)
+        offset += len(token)
     return {"tokens": [r[0] for r in rows], "token_logprobs": [r[1] for r in rows],
-            "top_logprobs": [r[2] for r in rows], "text_offset": offsets}
+            "top_logprobs": [r[2] for r in rows], "text_offset": offsets}, offset
 
 
-def choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+def vllm_prompt_logprobs(tokenizer, scores: list, top: int) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token (the first ``None``) the token and its ``top`` best by id, each
+    with its log-probability, rank and text."""
+    def entry(token: int, logprob: float, rank: int) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": tokenizer.token_text(token)}
+
+    out: list[dict | None] = [None]
+    for lp in scores[1:]:
+        row = {str(lp.token_id): entry(lp.token_id, lp.logprob, lp.rank)}
+        row.update({str(t): entry(t, v, r) for r, (t, v) in enumerate(lp.top[:top], start=1) if t != lp.token_id})
+        out.append(row)
+    return out
+
+
+def choice(ctx: ServeContext, body: CompletionBody, index: int, prompt_ids: list[int], echo: str,
+                  piece: Piece, offset: int) -> tuple[dict, int]:
+    """A choice (or a stream's chunk of one) of ``piece``: its echo in front, the prompt's rows leading its
+    ``logprobs`` when it carries the prompt's scores and echoes, vLLM's ``prompt_logprobs`` when asked; and the
+    ``text_offset`` after it."""
+    logprobs = None
+    if body.logprobs is not None:
+        rows = []
+        if body.echo and piece.prompt_logprobs is not None:
+            rows = prompt_rows(ctx.tokenizer, prompt_ids, piece.prompt_logprobs, body.logprobs)
+        rows += [token_logprobs(ctx.tokenizer, lp, body.logprobs) for lp in piece.logprobs or []]
+        logprobs, offset = logprob_block(rows, offset)
+    out = {"index": index, "text": echo + piece.text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
+    if body.prompt_logprobs is not None and piece.prompt_logprobs is not None:
+        out["prompt_logprobs"] = vllm_prompt_logprobs(ctx.tokenizer, piece.prompt_logprobs, body.prompt_logprobs)
+    return out, offset
 
 
 async def completions(ctx: ServeContext, body: CompletionBody, disconnected: Disconnected
                       ) -> dict | AsyncIterator[str]:
     """The reply to ``body``: a JSON object, or (``stream``) the server-sent events, each choice's prompt in
-    front of its text with ``echo``. Raises APIError before anything is queued if a prompt cannot run."""
+    front of its text with ``echo`` (and its tokens leading the logprobs). Raises APIError before anything is
+    queued if a prompt cannot run."""
     prompts = [encode_prompt(ctx.tokenizer, p) for p in body.prompts()]
-    if body.echo and body.logprobs is not None:
-        raise APIError(400, "echo with logprobs is not supported (no prompt log-probabilities)", param="echo")
-    admit(ctx, body, prompts, [body.max_tokens] * len(prompts))
+    top = body.prompt_top()
+    admit(ctx, body, prompts, [body.max_tokens] * len(prompts), top)
     head = ctx.head("cmpl", "text_completion")
-    streams = [ctx.stream(body, ids, body.max_tokens, body.logprobs, disconnected) for ids in prompts]
+    streams = [ctx.stream(body, ids, body.max_tokens, body.logprobs, disconnected, top) for ids in prompts]
     echoes = [ctx.tokenizer.decode(ids) if body.echo else "" for ids in prompts]
     if body.stream:
         return events(ctx, body, head, prompts, streams, echoes)
     pieces = await asyncio.gather(*(collect(s) for s in streams))
-    choices = [choice(i, echo + p.text, logprob_block(ctx.tokenizer, p.logprobs, body.logprobs, len(echo)),
-                      p.finish_reason) for i, (echo, p) in enumerate(zip(echoes, pieces))]
+    choices = [choice(ctx, body, i, ids, echo, p, 0)[0]
+               for i, (ids, echo, p) in enumerate(zip(prompts, echoes, pieces))]
     return dict(head, choices=choices,
                 usage=usage(sum(map(len, prompts)), sum(len(p.token_ids) for p in pieces)))
 
 
 async def events(ctx: ServeContext, body: CompletionBody, head: dict, prompts: list[list[int]],
                  streams: list[AsyncIterator[Piece]], echoes: list[str]) -> AsyncIterator[str]:
-    """The choices' pieces as they come, one chunk each (its echo in front of its first); with
+    """The choices' pieces as they come, one chunk each (its echo and the prompt's scores in its first); with
     ``stream_options.include_usage`` a last chunk of ``"choices": []`` with the usage, and with
     ``continuous_usage_stats`` each chunk's choice's usage so far."""
-    tokens, started = [0] * len(streams), [False] * len(streams)
+    tokens, started, offsets = [0] * len(streams), [False] * len(streams), [0] * len(streams)
     async with contextlib.aclosing(merged(streams)) as pieces:  # closing the events aborts the requests at once
         async for index, piece in pieces:
             tokens[index] += len(piece.token_ids)
-            text = ("" if started[index] else echoes[index]) + piece.text
+            echo = "" if started[index] else echoes[index]
             started[index] = True
-            lps = logprob_block(ctx.tokenizer, piece.logprobs or [], body.logprobs, 0)
-            chunk = dict(head, choices=[choice(index, text, lps, piece.finish_reason)])
+            out, offsets[index] = choice(ctx, body, index, prompts[index], echo, piece, offsets[index])
+            chunk = dict(head, choices=[out])
             if body.include_usage:
                 chunk["usage"] = usage(len(prompts[index]), tokens[index]) if body.continuous_usage else None
             yield sse(chunk)

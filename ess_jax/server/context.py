@@ -50,14 +50,16 @@ class ServeContext:
                            param="model", code="model_not_found")
 
     def stream(self, body: RequestBody, prompt_ids: list[int], max_tokens: int, logprobs: int | None,
-               disconnected: Disconnected) -> AsyncIterator[Piece]:
-        """One choice's pieces (the request is queued when the stream is first read)."""
+               disconnected: Disconnected, prompt_logprobs: int | None = None) -> AsyncIterator[Piece]:
+        """One choice's pieces (the request is queued when the stream is first read); ``prompt_logprobs``: the
+        top-N per prompt token its first piece carries (None: none)."""
         generation = Generation(prompt_ids, max_tokens, body.sampling(), body.stops(), body.stop_token_ids,
-                                body.ignore_eos, logprobs)
+                                body.ignore_eos, logprobs, prompt_logprobs)
         return stream_request(self.loop, generation, disconnected)
 
 
-def admit(ctx: ServeContext, body: RequestBody, prompts: list[list[int]], max_tokens: list[int]) -> None:
+def admit(ctx: ServeContext, body: RequestBody, prompts: list[list[int]], max_tokens: list[int],
+          prompt_logprobs: int | None = None) -> None:
     """Refuse at once, before queueing any, what could never run (400 naming the field) and what would wait
     beyond ``max_waiting`` (503 with ``Retry-After``)."""
     body.refuse_unsupported()
@@ -65,7 +67,7 @@ def admit(ctx: ServeContext, body: RequestBody, prompts: list[list[int]], max_to
     body.stops()
     for ids, new in zip(prompts, max_tokens):
         try:
-            ctx.engine.check_request(ids, new, body.stop_token_ids)
+            ctx.engine.check_request(ids, new, body.stop_token_ids, prompt_logprobs=prompt_logprobs)
         except ValueError as e:
             raise APIError(400, str(e)) from None
     if ctx.loop.waiting_with(len(prompts)) > ctx.max_waiting:

@@ -108,10 +108,25 @@ class RequestBody(BaseModel):
 
 
 class CompletionBody(RequestBody):
+    """``echo`` with ``logprobs``: the prompt's tokens lead the logprobs (the first with ``null``); ``max_tokens``
+    0 (with ``echo`` or ``prompt_logprobs``): the prompt is scored and nothing generated; ``prompt_logprobs``
+    (vLLM's): each prompt token's log-probability, rank and top N in the choice's ``prompt_logprobs``."""
+
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    max_tokens: Annotated[int, Field(ge=1)] = 16
+    max_tokens: Annotated[int, Field(ge=0)] = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    def prompt_top(self) -> int | None:
+        """The engine's ``prompt_logprobs``: the most top entries a prompt token shows (``echo`` with ``logprobs``,
+        ``prompt_logprobs``), 0 for an echo of no new tokens; None: the prompt is not scored. 400 for
+        ``max_tokens`` 0 with neither ``echo`` nor ``prompt_logprobs`` (a reply of nothing)."""
+        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
+            raise APIError(400, "max_tokens=0 generates nothing: send echo: true (the prompt back, with its logprobs "
+                                "if asked) or prompt_logprobs, or max_tokens >= 1", param="max_tokens")
+        asked = [n for n in (self.logprobs if self.echo else None, self.prompt_logprobs) if n is not None]
+        return max(asked) if asked else 0 if self.max_tokens == 0 else None
 
     def prompts(self) -> list[str | list[int]]:
         """One prompt per choice: a string, a list of ids, a list of strings or a list of id lists."""

@@ -27,6 +27,7 @@ class Piece:
     token_ids: list[int]
     logprobs: list | None
     finish_reason: str | None = None
+    prompt_logprobs: list | None = None  # the first piece's, when the request scores its prompt
 
 
 @dataclasses.dataclass
@@ -63,6 +64,7 @@ class Generation:
     stop_token_ids: list[int]
     ignore_eos: bool
     logprobs: int | None
+    prompt_logprobs: int | None  # the top-N per prompt token the engine reports (None: the prompt is not scored)
 
 
 async def stream_request(loop: EngineLoop, generation: Generation, disconnected: Disconnected
@@ -71,7 +73,7 @@ async def stream_request(loop: EngineLoop, generation: Generation, disconnected:
     g = generation
     try:
         request_id, queue = loop.add(g.prompt_ids, g.max_tokens, g.sampling, g.stop_token_ids, g.ignore_eos,
-                                     g.logprobs)
+                                     g.logprobs, g.prompt_logprobs)
     except ValueError as e:
         raise APIError(400, str(e)) from None
     stops, done = StopStrings(g.stops), False
@@ -87,7 +89,8 @@ async def stream_request(loop: EngineLoop, generation: Generation, disconnected:
                 raise out
             done = out.finished
             text, stopped = stops.push(out.text_delta, out.finished)
-            yield Piece(text, out.new_token_ids, out.logprobs, "stop" if stopped else out.finish_reason)
+            yield Piece(text, out.new_token_ids, out.logprobs, "stop" if stopped else out.finish_reason,
+                        out.prompt_logprobs)
             if stopped:
                 return
     finally:
@@ -97,13 +100,14 @@ async def stream_request(loop: EngineLoop, generation: Generation, disconnected:
 
 async def collect(stream: AsyncIterator[Piece]) -> Piece:
     """A whole stream as one piece."""
-    text, ids, lps, reason = [], [], [], None
+    text, ids, lps, reason, prompt = [], [], [], None, None
     async for piece in stream:
         text.append(piece.text)
         ids += piece.token_ids
         lps += piece.logprobs or []
         reason = piece.finish_reason or reason
-    return Piece("".join(text), ids, lps, reason)
+        prompt = prompt or piece.prompt_logprobs
+    return Piece("".join(text), ids, lps, reason, prompt)
 
 
 async def merged(streams: list[AsyncIterator[Piece]]) -> AsyncIterator[tuple[int, Piece]]:

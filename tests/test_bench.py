@@ -18,7 +18,7 @@ from ess_jax.bench.prompts import prompt_source
 from ess_jax.bench.stall import prefill_stall
 from ess_jax import checkpoint as checkpoints
 from ess_jax.api import Model, load_model
-from ess_jax.config import ModelConfig
+from ess_jax.config import ModelConfig, resolve_model
 from ess_jax.engine import Engine, EngineConfig
 from ess_jax.tier import lru_reference
 from ess_jax.models.deepseek_v32 import DeepseekV32
@@ -167,6 +167,18 @@ def test_text_too_short_exits_2_naming_the_sizes(tmp_path, capsys):
     assert code == 2 and err.count("\n") == 1
     assert err.startswith(f"error: --text {text} holds 301 tokens") and "384 needed" in err
     assert "--batch 2 prompts of --context 256 starting every 128 tokens end at token 384" in err
+
+
+def test_a_shipped_checkpoints_text_is_cut_by_its_own_tokenizer(tmp_path, capsys):
+    """tiny-v32-code's prompts are tokens of its BPE, not bytes: a text too short counts them so."""
+    text = tmp_path / "code.py"
+    text.write_text("def f(x):\n    return x + 1\n" * 16)  # 432 bytes
+    source = resolve_model("tiny-v32-code")
+    tokens = load_tokenizer(source.checkpoint, source.config()).encode(text.read_text())
+    code = bench.main(["--model", "tiny-v32-code", "--text", str(text), "--context", "256", "--new-tokens", "8",
+                       "--locality-contexts", "128", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: --text {text} holds {len(tokens)} tokens") and len(tokens) < 432
 
 
 def _counters(engine) -> list[list[int]]:

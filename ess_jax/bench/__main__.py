@@ -28,8 +28,7 @@ def bench(args, log) -> dict:
         device_mesh.check_rows(shape, args.batch)
     args.locality_contexts = args.locality_contexts or [args.context]
     check_model(args, cfg)
-    tokenizer = load_tokenizer(args.model if Path(args.model).is_dir() else None, cfg)
-    engine_prompts, locality_prompts, origin = prompts.prompt_source(args, cfg, tokenizer)
+    engine_prompts, locality_prompts, origin = prompts.prompt_source(args, cfg, load_tokenizer(source.checkpoint, cfg))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = load_model(args.model, args.dtype, seed=args.weights_seed, mesh=args.mesh)

@@ -11,9 +11,14 @@ import pytest
 from flax import nnx
 
 from ess_jax import bench
+from ess_jax.bench.args import parse_args
+from ess_jax.bench.locality import Trace, topk_overlap, topk_trace, trace_overlaps
+from ess_jax.bench.peer import run_peer
+from ess_jax.bench.prompts import prompt_source
+from ess_jax.bench.stall import prefill_stall
 from ess_jax import checkpoint as checkpoints
 from ess_jax.api import Model, load_model
-from ess_jax.config import ModelConfig
+from ess_jax.config import ModelConfig, resolve_model
 from ess_jax.engine import Engine, EngineConfig
 from ess_jax.tier import lru_reference
 from ess_jax.models.deepseek_v32 import DeepseekV32
@@ -116,7 +121,7 @@ def test_bad_arguments_exit_2_with_one_line(argv, needle, tmp_path, capsys):
 def test_topk_overlap_counts_valid_ids_of_the_current_set():
     current_LK = np.array([[5, 6, 7, -1], [1, 2, 3, 4], [-1, -1, -1, -1]])
     previous_LK = np.array([[6, 7, 8, 9], [1, 2, 3, 4], [1, 2, -1, -1]])
-    np.testing.assert_allclose(bench.topk_overlap(current_LK, previous_LK), [2 / 3, 1.0, 0.0])
+    np.testing.assert_allclose(topk_overlap(current_LK, previous_LK), [2 / 3, 1.0, 0.0])
 
 
 def test_shifted_overlap_follows_a_set_that_moves_on_by_one():
@@ -124,10 +129,10 @@ def test_shifted_overlap_follows_a_set_that_moves_on_by_one():
     shifted 0. Layer 2: a previous -1 (none) does not shift onto id 0."""
     previous_LK = np.array([[10, 20, 30, 40], [1, 5, 9, 13], [-1, 5, -1, -1]])
     current_LK = np.array([[11, 21, 31, 41], [1, 5, 9, 13], [0, 6, -1, -1]])
-    np.testing.assert_allclose(bench.topk_overlap(current_LK, previous_LK), [0.0, 1.0, 0.0])
-    np.testing.assert_allclose(bench.topk_overlap(current_LK, previous_LK, shift=1), [1.0, 0.0, 0.5])
-    trace = bench.Trace([0, 1, 2], 4, np.stack([previous_LK] * 32, axis=1), current_LK[:, None], np.array([-1]), 50, 52)
-    raw_LS, shifted_LS = bench.trace_overlaps(trace)  # step 0 against the last prompt position
+    np.testing.assert_allclose(topk_overlap(current_LK, previous_LK), [0.0, 1.0, 0.0])
+    np.testing.assert_allclose(topk_overlap(current_LK, previous_LK, shift=1), [1.0, 0.0, 0.5])
+    trace = Trace([0, 1, 2], 4, np.stack([previous_LK] * 32, axis=1), current_LK[:, None], np.array([-1]), 50, 52)
+    raw_LS, shifted_LS = trace_overlaps(trace)  # step 0 against the last prompt position
     np.testing.assert_allclose(raw_LS[:, 0], [0.0, 1.0, 0.0])
     np.testing.assert_allclose(shifted_LS[:, 0], [1.0, 0.0, 0.5])
 
@@ -139,7 +144,7 @@ def _source_args(**overrides) -> argparse.Namespace:
 
 def test_prompt_source_random_and_text_windows(tmp_path):
     cfg = small_v32()
-    prompts, locality, source = bench.prompt_source(_source_args(locality_contexts=[128, 600]), cfg, None)
+    prompts, locality, source = prompt_source(_source_args(locality_contexts=[128, 600]), cfg, None)
     stream = np.random.default_rng(0).integers(0, cfg.vocab_size, 600).tolist()
     assert prompts == [stream[:256], stream[256:512]] and locality == {128: stream[:128], 600: stream}
     assert source == {"kind": "random", "seed": 0, "tokens": 600, "stride": 256}
@@ -147,7 +152,7 @@ def test_prompt_source_random_and_text_windows(tmp_path):
     text = tmp_path / "code.py"
     text.write_text("def f(x):\n    return x + 1\n" * 16)  # 432 bytes
     tokenizer = load_tokenizer(None, cfg)
-    prompts, locality, source = bench.prompt_source(_source_args(text=str(text)), cfg, tokenizer)
+    prompts, locality, source = prompt_source(_source_args(text=str(text)), cfg, tokenizer)
     tokens = tokenizer.encode(text.read_text())  # bos + the bytes
     assert prompts == [tokens[:256], tokens[128:384]] and locality == {256: tokens[:256]}
     assert source == {"kind": "text", "file": str(text), "tokens": 433, "stride": 128} and len(tokens) == 433
@@ -162,6 +167,18 @@ def test_text_too_short_exits_2_naming_the_sizes(tmp_path, capsys):
     assert code == 2 and err.count("\n") == 1
     assert err.startswith(f"error: --text {text} holds 301 tokens") and "384 needed" in err
     assert "--batch 2 prompts of --context 256 starting every 128 tokens end at token 384" in err
+
+
+def test_a_shipped_checkpoints_text_is_cut_by_its_own_tokenizer(tmp_path, capsys):
+    """tiny-v32-code's prompts are tokens of its BPE, not bytes: a text too short counts them so."""
+    text = tmp_path / "code.py"
+    text.write_text("def f(x):\n    return x + 1\n" * 16)  # 432 bytes
+    source = resolve_model("tiny-v32-code")
+    tokens = load_tokenizer(source.checkpoint, source.config()).encode(text.read_text())
+    code = bench.main(["--model", "tiny-v32-code", "--text", str(text), "--context", "256", "--new-tokens", "8",
+                       "--locality-contexts", "128", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: --text {text} holds {len(tokens)} tokens") and len(tokens) < 432
 
 
 def _counters(engine) -> list[list[int]]:
@@ -185,7 +202,7 @@ def test_lru_replay_equals_the_tier_counters(checkpoint):
     for prompt in prompts:
         engine.add_request(prompt, steps + 1, ignore_eos=True)
     engine.run()
-    traces = [bench.topk_trace(model, prompt, steps, chunk=1024) for prompt in prompts]
+    traces = [topk_trace(model, prompt, steps, chunk=1024) for prompt in prompts]
     replay = sum(lru_replay(trace, engine.layout.pool_slots) for trace in traces)
     assert replay.tolist() == _counters(engine)
     assert 0 < replay[:, 1].sum() < replay[:, 0].sum()  # hits and misses both
@@ -213,7 +230,7 @@ def test_lru_replay_equals_the_hisparse_counters():
                                         pool_size=cfg.index_topk + 1))
     engine.add_request(prompt, steps + 1, ignore_eos=True)
     engine.run()
-    trace = bench.topk_trace(model, prompt, steps, chunk=128)
+    trace = topk_trace(model, prompt, steps, chunk=128)
     assert trace.layers == [0] and (trace.prompt_entries, trace.entries) == (32, 34)
     assert trace.new_S.tolist() == [-1, -1, -1, 32, -1, -1, -1, 33, -1, -1]  # windows close at positions 131, 135
     replay = lru_replay(trace, engine.layout.pool_slots)
@@ -225,17 +242,17 @@ def test_peer_without_torch_says_so(tmp_path):
     from importlib.util import find_spec
     if find_spec("torch") and find_spec("transformers"):
         pytest.skip("torch and transformers are importable here: the peer would really run")
-    args = bench.parse_args(["--peer", "hf", "--out", str(tmp_path)])
-    peer = bench.run_peer(None, "tiny-v32", [[1, 2, 3]], args, log=print)
+    args = parse_args(["--peer", "hf", "--out", str(tmp_path)])
+    peer = run_peer(None, "tiny-v32", [[1, 2, 3]], args, log=print)
     assert peer["available"] is False and "--peer-python" in peer["reason"]
 
 
 def test_prefill_stall_pass_interleaves_one_chunk_per_step(checkpoint):
     """The stall pass: a 256-token prompt admitted while two requests decode, prefill chunk 64: four steps
     carry one 64-token piece each, and every step still decodes the running requests."""
-    args = bench.parse_args(["--batch", "2", "--context", "256", "--stall-steps", "6", "--prefill-chunk", "64"])
+    args = parse_args(["--batch", "2", "--context", "256", "--stall-steps", "6", "--prefill-chunk", "64"])
     rng = np.random.default_rng(0)
-    stall = bench.prefill_stall(load_model(checkpoint), [rng.integers(0, 256, 256).tolist() for _ in range(2)], args,
+    stall = prefill_stall(load_model(checkpoint), [rng.integers(0, 256, 256).tolist() for _ in range(2)], args,
                                 log=lambda msg: None)
     assert stall["pieces"] == 4 and stall["prefill_chunk"] == 64
     assert 0 < stall["decode_step_ms"] and 0 < stall["prefill_piece_ms"] <= stall["prefill_step_ms_max"]

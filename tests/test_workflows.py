@@ -95,3 +95,12 @@ def test_extras_pin_the_plugins_to_the_project_jax():
     version = jax_pin.removeprefix("jax==")
     assert EXTRAS["gpu"] == [f"jax[cuda12]=={version}"]
     assert EXTRAS["tpu"] == [f"jax[tpu]=={version}"]
+
+
+def test_every_package_of_the_tree_is_installed():
+    """A wheel (not only an editable install) carries every package: each folder with an ``__init__.py`` below a
+    mapped package folder (ess_jax/, models/, pallas_kernels/, ...) is listed in pyproject's packages."""
+    setuptools = PYPROJECT["tool"]["setuptools"]
+    found = {".".join((name, *init.parent.relative_to(ROOT / folder).parts))
+             for name, folder in setuptools["package-dir"].items() for init in (ROOT / folder).rglob("__init__.py")}
+    assert found - set(setuptools["packages"]) == set()

@@ -6,6 +6,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import numpy as np
 import openai
 import pytest
 import uvicorn
+import yaml
 
 import ess_jax
 from ess_jax.engine import Engine, EngineConfig
@@ -365,3 +367,26 @@ def test_bench_load_generator_against_a_running_server(servers, tmp_path, capsys
         assert r["output_tokens_per_s"] * r["wall_s"] == pytest.approx(4 * 5)  # every request's usage
         assert 0 < r["ttft_ms_p50"] <= r["ttft_ms_p99"] and r["itl_ms_p50"] > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["serve.png", "serve_results.json"]
+
+
+def test_the_dashboard_queries_only_what_the_server_exports(servers):
+    """Every metric a panel of docs/monitoring/grafana-dashboard.json queries is on a running ESS server's
+    /metrics (the tier's families appear once the engine was read: it is read when it goes idle), and the
+    scrape config beside it scrapes /metrics."""
+    server = servers("v32", "wide")
+    client(server).completions.create(model="m", prompt=prompts([40], seed=9)[0], max_tokens=4, temperature=0)
+    monitoring = Path(__file__).parents[1] / "docs" / "monitoring"
+    dashboard = json.loads((monitoring / "grafana-dashboard.json").read_text())
+    queried = {name for panel in dashboard["panels"] for target in panel["targets"]
+               for name in re.findall(r"ess_jax_\w+", target["expr"])}
+    assert {"ess_jax_tier_hits_total", "ess_jax_time_to_first_token_seconds_bucket"} <= queried
+    deadline = time.monotonic() + DEADLINE
+    while True:
+        text = httpx.get(server.url + "/metrics").text
+        exported = {re.split(r"[{ ]", line)[0] for line in text.splitlines() if line and not line.startswith("#")}
+        if queried <= exported or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert queried - exported == set()
+    scrape = yaml.safe_load((monitoring / "prometheus.yml").read_text())
+    assert [job["metrics_path"] for job in scrape["scrape_configs"]] == ["/metrics"]

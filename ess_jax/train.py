@@ -8,6 +8,17 @@ Stages (``--stage``; DeepSeek-V3.2's indexer training, ``models.layers.STAGES``)
 - ``sparse``: the model learns the language-model loss with top-k attention, as it runs at inference,
   and the indexers the KL on their selected positions only, their inputs detached from the main loss.
 
+Multi-token prediction (``models.mtp``, DeepSeek-V3 2.2 with depth 1): ``--mtp-weight L`` (> 0) adds the MTP
+module's cross-entropy of the token two ahead, ``L * CE(MTP logits at i, t_{i+2})``, to the language-model
+loss of the dense and sparse stages (DeepSeek-V3 used 0.3, then 0.1); the MTP block's indexer learns in the
+warmup and sparse stages as the main indexers do. A model without an MTP module gets one, drawn from
+``--seed`` (``num_nextn_predict_layers`` 1 in the exported config.json). ``--train mtp`` freezes the main
+model: only the MTP module's parameters of the stage learn, the main model runs as at inference (top-k
+attention, no indexer loss) and its weights are exported unchanged. With ``--mtp-weight 0`` (the default) a
+model's MTP module stays as it is. The held-out evaluation then also reports the MTP loss, the acceptance
+(the fraction of positions where the MTP module's greedy draft equals the main model's greedy next token,
+teacher-forced: ``argmax mtp_i == argmax main_{i+1}``) and the draft's top-1 accuracy against ``t_{i+2}``.
+
 Data: ``--data DIR`` as ``tools/build_corpus.py`` writes it: ``train.npy`` / ``heldout.npy`` (uint16 token
 ids) and ``tokenizer.json``. A training example is ``--context + 1`` consecutive tokens at an offset
 drawn from ``--seed``, the step and the micro-batch, so the data order is fixed by the seed and a
@@ -48,7 +59,7 @@ from ess_jax.cli import Parser
 
 # Flags that define the run: a resumed run must repeat them.
 _RUN_FLAGS = ("model", "data", "stage", "steps", "context", "batch", "accum", "lr", "warmup_steps",
-              "weight_decay", "seed", "dtype")
+              "weight_decay", "seed", "dtype", "mtp_weight", "train")
 
 
 def parse_args(argv=None):
@@ -57,6 +68,10 @@ def parse_args(argv=None):
     p.add_argument("--data", required=True, help="corpus directory (train.npy, heldout.npy, tokenizer.json)")
     p.add_argument("--out", required=True, help="output directory: training state and the exported checkpoint")
     p.add_argument("--stage", choices=["dense", "warmup", "sparse"], default="dense", help="training stage")
+    p.add_argument("--mtp-weight", type=float, default=0.0,
+                   help="weight L of the MTP module's loss (L_main + L * CE of t_{i+2}); 0: no MTP loss (default)")
+    p.add_argument("--train", choices=["all", "mtp"], default="all",
+                   help="all: the model (default); mtp: only the MTP module, the main weights frozen")
     p.add_argument("--steps", type=int, required=True, help="optimizer steps of this run")
     p.add_argument("--context", type=int, default=512, help="tokens per example (default 512)")
     p.add_argument("--batch", type=int, default=8, help="examples per micro-batch (default 8)")
@@ -75,8 +90,10 @@ def parse_args(argv=None):
     for name in ("steps", "context", "batch", "accum", "eval_every", "eval_batches", "checkpoint_every", "log_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.warmup_steps < 0 or args.lr <= 0 or args.weight_decay < 0:
-        p.error("--warmup-steps and --weight-decay must be >= 0 and --lr > 0")
+    if args.warmup_steps < 0 or args.lr <= 0 or args.weight_decay < 0 or args.mtp_weight < 0:
+        p.error("--warmup-steps, --weight-decay and --mtp-weight must be >= 0 and --lr > 0")
+    if args.train == "mtp" and args.mtp_weight == 0:
+        p.error("--train mtp trains the MTP module on its loss: give it a weight, --mtp-weight L > 0")
     return args
 
 
@@ -125,23 +142,47 @@ def is_indexer(path: tuple) -> bool:
     return "indexer" in (str(p) for p in path)
 
 
-def trainable(stage: str):
-    """The nnx filter of the parameters that learn at ``stage``."""
+def is_mtp(path: tuple) -> bool:
+    """Whether a state path belongs to the MTP module (``models.mtp``, the models' ``mtp``)."""
+    return str(path[0]) == "mtp"
+
+
+def trainable(stage: str, train: str = "all", mtp: bool = False):
+    """The nnx filter of the parameters that learn at ``stage``: of the whole model (``train`` "all") or of the
+    MTP module alone ("mtp"); the MTP module's only with its loss on (``mtp``)."""
     from flax import nnx
 
     indexer = lambda path, value: is_indexer(path)  # noqa: E731
-    if stage == "dense":
-        return nnx.All(nnx.Param, nnx.Not(indexer))
-    if stage == "warmup":
-        return nnx.All(nnx.Param, indexer)
-    return nnx.Param
+    in_mtp = lambda path, value: is_mtp(path)  # noqa: E731
+    learns = {"dense": nnx.All(nnx.Param, nnx.Not(indexer)), "warmup": nnx.All(nnx.Param, indexer)}.get(stage, nnx.Param)
+    if train == "mtp":
+        return nnx.All(learns, in_mtp)
+    return learns if mtp else nnx.All(learns, nnx.Not(in_mtp))
 
 
-def loss_fn(graphdef, stage: str, dtypes: tuple):
-    """``(trained, frozen, tokens) -> (loss, (lm_loss, indexer_kl))`` for the stage: "dense" the LM loss,
-    "warmup" the indexer KL, "sparse" their sum (disjoint parameters: the indexer reads detached inputs
-    and the top-k selection passes no gradient). ``dtypes``: the compute dtype trees of the trained and
-    the frozen state; the states are cast to them inside (gradients reach the float32 masters)."""
+# what the loss reports besides itself, in order (each a mean over the micro-batch)
+AUX = ("lm", "kl", "mtp", "acceptance", "mtp_top1")
+
+
+def mtp_agreement(logits_BTV, mtp_logits_BTV, tokens_BT):
+    """``(acceptance, top-1)`` of the MTP module's greedy drafts over teacher-forced positions: with the main
+    logits at positions ``0..T-1`` of ``tokens[:, :T]`` and the MTP logits at ``0..T-2``, the fraction of
+    positions ``i`` whose draft ``argmax mtp_i`` equals the main model's greedy token ``argmax main_{i+1}`` (what
+    greedy speculation accepts), and the fraction equal to the true ``t_{i+2}``."""
+    import jax.numpy as jnp
+
+    draft_BT = jnp.argmax(mtp_logits_BTV, axis=-1)
+    accept = jnp.mean(draft_BT == jnp.argmax(logits_BTV[:, 1:], axis=-1))
+    return accept, jnp.mean(draft_BT == tokens_BT[:, 2:draft_BT.shape[1] + 2])
+
+
+def loss_fn(graphdef, stage: str, dtypes: tuple, mtp_weight: float = 0.0, train: str = "all"):
+    """``(trained, frozen, tokens) -> (loss, AUX values)`` for the stage: "dense" the LM loss, "warmup" the
+    indexer KL, "sparse" their sum (disjoint parameters: the indexer reads detached inputs and the top-k
+    selection passes no gradient); with ``mtp_weight`` > 0 the LM loss gains ``mtp_weight`` times the MTP
+    module's cross-entropy of ``t_{i+2}`` and the KL its block's indexer loss. ``train`` "mtp": the main model
+    runs at inference (its weights are frozen). ``dtypes``: the compute dtype trees of the trained and the
+    frozen state; the states are cast to them inside (gradients reach the float32 masters)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -152,17 +193,27 @@ def loss_fn(graphdef, stage: str, dtypes: tuple):
 
     def loss(trained, frozen, tokens_BT):
         module = nnx.merge(graphdef, cast(trained, dtypes[0]), cast(frozen, dtypes[1]))
-        logits_BTV, kl = module.train_forward(tokens_BT[:, :-1], stage)
+        hidden, kl = module.hidden_states(tokens_BT[:, :-1], None if train == "mtp" else stage)
+        logits_BTV = module.head(hidden)
         lm = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, tokens_BT[:, 1:]).mean()
-        total = {"dense": lm, "warmup": kl, "sparse": lm + kl}[stage]
-        return total.astype(jnp.float32), (lm, kl)
+        zero = jnp.zeros((), jnp.float32)
+        mtp, accept, top1 = zero, zero, zero
+        if mtp_weight:  # position i: h_i and t_{i+1} predict t_{i+2}
+            mtp_logits_BTV, _, mtp_kl = module.mtp_forward(hidden[:, :-1], tokens_BT[:, 1:-1], stage)
+            mtp = optax.softmax_cross_entropy_with_integer_labels(mtp_logits_BTV, tokens_BT[:, 2:]).mean()
+            accept, top1 = mtp_agreement(logits_BTV, mtp_logits_BTV, tokens_BT)
+            lm_total, kl = lm + mtp_weight * mtp, kl + mtp_kl
+        else:
+            lm_total = lm
+        total = {"dense": lm_total, "warmup": kl, "sparse": lm_total + kl}[stage]
+        return total.astype(jnp.float32), (lm, kl, mtp, accept, top1)
 
     return loss
 
 
 def make_train_step(loss, optimizer):
     """The jitted optimizer step ``(trained, opt_state, frozen, micro_batches i32[accum, B, T+1]) -> (trained,
-    opt_state, mean (loss, lm, kl) over the micro-batches, gradient norm)``: gradients averaged over the
+    opt_state, mean (loss, *AUX) over the micro-batches, gradient norm)``: gradients averaged over the
     micro-batches (a scan, so memory holds one micro-batch's activations)."""
     import jax
     import jax.numpy as jnp
@@ -173,10 +224,10 @@ def make_train_step(loss, optimizer):
     @jax.jit
     def train_step(trained, opt_state, frozen, micro_batches):
         def micro(carry, tokens_BT):
-            (total, (lm, kl)), grads = grad_fn(trained, frozen, tokens_BT)
-            return jax.tree.map(jnp.add, carry, (grads, jnp.stack([total, lm, kl]))), None
+            (total, aux), grads = grad_fn(trained, frozen, tokens_BT)
+            return jax.tree.map(jnp.add, carry, (grads, jnp.stack([total, *aux]))), None
 
-        zeros = (jax.tree.map(jnp.zeros_like, trained), jnp.zeros(3, jnp.float32))
+        zeros = (jax.tree.map(jnp.zeros_like, trained), jnp.zeros(1 + len(AUX), jnp.float32))
         (grads, sums), _ = jax.lax.scan(micro, zeros, micro_batches)
         n = micro_batches.shape[0]
         grads = jax.tree.map(lambda g: g / n, grads)
@@ -218,7 +269,8 @@ def raw_config(model: str, tokenizer_path: Path) -> tuple[dict, bool]:
 
 
 def build(raw: dict, scratch: bool, model: str, seed: int):
-    """The NNX module: fresh weights from ``seed`` or the checkpoint's."""
+    """The NNX module: fresh weights from ``seed`` or the checkpoint's (an MTP module the config has and the
+    checkpoint lacks: fresh from ``seed``)."""
     from flax import nnx
     from ess_jax import checkpoint, families
     from ess_jax.config import ModelConfig, resolve_model
@@ -229,7 +281,12 @@ def build(raw: dict, scratch: bool, model: str, seed: int):
     factory = lambda: cls(cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed))  # noqa: E731
     if scratch:
         return factory(), cls, cfg
-    return checkpoint.load_into(factory, cfg, resolve_model(model).checkpoint, jnp.float32), cls, cfg
+    module = checkpoint.load_into(factory, cfg, resolve_model(model).checkpoint, jnp.float32)
+    if module.cfg != cfg:  # the checkpoint holds no MTP module: a fresh one beside its weights
+        fresh = factory()
+        nnx.update(fresh, nnx.state(module))
+        module = fresh
+    return module, cls, cfg
 
 
 # ---- state on disk ---------------------------------------------------------------------------------
@@ -282,18 +339,24 @@ def train(args) -> dict:
 
     corpus = load_corpus(args.data, args.context)
     raw, scratch = raw_config(args.model, corpus.tokenizer)
+    if args.mtp_weight:
+        raw = dict(raw, num_nextn_predict_layers=1)
     module, cls, cfg = build(raw, scratch, args.model, args.seed)
     if args.context > cfg.max_position_embeddings:
         raise ValueError(f"--context {args.context} exceeds max_position_embeddings={cfg.max_position_embeddings}")
-    graphdef, trained, frozen = nnx.split(module, trainable(args.stage), ...)
+    learns = trainable(args.stage, args.train, args.mtp_weight > 0)
+    graphdef, trained, frozen = nnx.split(module, learns, ...)
+    if not jax.tree.leaves(trained):
+        raise ValueError(f"--stage {args.stage} --train {args.train} leaves nothing to train (an MTP block without "
+                         "an indexer has none to warm up)")
     del module
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     # compute dtypes: those of the same model built in --dtype (its float32 parameters stay float32)
     abstract = nnx.eval_shape(lambda: cls(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
-    dtypes = tuple(jax.tree.map(lambda a: a.dtype, part) for part in nnx.split(abstract, trainable(args.stage), ...)[1:])
+    dtypes = tuple(jax.tree.map(lambda a: a.dtype, part) for part in nnx.split(abstract, learns, ...)[1:])
     optimizer, schedule = make_optimizer(args)
     opt_state = optimizer.init(trained)
-    loss = loss_fn(graphdef, args.stage, dtypes)
+    loss = loss_fn(graphdef, args.stage, dtypes, args.mtp_weight, args.train)
     train_step = make_train_step(loss, optimizer)
 
     @jax.jit
@@ -315,9 +378,9 @@ def train(args) -> dict:
                                                        args.context), args.context)
 
     def evaluate() -> dict:
-        lm, kl = zip(*(eval_step(trained, frozen, jnp.asarray(heldout[i:i + args.batch]))
-                       for i in range(0, len(heldout), args.batch)))
-        return {"heldout_lm": float(np.mean(lm)), "heldout_kl": float(np.mean(kl))}
+        values = np.mean([eval_step(trained, frozen, jnp.asarray(heldout[i:i + args.batch]))
+                          for i in range(0, len(heldout), args.batch)], axis=0)
+        return {f"heldout_{k}": float(v) for k, v in zip(AUX, values) if args.mtp_weight or k in ("lm", "kl")}
 
     log = open(out / "train_log.jsonl", "a")
     tokens_per_step = args.accum * args.batch * args.context
@@ -332,12 +395,12 @@ def train(args) -> dict:
         tokens = np.stack([batch_at(corpus.train, o, args.context) for o in offsets])
         trained, opt_state, sums, norm = train_step(trained, opt_state, frozen, jnp.asarray(tokens))
         step += 1
-        total, lm, kl = (float(x) for x in sums)
+        total, *aux = (float(x) for x in sums)
         if not math.isfinite(total):
             raise FloatingPointError(f"step {step}: loss is {total}; lower --lr or check the data")
         rate = (step - start_step) * tokens_per_step / (time.perf_counter() - start)
-        record = {"step": step, "loss": total, "lm": lm, "kl": kl, "grad_norm": float(norm),
-                  "lr": float(schedule(step - 1)), "tokens_per_s": rate}
+        record = {"step": step, "loss": total, **{k: v for k, v in zip(AUX, aux) if args.mtp_weight or k in ("lm", "kl")},
+                  "grad_norm": float(norm), "lr": float(schedule(step - 1)), "tokens_per_s": rate}
         if step % args.eval_every == 0 or step == args.steps:
             record.update(evaluate())
         if step % args.log_every == 0 or "heldout_lm" in record:

@@ -166,14 +166,14 @@ AUX = ("lm", "kl", "mtp", "acceptance", "mtp_top1")
 
 def mtp_agreement(logits_BTV, mtp_logits_BTV, tokens_BT):
     """``(acceptance, top-1)`` of the MTP module's greedy drafts over teacher-forced positions: with the main
-    logits at positions ``0..T-1`` of ``tokens[:, :T]`` and the MTP logits at ``0..T-2``, the fraction of
-    positions ``i`` whose draft ``argmax mtp_i`` equals the main model's greedy token ``argmax main_{i+1}`` (what
-    greedy speculation accepts), and the fraction equal to the true ``t_{i+2}``."""
+    logits at positions ``0..`` of ``tokens`` and the MTP logits at ``0..M-1`` (``tokens`` reaching ``M + 1``), the
+    fraction of positions ``i`` whose draft ``argmax mtp_i`` equals the main model's greedy token
+    ``argmax main_{i+1}`` (what greedy speculation accepts), and the fraction equal to the true ``t_{i+2}``."""
     import jax.numpy as jnp
 
     draft_BT = jnp.argmax(mtp_logits_BTV, axis=-1)
-    accept = jnp.mean(draft_BT == jnp.argmax(logits_BTV[:, 1:], axis=-1))
-    return accept, jnp.mean(draft_BT == tokens_BT[:, 2:draft_BT.shape[1] + 2])
+    m = draft_BT.shape[1]
+    return jnp.mean(draft_BT == jnp.argmax(logits_BTV[:, 1:m + 1], axis=-1)), jnp.mean(draft_BT == tokens_BT[:, 2:m + 2])
 
 
 def loss_fn(graphdef, stage: str, dtypes: tuple, mtp_weight: float = 0.0, train: str = "all"):

@@ -22,7 +22,7 @@ from ess_jax import ops
 from ess_jax.cache import PagedCacheV32, ResidentPages, StepMeta, request_rows, write_slots
 from ess_jax.config import ModelConfig
 from ess_jax.models.layers import (
-    MLP, LayerNorm, Linear, MoE, RMSNorm, Router, apply_rope_half, apply_rope_interleaved, check_stage,
+    MLP, LayerNorm, Linear, MoE, MTPHost, RMSNorm, Router, apply_rope_half, apply_rope_interleaved, check_stage,
     index_scores, index_topk, indexer_kl, rope_cos_sin, rope_inv_freq, scan_runs, stack_runs)
 
 
@@ -182,7 +182,7 @@ class DecoderLayer(nnx.Module):
         return h + self.mlp(self.post_attention_layernorm(h)), ids_BTK, cache
 
 
-class DeepseekV32(nnx.Module):
+class DeepseekV32(MTPHost, nnx.Module):
     """``DeepseekV32ForCausalLM``: parameter names mirror transformers' module tree, the decoder layers held as
     stacked runs (``layers.stack_runs``: the dense-MLP layers, then the MoE ones)."""
 
@@ -270,27 +270,10 @@ class DeepseekV32(nnx.Module):
         return self.head(h), h, ids_LBTK, cache
 
     # ---- the MTP module (models.mtp) -------------------------------------------------------------
-    def mtp_layer(self):
-        """The MTP module (``models.mtp.MTPLayerV32``); ValueError for a model without one."""
-        if self.cfg.num_nextn_predict_layers == 0:
-            raise ValueError("this model has no MTP module (num_nextn_predict_layers=0)")
-        return self.mtp[str(self.cfg.num_hidden_layers)]
-
-    def mtp_forward(self, h_BTD: jax.Array, next_tokens_BT: jax.Array, stage: str | None = None
-                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The MTP module's full causal forward (``models.mtp``) over positions 0..T-1."""
-        check_stage(stage)
-        return self.mtp_layer().predict(self, h_BTD, next_tokens_BT, stage)
-
     def init_mtp_cache(self, rows: int, num_pages: int, page_size: int, latent_dtype=None,
                        index_dtype: str | None = None) -> PagedCacheV32:
         """The MTP module's empty cache: ``init_cache`` of its one block (``L = 1``), in the same pages."""
         return _init_cache(self.cfg.mtp_block(), self.dtype, num_pages, page_size, latent_dtype, index_dtype)
-
-    def mtp_step(self, h_BTD: jax.Array, next_tokens_BT: jax.Array, meta: StepMeta, cache: PagedCacheV32, *,
-                 kernels: str = "xla") -> tuple[jax.Array, jax.Array, PagedCacheV32]:
-        """The MTP module's cached step (``models.mtp``): ``(logits f32[B, T, V], hidden [B, T, D], cache)``."""
-        return self.mtp_layer().predict_step(self, h_BTD, next_tokens_BT, meta, cache, kernels)
 
 
 def _init_cache(cfg: ModelConfig, dtype, num_pages: int, page_size: int, latent_dtype, index_dtype: str | None

@@ -37,8 +37,8 @@ from ess_jax.cache import (CsaCache, HcaCache, ResidentPages, RowSource, StepMet
 from ess_jax.config import ModelConfig, V4Layer
 from ess_jax.models import mhc
 from ess_jax.models.compressor import CSACompressor, Compressor, Indexer, TailRope, hadamard, visible_entries
-from ess_jax.models.layers import (Linear, MoE, RMSNorm, Router, check_stage, index_topk, indexer_kl, rms_normalize,
-                                   scan_runs, stack_runs)
+from ess_jax.models.layers import (Linear, MoE, MTPHost, RMSNorm, Router, check_stage, index_topk, indexer_kl,
+                                   rms_normalize, scan_runs, stack_runs)
 
 SLIDING, CSA, HCA = V4Layer
 
@@ -280,7 +280,7 @@ class DecoderLayer(nnx.Module):
         return self._ffn(streams_BTOD, tokens_BT), window_BSH, record, ids_BTK
 
 
-class DeepseekV4(nnx.Module):
+class DeepseekV4(MTPHost, nnx.Module):
     """``DeepseekV4ForCausalLM``: parameter names mirror transformers' module tree, the decoder layers held as
     stacked runs (``layers.stack_runs``: the leading sliding / hash-routed layers, then the CSA / HCA pairs as
     blocks of two), so the full forward and the cached step scan them (``layers.scan_runs``) and compile in a
@@ -396,28 +396,11 @@ class DeepseekV4(nnx.Module):
         return self.head(streams_BTOD), streams_BTOD, ids_LBTK, cache
 
     # ---- the MTP module (models.mtp) -------------------------------------------------------------
-    def mtp_layer(self):
-        """The MTP module (``models.mtp.MTPLayerV4``); ValueError for a model without one."""
-        if self.cfg.num_nextn_predict_layers == 0:
-            raise ValueError("this model has no MTP module (num_nextn_predict_layers=0)")
-        return self.mtp[str(self.cfg.num_hidden_layers)]
-
-    def mtp_forward(self, streams_BTOD: jax.Array, next_tokens_BT: jax.Array, stage: str | None = None
-                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The MTP module's full causal forward (``models.mtp``) over positions 0..T-1."""
-        check_stage(stage)
-        return self.mtp_layer().predict(self, streams_BTOD, next_tokens_BT, stage)
-
     def init_mtp_cache(self, rows: int, num_pages: int, page_size: int, csa_dtype=None, index_dtype: str | None = None
                        ) -> V4Cache:
         """The MTP module's empty cache: ``init_cache`` of its one block (its window, and its compressors'
         rings, entries and indexer keys when the block is a CSA / HCA layer), in the same pages."""
         return _init_cache(self.cfg.mtp_block(), self.dtype, rows, num_pages, page_size, csa_dtype, index_dtype)
-
-    def mtp_step(self, streams_BTOD: jax.Array, next_tokens_BT: jax.Array, meta: StepMeta, cache: V4Cache, *,
-                 kernels: str = "xla") -> tuple[jax.Array, jax.Array, V4Cache]:
-        """The MTP module's cached step (``models.mtp``): ``(logits f32[B, T, V], streams [B, T, O, D], cache)``."""
-        return self.mtp_layer().predict_step(self, streams_BTOD, next_tokens_BT, meta, cache, kernels)
 
 
 def layer_groups(cfg: ModelConfig) -> tuple[list[int], list[int]]:

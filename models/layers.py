@@ -255,6 +255,33 @@ class MoE(nnx.Module):
         return (routed_AD.astype(x.dtype) + self.shared_experts(x_AD)).reshape(x.shape)
 
 
+# ---- the MTP module's entry points (models.mtp) ------------------------------------------------
+
+
+class MTPHost:
+    """A model's MTP module methods (both families; the module itself is ``models.mtp``'s layer, the model's
+    ``mtp[str(num_hidden_layers)]``, and each family adds ``init_mtp_cache``)."""
+
+    def mtp_layer(self):
+        """The MTP module; ValueError for a model without one."""
+        if self.cfg.num_nextn_predict_layers == 0:
+            raise ValueError("this model has no MTP module (num_nextn_predict_layers=0)")
+        return self.mtp[str(self.cfg.num_hidden_layers)]
+
+    def mtp_forward(self, hidden: jax.Array, next_tokens_BT: jax.Array, stage: str | None = None
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The MTP module's full causal form over positions 0..T-1: the main model's final hidden states
+        (V3.2 ``[B, T, D]``, V4 ``[B, T, O, D]``) and the next tokens -> ``(logits f32[B, T, V], its hidden
+        states, its indexer loss at ``stage``)``."""
+        check_stage(stage)
+        return self.mtp_layer().predict(self, hidden, next_tokens_BT, stage)
+
+    def mtp_step(self, hidden: jax.Array, next_tokens_BT: jax.Array, meta, cache, *, kernels: str = "xla"):
+        """The MTP module's cached step at ``meta``'s positions over its own cache (``init_mtp_cache``) ->
+        ``(logits f32[B, T, V], its hidden states, cache)``. ``kernels``: the ops kernel choice (static)."""
+        return self.mtp_layer().predict_step(self, hidden, next_tokens_BT, meta, cache, kernels)
+
+
 # ---- lightning indexer ------------------------------------------------------------------------
 
 

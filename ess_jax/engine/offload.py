@@ -213,14 +213,17 @@ class Ess:
         return self.family.store_of(self.runner.cache)
 
     def usage(self, scheduled: dict) -> dict:
-        """Device pool slots in use (read from the device) and the host store's pages and bytes (the host store
-        has the cache's pages, each shard's null page included in its bytes)."""
+        """Device pool slots in use (read from the device) and the host stores' pages and bytes (the host store
+        has the cache's pages, each shard's null page included in its bytes; the host rings a ring per batch
+        row, in use where a request holds the row)."""
         page_bytes = self.layout.offloaded.page_bytes(self.layout.size.page_size)
+        ring_bytes = sum(p.bytes(0) for p in self.layout.placed if p.where == "host")  # per batch row
         return {"pool_slots_in_use": int((mesh.host_array(self._store().lru.slot_entry) >= 0).sum()),
                 "pool_slots_total": self.layout.pool_slots * self.layout.size.rows * self.layout.offloaded.layers,
                 "host_pages_in_use": scheduled["pages_in_use"], "host_pages_total": scheduled["pages_total"],
-                "host_bytes_in_use": scheduled["pages_in_use"] * page_bytes,
-                "host_bytes_total": (scheduled["pages_total"] + self.layout.size.shards) * page_bytes}
+                "host_bytes_in_use": scheduled["pages_in_use"] * page_bytes + scheduled["rows_in_use"] * ring_bytes,
+                "host_bytes_total": ((scheduled["pages_total"] + self.layout.size.shards) * page_bytes
+                                     + scheduled["rows_total"] * ring_bytes)}
 
     def metrics(self) -> dict:
         """Tier counters (read from the device once) as the ``--json`` ``metrics.offload`` object."""

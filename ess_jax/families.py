@@ -128,7 +128,7 @@ class Formats:
     entries: str  # the offloaded part: V3.2 latent rows [c | k_rope], V4 CSA entries
     index: str  # indexer keys
     rows: str  # V4's other rows: HCA entries and the SWA window
-    ring: str  # V4 compressor ring inputs (their gate logits are float32 in every format)
+    ring: str  # V4 compressor rings: the projected inputs and gate projections (DeepSeek's release: float32)
 
 
 
@@ -306,7 +306,7 @@ class _DeepseekV4(Family):
         h, r, j = cfg.head_dim, cfg.qk_rope_head_dim, cfg.index_head_dim
         m, m_h = cfg.compress_rate_csa, cfg.compress_rate_hca
         row = _v4_row_bytes(h, r, formats.rows)
-        ring = _ITEMSIZE[formats.ring] + 4  # per value: the ring input and its float32 gate logit
+        ring = 2 * _ITEMSIZE[formats.ring]  # per value: the ring input and its gate projection
         # the rings hold [coff * m, coff * D] values, coff = 2 for CSA (overlapping windows), 1 for HCA
         csa_tail, hca_tail = (2 * m) * (2 * h + 2 * j) * ring, m_h * h * ring
         parts = [Part("CSA main rows", "offloaded", n_csa, _v4_row_bytes(h, r, formats.entries), m, cfg.index_topk),

@@ -372,14 +372,13 @@ class DeepseekV4(nnx.Module):
         csa_width = ops.v4_row_width(h, cfg.qk_rope_head_dim, csa_dtype)
         return V4Cache(
             window=zeros(cfg.num_hidden_layers, rows, cfg.sliding_window, h),
-            csa=CsaCache(kv_ring=zeros(lc, rows, 2 * m, 2 * h), gate_ring=zeros(lc, rows, 2 * m, 2 * h, dt=jnp.float32),
-                         index_kv_ring=zeros(lc, rows, 2 * m, 2 * j),
-                         index_gate_ring=zeros(lc, rows, 2 * m, 2 * j, dt=jnp.float32),
+            csa=CsaCache(kv_ring=zeros(lc, rows, 2 * m, 2 * h), gate_ring=zeros(lc, rows, 2 * m, 2 * h),
+                         index_kv_ring=zeros(lc, rows, 2 * m, 2 * j), index_gate_ring=zeros(lc, rows, 2 * m, 2 * j),
                          entries=ResidentPages(zeros(lc, num_pages, per_csa, csa_width, dt=csa_dtype),
                                                page_size=page_size, rate=m),
                          index_keys=zeros(lc, num_pages, per_csa, key_width, dt=key_dtype),
                          index_format=index_format),
-            hca=HcaCache(kv_ring=zeros(lh, rows, mh, h), gate_ring=zeros(lh, rows, mh, h, dt=jnp.float32),
+            hca=HcaCache(kv_ring=zeros(lh, rows, mh, h), gate_ring=zeros(lh, rows, mh, h),
                          entries=zeros(lh, num_pages, per_hca, h), page_size=page_size))
 
     def step(self, tokens_BT: jax.Array, meta: StepMeta, cache: V4Cache, *, kernels: str = "xla"

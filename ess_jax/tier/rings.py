@@ -1,9 +1,9 @@
-"""Compressor rings in the host tier: DeepSeek-V4's HCA compressor tails (the projected inputs and gate logits of
-each request's open 128-token window, DOMAIN.md 2.4, 3.2) in a host store per batch row, the device keeping only
-the newest position's projections.
+"""Compressor rings in the host tier: DeepSeek-V4's HCA compressor tails (the projected inputs and gate projections
+of each request's open 128-token window, DOMAIN.md 2.4, 3.2) in a host store per batch row, the device keeping
+only the newest position's projections.
 
 A ring is appended one token per decode step and read whole only by the step that closes its window (once per
-``m`` steps). Per HCA layer and batch row the host holds ``[U, Y]`` projections and gate logits (``U = m``
+``m`` steps). Per HCA layer and batch row the host holds ``[U, Y]`` projections and gate projections (``U = m``
 positions, slot ``position % U``); the device holds the newest position's row and its slot (``HostRings.slot``):
 
 - ``begin_step``: the newest rows into their host slots, batched over layers, at the start of the next compiled
@@ -45,7 +45,7 @@ class HostRings:
     axis, the ring slot in their offset axis)."""
 
     kv: Any  # host.PinnedHostStore | host.NumpyHostStore: [L, B, U, Y] projected inputs (the ring's dtype)
-    gate: Any  # f32 [L, B, U, Y] gate logits + position bias
+    gate: Any  # [L, B, U, Y] gate projections (the ring's dtype)
     slot: jax.Array  # i32[B] the ring slot of the newest position, whose row the device holds
 
     def begin_step(self, newest_kv_LBY: jax.Array, newest_gate_LBY: jax.Array) -> HostRings:
@@ -61,7 +61,7 @@ class HostRings:
         b = closes_B.shape[0]
         u, y = self.kv.array.shape[2:]
         budget = fetch_budget(b)
-        empty = (jnp.zeros((b, u, y), self.kv.array.dtype), jnp.zeros((b, u, y), jnp.float32))
+        empty = (jnp.zeros((b, u, y), self.kv.array.dtype), jnp.zeros((b, u, y), self.gate.array.dtype))
 
         def fetch(rows_C):  # whole rings of batch rows rows_C (index b: none), scattered back to [B, U, Y]
             c = rows_C.shape[0]
@@ -77,7 +77,7 @@ class HostRings:
                                                    lambda: fetch(jnp.arange(b, dtype=jnp.int32))])
         rows_B = jnp.arange(b)
         return (kv_BUY.at[rows_B, self.slot].set(newest_kv_BY.astype(kv_BUY.dtype)),
-                gate_BUY.at[rows_B, self.slot].set(newest_gate_BY))
+                gate_BUY.at[rows_B, self.slot].set(newest_gate_BY.astype(gate_BUY.dtype)))
 
     def appended(self, slot_B: jax.Array, ran_B: jax.Array) -> HostRings:
         """After a step: the rows that ran hold position ``slot_B``'s row on the device."""
@@ -99,8 +99,8 @@ class HostRings:
 
 
 def init_host_rings(*, layers: int, rows: int, slots: int, width: int, dtype, fetch: str) -> HostRings:
-    """Empty rings: ``slots`` positions of ``width`` values per (layer, batch row) in host stores of the fetch
-    backend ``fetch``, every row's newest position at slot 0."""
+    """Empty rings: ``slots`` positions of ``width`` values (``dtype``) per (layer, batch row) in host stores of
+    the fetch backend ``fetch``, every row's newest position at slot 0."""
     shape = (layers, rows, slots, width)
-    return HostRings(kv=host_store(fetch, shape, dtype), gate=host_store(fetch, shape, jnp.float32),
+    return HostRings(kv=host_store(fetch, shape, dtype), gate=host_store(fetch, shape, dtype),
                      slot=jnp.zeros((rows,), jnp.int32))

@@ -394,19 +394,22 @@ def test_the_cli_adds_and_trains_an_mtp_module_on_frozen_weights(tmp_path, capsy
 
 @pytest.mark.parametrize("name", ["tiny-v32-code", "tiny-v4-code"])
 def test_the_shipped_mtp_modules_draft_the_main_models_next_token(name):
-    """The shipped checkpoints' MTP modules, on the first 512 held-out tokens: their greedy drafts agree with
-    the main model's greedy next token as often as train.json recorded over its 2048 (within 0.1), and on
-    most positions."""
+    """The shipped checkpoints' MTP modules reproduce the held-out acceptance and draft top-1 train.json
+    recorded (the same windows of the held-out text), far above an untrained module's (about 0)."""
     model = load_model(name)
     record = json.loads((ROOT / "checkpoints" / name / "train.json").read_text())["mtp"]
-    ids = jnp.asarray([model.tokenizer.encode((ROOT / record["text"]).read_text())[:512]])
+    ids = model.tokenizer.encode((ROOT / record["text"]).read_text())[: record["tokens"]]
+    context = record["context"]
+    assert len(ids) % context == 0
 
     @jax.jit
-    def agreement(params, ids):
+    def agreement(params, window):
         module = nnx.merge(model.graphdef, params)
-        hidden, _ = module.hidden_states(ids, None)
-        return train.mtp_agreement(module.head(hidden), module.mtp_forward(hidden[:, :-2], ids[:, 1:-1])[0], ids)
+        hidden, _ = module.hidden_states(window, None)
+        return train.mtp_agreement(module.head(hidden), module.mtp_forward(hidden[:, :-2], window[:, 1:-1])[0],
+                                   window)
 
-    accept, top1 = agreement(model.params, ids)
-    assert float(accept) > 0.5 and abs(float(accept) - record["acceptance"]) < 0.1, (accept, record)
-    assert abs(float(top1) - record["mtp_top1"]) < 0.1, (top1, record)
+    accept, top1 = np.mean([agreement(model.params, jnp.asarray([ids[i:i + context]]))
+                            for i in range(0, len(ids), context)], axis=0)
+    assert accept == pytest.approx(record["acceptance"], abs=0.01) and accept > 0.3
+    assert top1 == pytest.approx(record["mtp_top1"], abs=0.01)

@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Sequence
 
+import numpy as np
 import jax.numpy as jnp
 from tqdm import tqdm
 
@@ -28,8 +29,30 @@ from ess_jax.engine.config import EngineConfig
 from ess_jax.engine.layout import cache_layout, check_memory
 from ess_jax.engine.request import Request, RequestOutput, check_ids, make_request
 from ess_jax.engine.runner import Runner
-from ess_jax.engine.scheduler import EngineStats, Scheduler, StepTimes
+from ess_jax.engine.scheduler import Drafter, EngineStats, Scheduler, StepTimes
 from ess_jax.sampling import SamplingParams
+
+
+def has_mtp(model) -> bool:
+    """The model carries a multi-token-prediction module (the checkpoint's MTP layer)."""
+    return getattr(model.module, "mtp", None) is not None
+
+
+def check_speculative(model, config: EngineConfig, drafter: Drafter | None) -> None:
+    """ValueError naming the fix when speculative decoding cannot run: drafts from an MTP module the checkpoint
+    does not have, or more tokens per step than a row's rings hold apart."""
+    k = config.num_speculative_tokens
+    if drafter is not None and not k:
+        raise ValueError("a drafter needs speculative decoding: --speculative mtp --num-speculative-tokens K")
+    if not k:
+        return
+    if drafter is None and not has_mtp(model):
+        raise ValueError(f"--speculative mtp: this checkpoint has no MTP layer (num_nextn_predict_layers = 0) to "
+                         f"draft with; use a checkpoint with one, or serve without --speculative")
+    limit = families.get(model.cfg.family).step_tokens_limit(model.cfg)
+    if limit is not None and 1 + k > limit:
+        raise ValueError(f"--num-speculative-tokens {k}: a step of 1 + {k} tokens per request exceeds the smallest "
+                         f"ring of positions this model keeps per request ({limit}); use at most {limit - 1}")
 
 
 def _listed(ids):
@@ -39,10 +62,13 @@ def _listed(ids):
 
 class Engine:
     def __init__(self, model, config: EngineConfig = EngineConfig(), *, progress: bool = False,
-                 record_steps: bool = False):
+                 record_steps: bool = False, drafter: Drafter | None = None):
         """Sizes from the configs, checked against the machine before any cache array exists
-        (``layout.check_memory``). ``record_steps``: every step's times in ``stats.steps``."""
+        (``layout.check_memory``). ``record_steps``: every step's times in ``stats.steps``. ``drafter`` (with
+        ``config.speculative``): a caller's drafts in place of the MTP module's, ``drafter(request)`` -> the
+        ``num_speculative_tokens`` tokens to verify after the request's last (its ``output_ids`` so far)."""
         self.model, self.config, self.progress = model, config, progress
+        check_speculative(model, config, drafter)
         self.layout = cache_layout(model.cfg, config, jnp.dtype(model.module.dtype).name)
         shape = mesh.parse(config.mesh) if config.mesh else mesh.MeshShape()
         check_memory(self.layout, mesh.param_bytes_per_device(model.params, shape))
@@ -55,8 +81,19 @@ class Engine:
         size = self.layout.size
         self.scheduler = Scheduler(config, shards=size.shards, pages=size.pages // size.shards,
                                    pages_per_row=self.layout.pages_per_row, max_seq_len=self.max_seq_len,
-                                   stats=self.stats)
+                                   stats=self.stats, drafter=drafter and self._checked(drafter))
         self._step_lock = threading.Lock()  # held while the engine's state changes (step, abort)
+
+    def _checked(self, drafter: Drafter) -> Drafter:
+        """``drafter`` whose drafts are checked before they reach the model: K token ids of the vocabulary."""
+        k, vocab = self.config.num_speculative_tokens, self.model.cfg.vocab_size
+
+        def drafts(request: Request) -> np.ndarray:
+            ids = np.asarray(drafter(request))
+            if ids.shape != (k,) or not np.issubdtype(ids.dtype, np.integer) or not ((0 <= ids) & (ids < vocab)).all():
+                raise ValueError(f"the drafter must give {k} token ids in [0, {vocab}), got {ids.tolist()!r}")
+            return ids
+        return drafts
 
     # ---- any thread ----------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
@@ -135,6 +172,10 @@ class Engine:
             if times is not None:
                 self.stats.steps.append(times)
             return self.scheduler.outputs()
+
+    def speculative_metrics(self) -> dict | None:
+        """Speculative decoding's counters as the ``--json`` ``metrics.speculative`` object; None without."""
+        return self.stats.speculative.report() if self.stats.speculative else None
 
     def _timed_prefill(self, seconds: float, times: StepTimes | None) -> None:
         self.stats.prefill_s += seconds

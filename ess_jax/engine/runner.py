@@ -123,18 +123,23 @@ class Runner:
 
     # ---- decode --------------------------------------------------------------------------------
     def _decode_args(self, batch: DecodeBatch):
+        """The decode step's arguments: each row's last token and its drafts ``[B, T]`` at positions ``length +
+        t`` (a row that does not run: positions from 0, nothing written)."""
+        tokens_BT = np.concatenate([batch.tokens_B[:, None], batch.drafts_BK], axis=1)
+        t = tokens_BT.shape[1]
         rows = np.arange(self.config.max_batch, dtype=np.int32) % self.rows_per_shard
-        meta = StepMeta(jnp.asarray(batch.lengths_B[:, None]), jnp.asarray(batch.active_B[:, None]),
+        active_BT = np.broadcast_to(batch.active_B[:, None], (self.config.max_batch, t))
+        meta = StepMeta(jnp.asarray(batch.lengths_B[:, None] + np.arange(t, dtype=np.int32)), jnp.asarray(active_BT),
                         jnp.asarray(batch.page_table_BX), jnp.asarray(rows))
-        return (self.params, jnp.asarray(batch.tokens_B[:, None]), meta, self.cache,
-                sampling_batch(batch.sampling, batch.steps_B))
+        return (self.params, jnp.asarray(tokens_BT), meta, self.cache, sampling_batch(batch.sampling, batch.steps_B),
+                jnp.asarray(batch.forced_B))
 
     def compile_decode(self) -> None:
         """Compile the decode step ahead (one shape), so no decode timing includes compilation."""
         if self._compiled_decode is not None:
             return
         start = time.perf_counter()
-        idle = DecodeBatch.idle(self.config.max_batch, self.layout.pages_per_row)
+        idle = DecodeBatch.idle(self.config.max_batch, self.layout.pages_per_row, self.config.num_speculative_tokens)
         self._compiled_decode = steps.decode.lower(self.model.graphdef, self.kernels, *self._decode_args(idle),
                                                    shardings=self.shardings).compile()
         self.stats.compile_s = time.perf_counter() - start
@@ -142,9 +147,9 @@ class Runner:
     def decode(self, batch: DecodeBatch, times: StepTimes | None) -> DecodeResult:
         self.compile_decode()
         start = time.perf_counter()
-        tokens, logits_BV, self.cache = self._compiled_decode(*self._decode_args(batch))
+        tokens_BT, accepted_B, logits_BTV, self.cache = self._compiled_decode(*self._decode_args(batch))
         if times is not None:
             times.decode_dispatch_s = time.perf_counter() - start
-        sampled = mesh.host_array(tokens)
+        tokens_BT, accepted_B = mesh.host_array(tokens_BT), mesh.host_array(accepted_B)
         self.stats.decode_s += time.perf_counter() - start
-        return DecodeResult(sampled, mesh.host_array(logits_BV) if batch.wants_logits else None)
+        return DecodeResult(tokens_BT, accepted_B, mesh.host_array(logits_BTV) if batch.wants_logits else None)

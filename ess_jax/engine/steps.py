@@ -4,7 +4,8 @@ so that engines over the same model and shapes share their executables, each don
 - ``prefill``: one exact piece of one prompt per data shard ``[D, T]`` (the shards without one do not run); with
   ``scored`` (static) also each position's log-probability of the prompt's next token and its top-N
   (``PromptScores``), reduced on the device from the piece's logits;
-- ``decode``: one token for every batch row ``[B, 1]``, inactive rows masked;
+- ``decode``: every batch row's last token and its drafts ``[B, 1 + K]`` (speculative decoding; K = 0 without),
+  verified, the rejected drafts' writes undone, inactive rows masked;
 - ``handoff``, ``release``, ``flush``: the offloaded tier's moves (``ess_jax.engine.offload``).
 
 ``shardings`` (static): the cache's ``mesh.Layout`` on the engine's mesh; the steps then run per data shard
@@ -24,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ess_jax import families, mesh, tier
 from ess_jax.cache import StepMeta
-from ess_jax.sampling import sample
+from ess_jax.sampling import sample, verify
 
 ROWS, ALL = PartitionSpec("data"), PartitionSpec()  # a batch-row-major argument split over the shards; replicated
 LAYER_ROWS = PartitionSpec(None, "data")  # a [L, rows, ...] argument split over the shards
@@ -43,6 +44,12 @@ class SamplingBatch:
 
     def sample(self, logits_BV: jax.Array) -> jax.Array:
         return sample(logits_BV, self.temperature_B, self.top_k_B, self.top_p_B, self.seed_B, self.step_B)
+
+    def verify(self, logits_BTV: jax.Array, drafts_BK: jax.Array, forced_B: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``ess_jax.sampling.verify`` of deterministic drafts (each a one-hot draft distribution)."""
+        q_BKV = jax.nn.one_hot(drafts_BK, logits_BTV.shape[-1], dtype=jnp.float32)
+        return verify(logits_BTV, drafts_BK, q_BKV, self.temperature_B, self.top_k_B, self.top_p_B, self.seed_B,
+                      self.step_B, forced_B)
 
 
 @jax.tree_util.register_dataclass
@@ -112,17 +119,29 @@ def _prefill(graphdef, kernels: str, params, tokens_BT, meta: StepMeta, cache, s
     return token, logits_BV, scores, window_LBQK, placed(shardings, cache)
 
 
-def _decode(graphdef, kernels: str, params, tokens_BT, meta: StepMeta, cache, sampling: SamplingBatch,
+def _decode(graphdef, kernels: str, params, tokens_BT, meta: StepMeta, cache, sampling: SamplingBatch, forced_B,
             shardings=None):
-    """One decode step for every batch row: the sampled tokens ``i32[B]``, their logits and the cache."""
-    def run(params, tokens_BT, meta, cache, sampling):
-        logits_BTV, _, cache = nnx.merge(graphdef, params).step(tokens_BT, meta, cache.begin_step(), kernels=kernels)
-        return sampling.sample(logits_BTV[:, -1]), logits_BTV[:, -1], cache
+    """One decode step for every batch row: each row's last token and its ``K = T - 1`` drafts (speculative
+    decoding; ``K = 0`` without), verified in one pass of the model. Returns the tokens ``i32[B, T]`` and the
+    drafts each row accepted ``i32[B]`` (``sampling.verify``; without drafts the sampled token and 0), every
+    position's logits ``f32[B, T, V]`` and the cache, in which what the rejected drafts wrote is undone
+    (``rollback``): each row holds its cache as if it had decoded its accepted tokens one at a time.
+    ``forced_B``: rows that accept every draft (teacher forcing)."""
+    def run(params, tokens_BT, meta, cache, sampling, forced_B):
+        before = cache.begin_step()
+        logits_BTV, _, cache = nnx.merge(graphdef, params).step(tokens_BT, meta, before, kernels=kernels)
+        if tokens_BT.shape[1] == 1:
+            return sampling.sample(logits_BTV[:, 0])[:, None], jnp.zeros_like(forced_B, jnp.int32), logits_BTV, cache
+        drafts_BK = tokens_BT[:, 1:]
+        tokens_BT, accepted_B = sampling.verify(logits_BTV, drafts_BK, forced_B)
+        kept_B = jnp.where(meta.valid[:, 0], accepted_B + 1, 0)
+        return tokens_BT, accepted_B, logits_BTV, cache.rollback(before, meta, kept_B)
 
     specs = shardings and shardings.specs
-    tokens, logits_BV, cache = on_shards(run, shardings, (ALL, ROWS, ROWS, specs, ROWS), (ROWS, ROWS, specs))(
-        params, tokens_BT, meta, cache, sampling)
-    return tokens, logits_BV, placed(shardings, cache)
+    tokens_BT, accepted_B, logits_BTV, cache = on_shards(
+        run, shardings, (ALL, ROWS, ROWS, specs, ROWS, ROWS), (ROWS, ROWS, ROWS, specs))(
+        params, tokens_BT, meta, cache, sampling, forced_B)
+    return tokens_BT, accepted_B, logits_BTV, placed(shardings, cache)
 
 
 def _handoff(family: families.Family, cache, scratch, table_DX, pages_DX, row_D, entries_D, window_LDQK,

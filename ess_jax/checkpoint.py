@@ -10,11 +10,17 @@ Quantized weights, each with its scales beside it as ``weight_scale_inv``: FP8 (
 scales, and FP4 (e2m1, two a byte in int8 / uint8) with a ue8m0 scale per 32 values of a row (V4's
 routed experts). ``load_into`` dequantizes them at load (``weights="dequantized"``) or keeps them in their
 bytes on the device (``weights="release"``, ``ess_jax.models.quant``), dequantized inside the step.
-Layers at index >= num_hidden_layers (the MTP layer) are skipped.
+The MTP module (``models.mtp``; config ``num_nextn_predict_layers``) is layer ``num_hidden_layers``
+(``model.layers.61.*`` in V3.2, ``mtp.0.*`` in the V4 release): loaded when the model has one and the checkpoint
+holds it, every tensor of it (a partial one is refused, naming a missing tensor); a checkpoint without any of it
+loads the model without it (``ModelConfig.without_mtp``). The embedding and output head are the main model's
+(tied, as DeepSeek-V3 2.2 shares them): the release's copies under the MTP layer (``embed_tokens``,
+``shared_head.head``) are not read. Other layers at index >= num_hidden_layers are skipped.
 
 DeepSeek-V4's original release names (no ``model.`` prefix, ``layers.N.{attn,ffn}.*``, FP8 scales as
 ``.scale`` in float32 or ue8m0, MTP under ``mtp.*``) are renamed to transformers' names when the
-checkpoint is opened (``release_to_hf_name``), so one lookup by transformers name serves both.
+checkpoint is opened (``release_to_hf_name``; the MTP block as layer ``num_hidden_layers``), so one lookup by
+transformers name serves both.
 
 Files are memory-mapped and read tensor by tensor (our own safetensors reader, because NumPy has
 no float8 dtype); the model is built abstractly first, so host memory never holds two copies.
@@ -61,6 +67,7 @@ _SCALE_CODES = _FLOAT_CODES + ("F8_E8M0",)  # what block scales may be stored as
 _INT_CODES = ("I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8")  # what an integer buffer may be stored as
 _MAX_HEADER = 100 * 2**20  # safetensors' own limit on the JSON header
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_MTP_COPIES = (".embed_tokens.weight", ".shared_head.head.weight")  # the release's copies of the shared tensors
 _REEXPORT = "the file is truncated or corrupt: re-download or re-export it"
 WEIGHTS = ("dequantized", "release")  # load_into's weights=: dequantized at load, or kept quantized on the device
 
@@ -355,6 +362,8 @@ def fp4_values(packed: np.ndarray, scale: np.ndarray, name: str) -> quant.Fp4Val
 
 def hf_name(path: tuple) -> str:
     """transformers' parameter name of an NNX state path of one layer's (or no layer's) parameter."""
+    if path[0] == "mtp":  # the MTP module is layer num_hidden_layers (its key in ``model.mtp``)
+        path = ("layers", *path[1:])
     name = ".".join(str(p) for p in path)
     return name if name.startswith("lm_head.") else "model." + name + (".weight" if path == ("embed_tokens",) else "")
 
@@ -461,10 +470,26 @@ _V4_RELEASE_RULES = [(re.compile(p), r) for p, r in [
 ]]
 
 
-def release_to_hf_name(key: str) -> str:
-    """A DeepSeek-V4 tensor name (release, transformers-saved or transformers) as transformers names it."""
-    if key.startswith("mtp."):
-        return key  # the release's MTP block, ignored
+# the release's MTP block ``mtp.K.*`` -> layer ``num_hidden_layers + K``: its own names first
+_V4_MTP_RULES = [(re.compile(p), r) for p, r in [
+    (r"^norm\.", "shared_head.norm."),
+    (r"^hc_head_(fn|base|scale)$", r"hc_head.hc_\1"),
+    (r"^head\.", "shared_head.head."),
+    (r"^embed\.", "embed_tokens."),
+]]
+
+
+def release_to_hf_name(key: str, layers: int | None = None) -> str:
+    """A DeepSeek-V4 tensor name (release, transformers-saved or transformers) as transformers names it; the
+    release's MTP block ``mtp.K.*`` as layer ``layers + K`` (``layers``: num_hidden_layers; None leaves it)."""
+    mtp = re.match(r"^mtp\.(\d+)\.(.*)$", key)
+    if mtp and layers is None:
+        return key
+    if mtp:
+        rest = mtp.group(2)
+        for pattern, replacement in _V4_MTP_RULES:
+            rest = pattern.sub(replacement, rest)
+        key = f"layers.{layers + int(mtp.group(1))}.{rest}"
     name = key.removeprefix("model.")
     for pattern, replacement in _V4_RELEASE_RULES:
         name = pattern.sub(replacement, name)
@@ -492,6 +517,11 @@ def load_into(model_fn, cfg: ModelConfig, directory: Path, dtype, weights: str =
     if weights not in WEIGHTS:
         raise ValueError(f"weights={weights!r} is not one of {', '.join(WEIGHTS)}")
     abstract = nnx.eval_shape(model_fn)
+    rename = families.get(cfg.family).hf_rename
+    ckpt = Checkpoint(directory, rename and functools.partial(rename, layers=cfg.num_hidden_layers))
+    if cfg.num_nextn_predict_layers and not _holds_mtp(ckpt, abstract):
+        abstract.cfg = cfg = cfg.without_mtp()  # a checkpoint without the MTP module: the model without it
+        del abstract.mtp
     graphdef, state = nnx.split(abstract)
     # (path, variable, its names, one name's shape): a stacked run's tensors are each one layer's
     flat = [(path, variable, hf_names(path, variable.shape), tuple(variable.shape)[stacked(path):])
@@ -500,7 +530,6 @@ def load_into(model_fn, cfg: ModelConfig, directory: Path, dtype, weights: str =
     shardings = [None if mesh is None else device_mesh.param_sharding(mesh, [str(p) for p in path],
                                                                         tuple(variable.shape))
                  for path, variable, _, _ in flat]
-    ckpt = Checkpoint(directory, families.get(cfg.family).hf_rename)
     expected_names = {name for _, _, names, _ in flat for name in names}
     unknown = [ckpt.stored[k] for k in ckpt.where if not _ignorable(k, cfg, expected_names)]
     if unknown:
@@ -629,14 +658,33 @@ def save(params: nnx.State, raw_config: dict, directory: Path) -> Path:
     return directory
 
 
+def _stored(ckpt: Checkpoint, name: str) -> bool:
+    """Whether the checkpoint holds parameter ``name``: under its name, or as per-expert tensors."""
+    packed = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$", name)
+    return name in ckpt or bool(packed and f"{packed.group(1)}.0.{packed.group(2).split('_')[0]}_proj.weight" in ckpt)
+
+
+def _holds_mtp(ckpt: Checkpoint, abstract: nnx.Module) -> bool:
+    """Whether the checkpoint holds the model's MTP module: False if none of its tensors; CheckpointError naming
+    a missing one if some."""
+    names = [name for path, variable in nnx.to_flat_state(nnx.state(abstract.mtp))
+             for name in hf_names(("mtp", *path), tuple(variable.shape))]
+    held = [name for name in names if _stored(ckpt, name)]
+    if held and len(held) < len(names):
+        missing = next(name for name in names if name not in held)
+        raise CheckpointError(f"checkpoint {ckpt.directory} holds part of the MTP module ({ckpt.describe(held[0])}, "
+                              f"{len(held)} of its {len(names)} tensors) but not {missing}: add the missing tensors, "
+                              "or remove the MTP layer's tensors to load the model without it")
+    return bool(held)
+
+
 def _ignorable(key: str, cfg: ModelConfig, expected: set[str]) -> bool:
     if key in expected or key.endswith("weight_scale_inv"):
         return True
-    layer = _LAYER.match(key)
-    if layer and int(layer.group(1)) >= cfg.num_hidden_layers:
-        return True  # MTP layer
-    if key.startswith("mtp."):
-        return True  # DeepSeek-V4 release MTP block
     if re.match(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$", key):
         return True  # per-expert release names, stacked at load
+    layer = _LAYER.match(key)
+    if layer and int(layer.group(1)) >= cfg.num_hidden_layers:
+        # the MTP layer of a model without it; the release's copies of the shared embedding and head
+        return int(layer.group(1)) >= cfg.num_hidden_layers + cfg.num_nextn_predict_layers or key.endswith(_MTP_COPIES)
     return key == "model.embed_tokens.weight" or key.endswith("rotary_emb.inv_freq")

@@ -54,7 +54,7 @@ _KINDS: dict[str, Any] = {
         "num_experts_per_tok", "n_group", "topk_group", "head_dim", "compress_rate_csa", "compress_rate_hca",
         "sliding_window", "o_groups", "o_lora_rank", "hc_mult", "hc_sinkhorn_iters")},
     **{k: ("int", 0) for k in ("q_lora_rank", "qk_rope_head_dim", "n_shared_experts", "first_k_dense_replace",
-                               "num_hash_layers", "bos_token_id", "pad_token_id")},
+                               "num_hash_layers", "bos_token_id", "pad_token_id", "num_nextn_predict_layers")},
     **{k: ("num", 0, True) for k in ("rms_norm_eps", "hc_eps", "rope_theta", "compress_rope_theta",
                                      "routed_scaling_factor")},
     "swiglu_limit": ("num", 0, False),
@@ -62,6 +62,7 @@ _KINDS: dict[str, Any] = {
     "tie_word_embeddings": "bool", "norm_topk_prob": "bool",
     "model_type": "str", "scoring_func": "str",
     "mlp_layer_types": ("list", "str"), "layer_types": ("list", "str"), "compress_ratios": ("list", ("int", 0)),
+    "mtp_layer_types": ("list", "str"),
     "compress_rates": "dict", "quantization_config": "dict", "rope_parameters": "dict", "rope_scaling": "dict",
     "eos_token_id": "eos",
 }
@@ -163,7 +164,7 @@ def check_fields(cfg: ModelConfig) -> None:
             continue
         if field.name == "eos_token_id" and not isinstance(value, tuple):
             raise ConfigError(f"config field eos_token_id={_short(value)} must be a tuple of token ids")
-        if field.name in ("mlp_layer_types", "layer_types") and not isinstance(value, tuple):
+        if field.name in ("mlp_layer_types", "layer_types", "mtp_layer_types") and not isinstance(value, tuple):
             raise ConfigError(f"config field {field.name}={_short(value)} must be a tuple of strings")
         if kind is not None:
             check_value(field.name, value, kind)
@@ -277,6 +278,8 @@ class ModelConfig:
     eos_token_id: tuple[int, ...] = (1,)
     pad_token_id: int | None = None
     tie_word_embeddings: bool = False
+    # multi-token prediction (DOMAIN.md 1.6): MTP modules after the decoder layers, 0 or 1 (models/mtp.py)
+    num_nextn_predict_layers: int = 0
     # mla
     num_attention_heads: int = 128
     q_lora_rank: int = 1536
@@ -304,6 +307,7 @@ class ModelConfig:
     # deepseek_v4 only (DOMAIN.md 2): attention types, compressors, grouped output, mHC, clamped SwiGLU
     head_dim: int = 512
     layer_types: tuple[str, ...] = ()
+    mtp_layer_types: tuple[str, ...] = ()  # the MTP blocks' attention (the schedule's entries past the layers)
     compress_rate_csa: int = 4
     compress_rate_hca: int = 128
     sliding_window: int = 128
@@ -336,6 +340,21 @@ class ModelConfig:
     @property
     def softmax_scale(self) -> float:
         return self.qk_head_dim**-0.5 * self.rope.softmax_mscale
+
+    def without_mtp(self) -> ModelConfig:
+        """This config without its MTP module (a checkpoint that does not hold it)."""
+        return dataclasses.replace(self, num_nextn_predict_layers=0, mtp_layer_types=())
+
+    def mtp_block(self) -> ModelConfig:
+        """The config of a one-layer model whose layer is the MTP module's decoder block: its attention
+        (V4: ``mtp_layer_types[0]``) and a routed MoE (the block sits past the dense / hash-routed layers),
+        so the family's decoder layer, cache and cache parts serve the block as they serve layer 0."""
+        if not self.num_nextn_predict_layers:
+            raise ValueError("this config has no MTP module (num_nextn_predict_layers=0)")
+        if self.family == "deepseek_v4":
+            return dataclasses.replace(self.without_mtp(), num_hidden_layers=1, layer_types=self.mtp_layer_types[:1],
+                                       mlp_layer_types=("moe",))
+        return dataclasses.replace(self.without_mtp(), num_hidden_layers=1, mlp_layer_types=("sparse",))
 
     # ---- construction --------------------------------------------------------------------------
     def compress_rate(self, layer: int) -> int:
@@ -459,8 +478,17 @@ def v32_from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
     return cls(**kwargs)
 
 
+def check_mtp(cfg: ModelConfig) -> None:
+    """At most one MTP module (DeepSeek's releases have one; a second depth would chain on the first's hidden
+    states at training time, which ``models.mtp`` does not build)."""
+    _require([(cfg.num_nextn_predict_layers <= 1,
+               f"num_nextn_predict_layers={cfg.num_nextn_predict_layers}: ess_jax builds one MTP module (DeepSeek's "
+               "releases have 1); set it to 1 or 0")])
+
+
 def check_v32(cfg: ModelConfig) -> None:
     """Fills the default ``mlp_layer_types`` (3 dense layers, then MoE), then checks the config."""
+    check_mtp(cfg)
     if not cfg.mlp_layer_types:
         dense = min(3, cfg.num_hidden_layers)
         object.__setattr__(cfg, "mlp_layer_types", ("dense",) * dense + ("sparse",) * (cfg.num_hidden_layers - dense))
@@ -486,7 +514,7 @@ def check_v32(cfg: ModelConfig) -> None:
 
 # ---- deepseek_v4 -------------------------------------------------------------------------------
 
-V4_ONLY_FIELDS = frozenset({"head_dim", "layer_types", "compress_rate_csa", "compress_rate_hca", "sliding_window",
+V4_ONLY_FIELDS = frozenset({"head_dim", "layer_types", "mtp_layer_types", "compress_rate_csa", "compress_rate_hca", "sliding_window",
                             "compress_rope", "o_groups", "o_lora_rank", "hc_mult", "hc_sinkhorn_iters", "hc_eps",
                             "swiglu_limit"})
 
@@ -547,6 +575,10 @@ def v4_from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
     else:  # transformers' fallback: 2 x HCA, then HCA / CSA alternating (HCA at layer 2)
         layer_types = [V4Layer.HCA] * min(n, 2) + [V4Layer.CSA if i % 2 else V4Layer.HCA for i in range(max(n - 2, 0))]
     kwargs["layer_types"] = tuple(str(kind) for kind in layer_types[:n])  # plain strings, as config.json has them
+    # the MTP blocks' attention: the schedule's entries past the layers (both releases: sliding); default sliding
+    mtp = int(raw.get("num_nextn_predict_layers") or 0)
+    kwargs["num_nextn_predict_layers"] = mtp
+    kwargs["mtp_layer_types"] = tuple(str(kind) for kind in (layer_types[n:] + [V4Layer.SLIDING] * mtp)[:mtp])
     if raw.get("mlp_layer_types") is not None:
         mlp_types = list(raw["mlp_layer_types"])
     else:
@@ -588,8 +620,17 @@ def v4_from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
 
 
 def check_v4(cfg: ModelConfig) -> None:
+    """Fills the default ``mtp_layer_types`` (sliding, as both releases), then checks the config."""
+    check_mtp(cfg)
     n = cfg.num_hidden_layers
+    if cfg.num_nextn_predict_layers and not cfg.mtp_layer_types:
+        object.__setattr__(cfg, "mtp_layer_types", (str(V4Layer.SLIDING),) * cfg.num_nextn_predict_layers)
     checks = [
+        (len(cfg.mtp_layer_types) == cfg.num_nextn_predict_layers,
+         f"mtp_layer_types has {len(cfg.mtp_layer_types)} entries for num_nextn_predict_layers="
+         f"{cfg.num_nextn_predict_layers}"),
+        (set(cfg.mtp_layer_types) <= set(V4_LAYER_TYPES),
+         f"mtp_layer_types={cfg.mtp_layer_types} must be among {V4_LAYER_TYPES}"),
         (len(cfg.layer_types) == n, f"layer_types has {len(cfg.layer_types)} entries for num_hidden_layers={n}"),
         (set(cfg.layer_types) <= set(V4_LAYER_TYPES), f"layer_types={cfg.layer_types} must be among {V4_LAYER_TYPES}"),
         (len(cfg.mlp_layer_types) == n,

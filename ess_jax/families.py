@@ -160,7 +160,8 @@ class Family:
     model_type: str
     architecture: str  # config.json's "architectures" entry (transformers' class)
     module: str  # "package.module:Class" of the NNX module
-    rename: str | None  # "package.module:function": a checkpoint's tensor name -> transformers'; None: unchanged
+    rename: str | None  # "package.module:function": (a checkpoint's tensor name, layers=num_hidden_layers) ->
+    # transformers' name (the MTP block as layer num_hidden_layers); None: unchanged
 
     @property
     def module_cls(self) -> type:
@@ -174,6 +175,13 @@ class Family:
     def cache_parts(self, cfg: ModelConfig, formats: Formats) -> list[Part]:
         """The KV cache of one request, part by part (parts of no layer included)."""
         raise NotImplementedError
+
+    def mtp_cache_parts(self, cfg: ModelConfig, formats: Formats) -> list[Part]:
+        """The MTP module's cache of one request (``models.mtp``: its block's, in the main cache's pages), part
+        by part, named "MTP ..."; none for a model without one."""
+        if not cfg.num_nextn_predict_layers:
+            return []
+        return [dataclasses.replace(p, name=f"MTP {p.name}") for p in self.cache_parts(cfg.mtp_block(), formats)]
 
     def stored_formats(self, entries: str, model: str, index: str | None = None) -> Formats:
         """The formats ``init_cache`` stores, for offloaded entries in ``entries``, a model in ``model`` and

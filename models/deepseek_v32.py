@@ -193,6 +193,9 @@ class DeepseekV32(nnx.Module):
         self.runs = stack_runs([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
+        if cfg.num_nextn_predict_layers:  # the MTP module, named as layer num_hidden_layers (models.mtp)
+            from ess_jax.models.mtp import MTPLayerV32
+            self.mtp = nnx.Dict({str(cfg.num_hidden_layers): MTPLayerV32(cfg, dtype=dtype, rngs=rngs)})
 
     def _cos_sin(self, positions_BT):
         inv_freq = rope_inv_freq(self.cfg.rope, self.cfg.qk_rope_head_dim)
@@ -205,6 +208,12 @@ class DeepseekV32(nnx.Module):
     def train_forward(self, tokens_BT: jax.Array, stage: str | None) -> tuple[jax.Array, jax.Array]:
         """The full causal forward at a training ``stage`` (``layers.STAGES``; None: inference): logits
         ``f32[B, T, V]`` and the indexer's loss summed over layers."""
+        h_BTD, kl = self.hidden_states(tokens_BT, stage)
+        return self.head(h_BTD), kl
+
+    def hidden_states(self, tokens_BT: jax.Array, stage: str | None) -> tuple[jax.Array, jax.Array]:
+        """The full causal forward up to the final norm: the last layer's hidden states ``[B, T, D]`` (what
+        the MTP module reads) and the indexer's loss summed over layers."""
         check_stage(stage)
         b, t = tokens_BT.shape
         cos, sin = self._cos_sin(jnp.broadcast_to(jnp.arange(t), (b, t)))
@@ -216,7 +225,11 @@ class DeepseekV32(nnx.Module):
             return (h, kl + layer_kl), None
 
         (h, kl), _ = scan_runs(self.runs, body, (h, jnp.zeros((), jnp.float32)))
-        return self.lm_head(self.norm(h)).astype(jnp.float32), kl
+        return h, kl
+
+    def head(self, h_BTD: jax.Array) -> jax.Array:
+        """Logits ``f32[B, T, V]`` of final hidden states: the final norm and ``lm_head``."""
+        return self.lm_head(self.norm(h_BTD)).astype(jnp.float32)
 
     def init_cache(self, rows: int, num_pages: int, page_size: int, latent_dtype=None, index_dtype: str | None = None
                    ) -> PagedCacheV32:
@@ -227,24 +240,21 @@ class DeepseekV32(nnx.Module):
         latent rows at DeepSeek's shapes). ``index_dtype``: the indexer keys, "fp8" (132-byte FP8 rows, the
         official format) or a float dtype's name; default: "fp8" with FP8 latent rows, else the model's dtype.
         No "fp4": V3.2's indexer was trained for FP8 keys, and DeepSeek has no FP4 round trip for it."""
-        cfg, n = self.cfg, self.cfg.num_hidden_layers
-        latent_dtype = latent_dtype or self.dtype
-        width = ops.mla_row_width(cfg.kv_lora_rank, cfg.qk_rope_head_dim, latent_dtype)
-        if index_dtype == "fp4":
-            raise ValueError("index_dtype='fp4': DeepSeek-V3.2's indexer was trained for FP8 keys; use 'fp8' or a "
-                             "float dtype")
-        index_dtype = index_dtype or ("fp8" if jnp.dtype(latent_dtype) == jnp.uint8 else jnp.dtype(self.dtype).name)
-        key_width, key_dtype = ops.index_key_storage(cfg.index_head_dim, index_dtype)
-        return PagedCacheV32(
-            index_keys=jnp.zeros((n, num_pages, page_size, key_width), key_dtype),
-            latent=ResidentPages(jnp.zeros((n, num_pages, page_size, width), latent_dtype), page_size=page_size, rate=1),
-        )
+        return _init_cache(self.cfg, self.dtype, num_pages, page_size, latent_dtype, index_dtype)
 
     def step(self, tokens_BT: jax.Array, meta: StepMeta, cache: PagedCacheV32, *, kernels: str = "xla"
              ) -> tuple[jax.Array, jax.Array, PagedCacheV32]:
         """Write ``T`` tokens per request into ``cache``. Returns their logits ``f32[B, T, V]``, every
-        layer's top-k positions ``i32[L, B, T, K]`` (-1 = none) and the new cache. ``kernels``: the ops
-        kernel choice for attention (static).
+        layer's top-k positions ``i32[L, B, T, K]`` (-1 = none) and the new cache (``step_hidden`` without
+        the hidden states)."""
+        logits_BTV, _, ids_LBTK, cache = self.step_hidden(tokens_BT, meta, cache, kernels=kernels)
+        return logits_BTV, ids_LBTK, cache
+
+    def step_hidden(self, tokens_BT: jax.Array, meta: StepMeta, cache: PagedCacheV32, *, kernels: str = "xla"
+                    ) -> tuple[jax.Array, jax.Array, jax.Array, PagedCacheV32]:
+        """The cached step, also returning the final hidden states ``[B, T, D]`` (before the final norm: the
+        MTP module's input, ``mtp_step``): ``(logits f32[B, T, V], hidden, ids i32[L, B, T, K], cache)``.
+        ``kernels``: the ops kernel choice for attention (static).
 
         The layers run as one ``jax.lax.scan`` per stacked run (``layers.scan_runs``); the cache's ``[L, ...]``
         arrays are carried whole and read and written at the layer index, so the compiled step does not grow
@@ -257,4 +267,44 @@ class DeepseekV32(nnx.Module):
             return (h, cache), ids_BTK
 
         (h, cache), ids_LBTK = scan_runs(self.runs, body, (self.embed_tokens[...][tokens_BT], cache))
-        return self.lm_head(self.norm(h)).astype(jnp.float32), ids_LBTK, cache
+        return self.head(h), h, ids_LBTK, cache
+
+    # ---- the MTP module (models.mtp) -------------------------------------------------------------
+    def mtp_layer(self):
+        """The MTP module (``models.mtp.MTPLayerV32``); ValueError for a model without one."""
+        if self.cfg.num_nextn_predict_layers == 0:
+            raise ValueError("this model has no MTP module (num_nextn_predict_layers=0)")
+        return self.mtp[str(self.cfg.num_hidden_layers)]
+
+    def mtp_forward(self, h_BTD: jax.Array, next_tokens_BT: jax.Array, stage: str | None = None
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The MTP module's full causal forward (``models.mtp``) over positions 0..T-1."""
+        check_stage(stage)
+        return self.mtp_layer().predict(self, h_BTD, next_tokens_BT, stage)
+
+    def init_mtp_cache(self, rows: int, num_pages: int, page_size: int, latent_dtype=None,
+                       index_dtype: str | None = None) -> PagedCacheV32:
+        """The MTP module's empty cache: ``init_cache`` of its one block (``L = 1``), in the same pages."""
+        return _init_cache(self.cfg.mtp_block(), self.dtype, num_pages, page_size, latent_dtype, index_dtype)
+
+    def mtp_step(self, h_BTD: jax.Array, next_tokens_BT: jax.Array, meta: StepMeta, cache: PagedCacheV32, *,
+                 kernels: str = "xla") -> tuple[jax.Array, jax.Array, PagedCacheV32]:
+        """The MTP module's cached step (``models.mtp``): ``(logits f32[B, T, V], hidden [B, T, D], cache)``."""
+        return self.mtp_layer().predict_step(self, h_BTD, next_tokens_BT, meta, cache, kernels)
+
+
+def _init_cache(cfg: ModelConfig, dtype, num_pages: int, page_size: int, latent_dtype, index_dtype: str | None
+                ) -> PagedCacheV32:
+    """``DeepseekV32.init_cache`` for the layers of ``cfg`` in a model of ``dtype``."""
+    n = cfg.num_hidden_layers
+    latent_dtype = latent_dtype or dtype
+    width = ops.mla_row_width(cfg.kv_lora_rank, cfg.qk_rope_head_dim, latent_dtype)
+    if index_dtype == "fp4":
+        raise ValueError("index_dtype='fp4': DeepSeek-V3.2's indexer was trained for FP8 keys; use 'fp8' or a "
+                         "float dtype")
+    index_dtype = index_dtype or ("fp8" if jnp.dtype(latent_dtype) == jnp.uint8 else jnp.dtype(dtype).name)
+    key_width, key_dtype = ops.index_key_storage(cfg.index_head_dim, index_dtype)
+    return PagedCacheV32(
+        index_keys=jnp.zeros((n, num_pages, page_size, key_width), key_dtype),
+        latent=ResidentPages(jnp.zeros((n, num_pages, page_size, width), latent_dtype), page_size=page_size, rate=1),
+    )

@@ -297,13 +297,17 @@ class DeepseekV4(nnx.Module):
         self.hc_head = mhc.HyperHead(cfg.hidden_size, cfg.hc_mult, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
                                      rngs=rngs)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
+        if cfg.num_nextn_predict_layers:  # the MTP module, named as layer num_hidden_layers (models.mtp)
+            from ess_jax.models.mtp import MTPLayerV4
+            self.mtp = nnx.Dict({str(cfg.num_hidden_layers): MTPLayerV4(cfg, dtype=dtype, rngs=rngs)})
 
     def _embed(self, tokens_BT: jax.Array) -> jax.Array:
         """The embedding copied into all ``hc_mult`` streams ``[B, T, O, D]``."""
         h_BTD = self.embed_tokens[...][tokens_BT]
         return jnp.broadcast_to(h_BTD[:, :, None, :], h_BTD.shape[:2] + (self.cfg.hc_mult,) + h_BTD.shape[2:])
 
-    def _head(self, streams_BTOD: jax.Array) -> jax.Array:
+    def head(self, streams_BTOD: jax.Array) -> jax.Array:
+        """Logits ``f32[B, T, V]`` of the final streams: ``hc_head``, the final norm and ``lm_head``."""
         return self.lm_head(self.norm(self.hc_head(streams_BTOD))).astype(jnp.float32)
 
     def __call__(self, tokens_BT: jax.Array) -> jax.Array:
@@ -313,6 +317,12 @@ class DeepseekV4(nnx.Module):
     def train_forward(self, tokens_BT: jax.Array, stage: str | None) -> tuple[jax.Array, jax.Array]:
         """The full causal forward at a training ``stage`` (``layers.STAGES``; None: inference): logits
         ``f32[B, T, V]`` and the CSA indexers' loss summed over layers."""
+        streams_BTOD, kl = self.hidden_states(tokens_BT, stage)
+        return self.head(streams_BTOD), kl
+
+    def hidden_states(self, tokens_BT: jax.Array, stage: str | None) -> tuple[jax.Array, jax.Array]:
+        """The full causal forward up to ``hc_head``: the last layer's residual streams ``[B, T, O, D]`` (what
+        the MTP module reads) and the CSA indexers' loss summed over layers."""
         check_stage(stage)
 
         def body(layer, index, carry):
@@ -320,13 +330,11 @@ class DeepseekV4(nnx.Module):
             streams_BTOD, layer_kl = layer(streams_BTOD, tokens_BT, stage)
             return (streams_BTOD, kl + layer_kl), None
 
-        (streams_BTOD, kl), _ = scan_runs(self.runs, body, (self._embed(tokens_BT), jnp.zeros((), jnp.float32)))
-        return self._head(streams_BTOD), kl
+        return scan_runs(self.runs, body, (self._embed(tokens_BT), jnp.zeros((), jnp.float32)))[0]
 
     def layer_groups(self) -> tuple[list[int], list[int]]:
         """Layer indices of the CSA and of the HCA layers (the order of their cache stacks)."""
-        types = self.cfg.layer_types
-        return [i for i, t in enumerate(types) if t == CSA], [i for i, t in enumerate(types) if t == HCA]
+        return layer_groups(self.cfg)
 
     def init_cache(self, rows: int, num_pages: int, page_size: int, csa_dtype=None, index_dtype: str | None = None
                    ) -> V4Cache:
@@ -336,32 +344,16 @@ class DeepseekV4(nnx.Module):
         indexer keys' format (``CsaCache.index_format``; default the model dtype): "fp4" is the official one,
         the indexer's QAT round trip (68-byte keys at J = 128, ``compressor.Indexer``); "fp8" stores the keys
         as V3.2's 132-byte FP8 rows (no rotation, no query quantization: V4 has no FP8 indexer)."""
-        cfg, dtype = self.cfg, self.dtype
-        csa_dtype = dtype if csa_dtype is None else csa_dtype
-        index_format = index_dtype or jnp.dtype(dtype).name
-        key_width, key_dtype = ops.index_key_storage(cfg.index_head_dim, index_format)
-        csa, hca = self.layer_groups()
-        lc, lh, m, mh = len(csa), len(hca), cfg.compress_rate_csa, cfg.compress_rate_hca
-        for rate in (m, mh):
-            check_geometry(page_size, rate)
-        h, j = cfg.head_dim, cfg.index_head_dim
-        zeros = lambda *shape, dt=dtype: jnp.zeros(shape, dt)  # noqa: E731
-        per_csa, per_hca = entries_per_page(page_size, m), entries_per_page(page_size, mh)
-        csa_width = ops.v4_row_width(h, cfg.qk_rope_head_dim, csa_dtype)
-        return V4Cache(
-            window=zeros(cfg.num_hidden_layers, rows, cfg.sliding_window, h),
-            csa=CsaCache(kv_ring=zeros(lc, rows, 2 * m, 2 * h), gate_ring=zeros(lc, rows, 2 * m, 2 * h, dt=jnp.float32),
-                         index_kv_ring=zeros(lc, rows, 2 * m, 2 * j),
-                         index_gate_ring=zeros(lc, rows, 2 * m, 2 * j, dt=jnp.float32),
-                         entries=ResidentPages(zeros(lc, num_pages, per_csa, csa_width, dt=csa_dtype),
-                                               page_size=page_size, rate=m),
-                         index_keys=zeros(lc, num_pages, per_csa, key_width, dt=key_dtype),
-                         index_format=index_format),
-            hca=HcaCache(kv_ring=zeros(lh, rows, mh, h), gate_ring=zeros(lh, rows, mh, h, dt=jnp.float32),
-                         entries=zeros(lh, num_pages, per_hca, h), page_size=page_size))
+        return _init_cache(self.cfg, self.dtype, rows, num_pages, page_size, csa_dtype, index_dtype)
 
     def step(self, tokens_BT: jax.Array, meta: StepMeta, cache: V4Cache, *, kernels: str = "xla"
              ) -> tuple[jax.Array, jax.Array, V4Cache]:
+        """``step_hidden`` without the hidden states: ``(logits, ids, cache)``."""
+        logits_BTV, _, ids_LBTK, cache = self.step_hidden(tokens_BT, meta, cache, kernels=kernels)
+        return logits_BTV, ids_LBTK, cache
+
+    def step_hidden(self, tokens_BT: jax.Array, meta: StepMeta, cache: V4Cache, *, kernels: str = "xla"
+                    ) -> tuple[jax.Array, jax.Array, jax.Array, V4Cache]:
         """The engine's step: ``T`` tokens for the requests in batch rows ``meta.rows`` of ``cache``.
 
         A row whose first position is 0 starts a new request: its window and rings are cleared first. Every
@@ -371,24 +363,12 @@ class DeepseekV4(nnx.Module):
         row (``meta.rows`` = 0..B-1, T = 1). The layers run as one scan per stacked run, the window, the CSA and
         HCA records and the indexer's picks carried whole and indexed at the layer's (traced) place in them.
         ``kernels``: the ops kernel choice (static). Returns logits
-        ``f32[B, T, V]``, the CSA indexer's top-k entry ids ``i32[Lc, B, T, K]`` (-1 = none; ``K = 0`` before
-        the cache holds an entry) and the cache.
+        ``f32[B, T, V]``, the final residual streams ``[B, T, O, D]`` (before ``hc_head``: the MTP module's
+        input, ``mtp_step``), the CSA indexer's top-k entry ids ``i32[Lc, B, T, K]`` (-1 = none; ``K = 0``
+        before the cache holds an entry) and the cache.
         """
         b, t = tokens_BT.shape
-        rows_B, run_B = meta.rows, meta.valid[:, 0]
-        fresh_B = meta.positions[:, 0] == 0
-
-        def take(x):  # [layers, batch rows, ...] -> this step's rows, cleared for new requests
-            sub = x[:, rows_B]
-            return jnp.where(fresh_B.reshape((1, -1) + (1,) * (sub.ndim - 2)), jnp.zeros_like(sub), sub)
-
-        def put(x, new):  # the rows that ran back into their batch rows
-            keep = run_B.reshape((1, -1) + (1,) * (new.ndim - 2))
-            return x.at[:, rows_B].set(jnp.where(keep, new, x[:, rows_B]))
-
-        rings = lambda r: {k: getattr(r, k) for k in r.ROW_STATE}  # noqa: E731
-        csa = dataclasses.replace(cache.csa, **jax.tree.map(take, rings(cache.csa)))
-        hca = dataclasses.replace(cache.hca, **jax.tree.map(take, rings(cache.hca)))
+        rows = take_rows(meta, cache)
         csa_layers, hca_layers = self.layer_groups()
         # each layer's place among the layers of its kind (the index into the CSA or HCA record)
         places = jnp.asarray([csa_layers.index(i) if i in csa_layers else hca_layers.index(i) if i in hca_layers
@@ -410,9 +390,99 @@ class DeepseekV4(nnx.Module):
                 hca = record
             return (streams_BTOD, window_LBSH.at[index].set(window_BSH), csa, hca, ids_LBTK), None
 
-        carry = (self._embed(tokens_BT), take(cache.window), csa, hca, ids_LBTK)
+        carry = (self._embed(tokens_BT), rows.window, rows.csa, rows.hca, ids_LBTK)
         (streams_BTOD, window_LBSH, csa, hca, ids_LBTK), _ = scan_runs(self.runs, body, carry)
-        cache = V4Cache(window=put(cache.window, window_LBSH),
-                        csa=dataclasses.replace(csa, **jax.tree.map(put, rings(cache.csa), rings(csa))),
-                        hca=dataclasses.replace(hca, **jax.tree.map(put, rings(cache.hca), rings(hca))))
-        return self._head(streams_BTOD), ids_LBTK, cache
+        cache = put_rows(meta, cache, V4Cache(window_LBSH, csa, hca))
+        return self.head(streams_BTOD), streams_BTOD, ids_LBTK, cache
+
+    # ---- the MTP module (models.mtp) -------------------------------------------------------------
+    def mtp_layer(self):
+        """The MTP module (``models.mtp.MTPLayerV4``); ValueError for a model without one."""
+        if self.cfg.num_nextn_predict_layers == 0:
+            raise ValueError("this model has no MTP module (num_nextn_predict_layers=0)")
+        return self.mtp[str(self.cfg.num_hidden_layers)]
+
+    def mtp_forward(self, streams_BTOD: jax.Array, next_tokens_BT: jax.Array, stage: str | None = None
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The MTP module's full causal forward (``models.mtp``) over positions 0..T-1."""
+        check_stage(stage)
+        return self.mtp_layer().predict(self, streams_BTOD, next_tokens_BT, stage)
+
+    def init_mtp_cache(self, rows: int, num_pages: int, page_size: int, csa_dtype=None, index_dtype: str | None = None
+                       ) -> V4Cache:
+        """The MTP module's empty cache: ``init_cache`` of its one block (its window, and its compressors'
+        rings, entries and indexer keys when the block is a CSA / HCA layer), in the same pages."""
+        return _init_cache(self.cfg.mtp_block(), self.dtype, rows, num_pages, page_size, csa_dtype, index_dtype)
+
+    def mtp_step(self, streams_BTOD: jax.Array, next_tokens_BT: jax.Array, meta: StepMeta, cache: V4Cache, *,
+                 kernels: str = "xla") -> tuple[jax.Array, jax.Array, V4Cache]:
+        """The MTP module's cached step (``models.mtp``): ``(logits f32[B, T, V], streams [B, T, O, D], cache)``."""
+        return self.mtp_layer().predict_step(self, streams_BTOD, next_tokens_BT, meta, cache, kernels)
+
+
+def layer_groups(cfg: ModelConfig) -> tuple[list[int], list[int]]:
+    """Layer indices of the CSA and of the HCA layers of ``cfg`` (the order of their cache stacks)."""
+    types = cfg.layer_types
+    return [i for i, t in enumerate(types) if t == CSA], [i for i, t in enumerate(types) if t == HCA]
+
+
+def _row_state(cache: V4Cache, arrays: dict) -> V4Cache:
+    """``cache`` with its per-batch-row arrays (the window, the rings: ``ROW_STATE``) replaced by ``arrays``."""
+    return V4Cache(arrays["window"], dataclasses.replace(cache.csa, **arrays["csa"]),
+                   dataclasses.replace(cache.hca, **arrays["hca"]))
+
+
+def _row_arrays(cache: V4Cache) -> dict:
+    return {"window": cache.window, "csa": {k: getattr(cache.csa, k) for k in cache.csa.ROW_STATE},
+            "hca": {k: getattr(cache.hca, k) for k in cache.hca.ROW_STATE}}
+
+
+def take_rows(meta: StepMeta, cache: V4Cache) -> V4Cache:
+    """``cache`` with its per-batch-row state ``[layers, batch rows, ...]`` cut to this step's rows (``meta.rows``),
+    cleared for new requests (first position 0)."""
+    fresh = meta.positions[:, 0] == 0
+
+    def take(x):
+        sub = x[:, meta.rows]
+        return jnp.where(fresh.reshape((1, -1) + (1,) * (sub.ndim - 2)), jnp.zeros_like(sub), sub)
+
+    return _row_state(cache, jax.tree.map(take, _row_arrays(cache)))
+
+
+def put_rows(meta: StepMeta, cache: V4Cache, ran: V4Cache) -> V4Cache:
+    """``take_rows``' inverse: ``ran`` (this step's rows, its paged parts the new ones) with the rows that ran
+    (``meta.valid``) put back into their batch rows of ``cache``."""
+    keep = meta.valid[:, 0]
+
+    def put(x, new):
+        return x.at[:, meta.rows].set(jnp.where(keep.reshape((1, -1) + (1,) * (new.ndim - 2)), new, x[:, meta.rows]))
+
+    return _row_state(ran, jax.tree.map(put, _row_arrays(cache), _row_arrays(ran)))
+
+
+def _init_cache(cfg: ModelConfig, dtype, rows: int, num_pages: int, page_size: int, csa_dtype,
+                index_dtype: str | None) -> V4Cache:
+    """``DeepseekV4.init_cache`` for the layers of ``cfg`` in a model of ``dtype``."""
+    csa_dtype = dtype if csa_dtype is None else csa_dtype
+    index_format = index_dtype or jnp.dtype(dtype).name
+    key_width, key_dtype = ops.index_key_storage(cfg.index_head_dim, index_format)
+    csa, hca = layer_groups(cfg)
+    lc, lh, m, mh = len(csa), len(hca), cfg.compress_rate_csa, cfg.compress_rate_hca
+    for rate in (m, mh):
+        check_geometry(page_size, rate)
+    h, j = cfg.head_dim, cfg.index_head_dim
+    zeros = lambda *shape, dt=dtype: jnp.zeros(shape, dt)  # noqa: E731
+    per_csa, per_hca = entries_per_page(page_size, m), entries_per_page(page_size, mh)
+    csa_width = ops.v4_row_width(h, cfg.qk_rope_head_dim, csa_dtype)
+    return V4Cache(
+        window=zeros(cfg.num_hidden_layers, rows, cfg.sliding_window, h),
+        csa=CsaCache(kv_ring=zeros(lc, rows, 2 * m, 2 * h), gate_ring=zeros(lc, rows, 2 * m, 2 * h, dt=jnp.float32),
+                     index_kv_ring=zeros(lc, rows, 2 * m, 2 * j),
+                     index_gate_ring=zeros(lc, rows, 2 * m, 2 * j, dt=jnp.float32),
+                     entries=ResidentPages(zeros(lc, num_pages, per_csa, csa_width, dt=csa_dtype),
+                                           page_size=page_size, rate=m),
+                     index_keys=zeros(lc, num_pages, per_csa, key_width, dt=key_dtype),
+                     index_format=index_format),
+        hca=HcaCache(kv_ring=zeros(lh, rows, mh, h), gate_ring=zeros(lh, rows, mh, h, dt=jnp.float32),
+                     entries=zeros(lh, num_pages, per_hca, h), page_size=page_size))
+

@@ -75,8 +75,13 @@ class Engine:
         self.max_seq_len = self.layout.max_seq_len
         self.stats = EngineStats(steps=[] if record_steps else None)
         mode = offload.MODES[config.offload]
+        mtp = None
+        if config.speculative and drafter is None:  # the MTP module drafts: its own cache, resident
+            dtype = offload.entry_dtype(model.module, config)
+            mtp = lambda size: model.module.init_mtp_cache(size.rows, size.pages, size.page_size,  # noqa: E731
+                                                           dtype, config.index_dtype)
         self.runner = Runner(model, config, self.layout, self.stats,
-                             lambda size: mode.decode_cache(model.module, size, config, self.layout))
+                             lambda size: mode.decode_cache(model.module, size, config, self.layout), mtp)
         self.offload: offload.Mode = mode(self.runner, self.layout, self.stats)
         size = self.layout.size
         self.scheduler = Scheduler(config, shards=size.shards, pages=size.pages // size.shards,

@@ -114,6 +114,8 @@ class PrefillResult:
     logits: dict[int, np.ndarray]  # data shard -> f32[V], for the finishing slices that want them
     scores: dict[int, tuple[np.ndarray, ...]]  # data shard -> its piece's ``steps.PromptScores`` fields on the host
     # (logprob_T, rank_T, top_ids_TK, top_TK), for the scored pieces
+    drafts: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # data shard -> i32[K] the MTP module's
+    # drafts after a prompt its piece finished (speculative decoding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +149,7 @@ class DecodeResult:
     tokens_BT: np.ndarray  # i32[B, 1 + K] each row's tokens: its output is the first accepted_B + 1 of them
     accepted_B: np.ndarray  # i32[B] drafts each row accepted (0 without speculation)
     logits_BTV: np.ndarray | None  # f32[B, 1 + K, V] each position's logits when the batch wants logits
+    drafts_BK: np.ndarray | None = None  # i32[B, K] the MTP module's drafts for each row's next step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +226,9 @@ class Scheduler:
         else those the last decode step drafted (the MTP module's); a request reserves room for them."""
         self.config, self.stats, self.pages_per_row = config, stats, pages_per_row
         self.drafts, self.drafter = config.num_speculative_tokens, drafter
+        # positions past its last token a request's steps may write: a verification step's K drafts, then the MTP
+        # module's chain of K - 1 more (undone, but written)
+        self.reserve = 2 * self.drafts
         if self.drafts:
             stats.speculative = SpecStats(accepted_per_position=[0] * self.drafts)
         self._drafted = np.zeros((config.max_batch, self.drafts), np.int32)  # each row's drafts for its next step
@@ -239,7 +245,7 @@ class Scheduler:
 
     def check(self, prompt_len: int, max_new_tokens: int) -> int:
         """The pages a request would reserve (ValueError naming the numbers if it can never run). Any thread."""
-        return self.admission.check(None, prompt_len, max_new_tokens + self.drafts)
+        return self.admission.check(None, prompt_len, max_new_tokens + self.reserve)
 
     # ---- the engine's thread -------------------------------------------------------------------
     def take_inbox(self) -> list[Released]:
@@ -247,8 +253,7 @@ class Scheduler:
         added, aborts = self.inbox.take()
         for request_id, request in added:
             self._requests[request_id] = request
-            # a verification step writes its drafts' positions too: up to K past the request's last
-            self.admission.submit(request_id, len(request.prompt_ids), request.max_new_tokens + self.drafts)
+            self.admission.submit(request_id, len(request.prompt_ids), request.max_new_tokens + self.reserve)
         released = []
         for request_id in aborts:
             request = self._requests[request_id]
@@ -308,7 +313,7 @@ class Scheduler:
                 self._prefilling = deque(e for e in self._prefilling if e.request_id != piece.request_id)
                 self._lengths[piece.row] = piece.prompt_len
                 self._decoding[piece.request_id] = piece.row
-                self._drafted[piece.row] = 0
+                self._drafted[piece.row] = result.drafts.get(shard, 0)
                 released += self._accept(piece.request_id, piece.row, int(result.sampled_D[shard]),
                                          result.logits.get(shard))
         return released
@@ -340,6 +345,8 @@ class Scheduler:
         """Record a decode step: each active row's tokens (its accepted drafts and the token after them, up to
         the one that ends it), and the requests it ends."""
         released = []
+        if result.drafts_BK is not None:
+            self._drafted[:] = result.drafts_BK
         for row, request_id in enumerate(batch.request_ids):
             if request_id is None:
                 continue

@@ -10,12 +10,14 @@ target's distribution: a chi-square test on a small vocabulary that a sampler wi
 """
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from hypothesis import HealthCheck, given, settings, strategies as st
 from scipy import stats
 
@@ -308,3 +310,77 @@ def test_greedy_rows_and_forced_rows_verify_exactly():
     assert np.asarray(tokens)[0, :2].tolist() == best[0, :2].tolist()
     assert np.asarray(tokens)[1].tolist() == best[1].tolist()
     assert np.asarray(tokens)[2, :3].tolist() == drafts[2].tolist()
+
+
+# ---- the MTP module as the drafter ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mtp_model():
+    """The small V3.2 of ``helpers`` with an MTP module, every weight random and lively."""
+    from ess_jax.api import Model
+    from ess_jax.config import ModelConfig
+    from ess_jax.tokenizer import load_tokenizer
+    from helpers import lively_v32, small_v32_json
+
+    cfg = ModelConfig.from_hf_dict(dict(small_v32_json(), num_nextn_predict_layers=1))
+    return Model("small-v32-mtp", lively_v32(cfg, seed=3), load_tokenizer(None, cfg))
+
+
+MTP_BASE = EngineConfig(max_batch=2, page_size=8, prefill_chunk=16, max_seq_len=64)
+MTP_PROMPTS = (20, 33, 9)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _reference_drafts(graphdef, params, tokens_1S, k: int, n):
+    module = nnx.merge(graphdef, params)
+    hidden, _ = module.hidden_states(tokens_1S, None)  # causal: the padding past n changes nothing before it
+    next_1S = jnp.concatenate([tokens_1S[:, 1:], tokens_1S[:, :1]], axis=1)
+    drafts = []
+    for j in range(k):  # position n - 2 + j: the pair (hidden, next token) there, the draft after it
+        logits, out, _ = module.mtp_forward(hidden, next_1S)
+        drafts.append(jnp.argmax(logits[0, n - 2 + j]).astype(jnp.int32))
+        hidden = hidden.at[:, n - 1 + j].set(out[:, n - 2 + j])
+        next_1S = next_1S.at[:, n - 1 + j].set(drafts[-1])
+    return jnp.stack(drafts)
+
+
+def reference_drafts(model, tokens: list[int], k: int) -> list[int]:
+    """The MTP module's greedy drafts after ``tokens`` (the last one not yet in the cache) from its full forward
+    (``mtp_forward`` over the main model's ``hidden_states``): the first from the pair (h at the second-to-last
+    position, the last token), each next one chained on the module's own output and the draft before it."""
+    graphdef, params = nnx.split(model.module)
+    padded = np.zeros((1, MTP_BASE.max_seq_len), np.int32)
+    padded[0, :len(tokens)] = tokens
+    return np.asarray(_reference_drafts(graphdef, params, jnp.asarray(padded), k, len(tokens))).tolist()
+
+
+@pytest.mark.parametrize("offload, k", [("none", 2), ("ess", 3)])
+def test_mtp_drafts_verified_give_greedy_tokens(mtp_model, offload, k):
+    """The MTP module drafting (random weights: few drafts accepted): greedy tokens equal decoding without
+    speculation, and every step's drafts are those of the module's full forward after the tokens so far (its
+    cache holds the verified positions only: nothing a rejected draft or the chain wrote)."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 256, n).tolist() for n in MTP_PROMPTS]
+    plain = Engine(mtp_model, MTP_BASE)
+    for p in prompts:
+        plain.add_request(p, 10)
+    want = [r.output_ids for r in plain.run()]
+    extra = dict(offload="ess", pool_size=9) if offload == "ess" else {}
+    engine = Engine(mtp_model, dataclasses.replace(MTP_BASE, speculative="mtp", num_speculative_tokens=k, **extra))
+    ids = [engine.add_request(p, 10) for p in prompts]
+    tokens, checked = {i: [] for i in ids}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        for request_id, row in engine.scheduler._decoding.items():
+            request = engine.requests[request_id]
+            if checked < 6:
+                so_far = request.prompt_ids + request.output_ids
+                assert engine.scheduler._drafted[row].tolist() == reference_drafts(mtp_model, so_far, k)
+                checked += 1
+    assert [tokens[i] for i in ids] == want
+    assert checked == 6
+    spec = engine.speculative_metrics()
+    assert spec["draft_tokens"] == k * spec["num_drafts"] > 0
+    all_free(engine)

@@ -218,10 +218,12 @@ class Engine:
     # ---- reports -------------------------------------------------------------------------------
     def usage(self) -> dict:
         """What the admitted requests hold now: pages (of the device cache, or the host store with offload),
-        batch rows, in all and per data shard (``per_shard``), the requests waiting, and with offload the device
-        pool slots in use (read from the device) and the host store's pages and bytes."""
+        batch rows, in all and per data shard (``per_shard``), the requests waiting, with offload the device
+        pool slots in use (read from the device) and the host store's pages and bytes, and with speculative
+        decoding its counters so far (``speculative``: ``speculative_metrics``)."""
         scheduled = self.scheduler.usage()
-        return {**scheduled, **self.offload.usage(scheduled)}
+        spec = {"speculative": self.speculative_metrics()} if self.stats.speculative else {}
+        return {**scheduled, **self.offload.usage(scheduled), **spec}
 
     def cache_bytes(self) -> dict[str, int]:
         """Bytes of the real cache arrays: device (the decode-time cache), host (the offload store), and

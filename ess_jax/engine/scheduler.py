@@ -75,7 +75,7 @@ class SpecStats:
         return {"acceptance_rate": [a / n if n else 0.0 for a in self.accepted_per_position],
                 "mean_accepted_length": 1 + self.accepted_tokens / n if n else 0.0,
                 "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
-                "num_drafts": n}
+                "num_drafts": n, "accepted_per_position": list(self.accepted_per_position)}
 
 
 @dataclasses.dataclass(frozen=True)

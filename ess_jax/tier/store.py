@@ -96,6 +96,7 @@ class Tier:
                 new_page_BM, new_offset_BM = located(new_ids_BM)
                 counts_B4 = jnp.stack([(ids_BU >= 0).sum(-1), (res.hit_K | res.is_new_K).sum(-1), res.miss_K.sum(-1),
                                        (new_ids_BM >= 0).sum(-1)], axis=-1).astype(jnp.int32)
+                counts_B4 = jnp.where(active_B[:, None], counts_B4, 0)  # a row that does not run looks nothing up
             return dataclasses.replace(
                 self, pool=pool, lru=old.commit(layer, res, ids_BU, new_ids_BM, evicted_BK1, located),
                 staged=self.staged.at[layer].set(new_rows_BMW.astype(self.staged.dtype)),

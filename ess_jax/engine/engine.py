@@ -170,10 +170,11 @@ class Engine:
                 self._timed_prefill(time.perf_counter() - start, times)
                 self.offload.release(self.scheduler.update_prefill(group, result))
             if (batch := self.scheduler.schedule_decode()) is not None:
-                start = time.perf_counter()
+                start, tokens = time.perf_counter(), self.stats.decode_tokens
                 self.offload.release(self.scheduler.update_decode(batch, self.runner.decode(batch, times)))
                 if times is not None:
                     times.decode_s, times.decode_rows = time.perf_counter() - start, int(batch.active_B.sum())
+                    times.decode_tokens = self.stats.decode_tokens - tokens
             if times is not None:
                 self.stats.steps.append(times)
             return self.scheduler.outputs()

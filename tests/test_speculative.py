@@ -228,6 +228,28 @@ def test_arrivals_lengths_and_aborts(hypothesis_engine, reference, data):
     all_free(engine)
 
 
+def test_sampled_requests_are_reproducible_per_seed(models, reference):
+    """A sampled request's tokens with drafts verified by rejection sampling depend on its seed only: alone, or
+    beside another request in the other batch row, the same; another seed, others (temperature 1). At
+    temperature 0.05 the greedy drafts are accepted, and the tokens are again the seed's."""
+    from ess_jax.sampling import SamplingParams
+
+    engine, _ = spec_engine(models, reference, "v32 resident K=1")
+    prompt, other = (list(p) for p in list(reference["v32"])[:2])
+
+    def run(pairs, temperature):
+        for p, seed in pairs:
+            engine.add_request(p, NEW, SamplingParams(temperature=temperature, top_k=40, seed=seed))
+        return [r.output_ids for r in engine.run()]  # in the order added
+
+    for temperature in (1.0, 0.05):
+        alone = run([(prompt, 11)], temperature)[0]
+        assert run([(other, 5), (prompt, 11)], temperature)[1] == alone
+        if temperature == 1.0:
+            assert run([(prompt, 12)], temperature)[0] != alone
+    assert engine.speculative_metrics()["accepted_tokens"] > 0
+
+
 def test_refusals(models):
     with pytest.raises(ValueError, match="go together"):
         EngineConfig(speculative="mtp")

@@ -172,8 +172,8 @@ SPEC = {  # family, offload, fetch, pool (slots), K
 
 def spec_engine(models, reference, name: str) -> tuple[Engine, OracleDrafter]:
     family, offload, fetch, pool, k = SPEC[name]
-    config = dataclasses.replace(BASE[family], offload=offload, fetch=fetch, pool_size=pool, speculative="mtp",
-                                 num_speculative_tokens=k)
+    config = dataclasses.replace(BASE[family], offload=offload, fetch=fetch, pool_size=pool, rings="device",
+                                 speculative="mtp", num_speculative_tokens=k)
     model = models[family]
     oracle = OracleDrafter(reference[family], k, model.cfg.vocab_size)
     return Engine(model, config, drafter=oracle), oracle

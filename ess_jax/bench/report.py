@@ -19,7 +19,8 @@ def machine() -> str:
 
 def run_row(r: dict) -> list[str]:
     mib = 2**20
-    label = "resident" if r["offload"] == "none" else f"ess {r['pool_ratio']:g} {r['fetch']}"
+    label = "resident" if r["offload"] == "none" else f"ess {r['pool_ratio']:g} {r['fetch']}" + (
+        "" if r.get("rings", "host") == "host" else f" rings {r['rings']}")
     spec = r.get("speculative_metrics")
     label += f" mtp K={r['speculative']}" if r.get("speculative") else ""
     return [label, f"{r['decode_tokens_per_s']:.1f}",

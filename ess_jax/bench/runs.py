@@ -15,11 +15,13 @@ class Setting:
     offload: str  # "none" | "ess"
     pool_ratio: float | None = None
     fetch: str | None = None
+    rings: str = "host"  # ess: where DeepSeek-V4's HCA compressor rings live
     speculative: int = 0  # K: the MTP module's drafts per request and step (0: no speculative decoding)
 
     @property
     def label(self) -> str:
-        base = "resident" if self.offload == "none" else f"ess r={self.pool_ratio:g} {self.fetch}"
+        base = "resident" if self.offload == "none" else f"ess r={self.pool_ratio:g} {self.fetch}" + (
+            "" if self.rings == "host" else f" rings {self.rings}")
         return base + (f" mtp K={self.speculative}" if self.speculative else "")
 
 
@@ -47,8 +49,8 @@ def engine_for(model, setting: Setting, batch: int, args):
                           prefill_chunk=args.prefill_chunk, offload=setting.offload,
                           pool_ratio=setting.pool_ratio if setting.pool_ratio is not None else 0.2,
                           fetch=setting.fetch or "inline", kernels=args.kernels, cache_dtype=args.cache_dtype,
-                          mesh=args.mesh, speculative="mtp" if setting.speculative else None,
-                          num_speculative_tokens=setting.speculative)
+                          index_dtype=args.index_dtype, rings=setting.rings, mesh=args.mesh,
+                          speculative="mtp" if setting.speculative else None, num_speculative_tokens=setting.speculative)
     return Engine(model, config, record_steps=True)
 
 
@@ -82,6 +84,7 @@ def summary(setting: Setting, engine, samples: Samples, batch: int, first: Sampl
         "offload": setting.offload, "pool_ratio": setting.pool_ratio, "fetch": setting.fetch,
         "speculative": setting.speculative, "speculative_metrics": engine.speculative_metrics(),
         "relative_to_plain": statistics.median(rates) / plain_tok_s if plain_tok_s else None,
+        "rings": setting.rings if setting.offload == "ess" else None,
         "pool_slots": engine.layout.pool_slots,
         "decode_tokens_per_s": statistics.median(rates), "decode_tokens_per_s_runs": rates,
         "relative_to_resident": statistics.median(rates) / resident_tok_s if resident_tok_s else None,

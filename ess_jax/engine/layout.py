@@ -33,6 +33,7 @@ class CacheLayout:
     # 1 / shards of it)
     host_bytes: int  # ess: the host store, every data shard's together
     logits_bytes: int  # one decode step's float32 logits [max_batch, 1 + drafts, vocab]
+    placed: list  # the parts where the mode places them (ess: ``families.host_rings`` with --rings host)
 
 
 def cache_layout(cfg, config: EngineConfig, model_format: str, *, lower_bound: bool = False) -> CacheLayout:
@@ -61,7 +62,8 @@ def cache_layout(cfg, config: EngineConfig, model_format: str, *, lower_bound: b
         formats = family.stored_formats(config.cache_dtype or model_format, model_format, config.index_dtype)
         device += families.resident_bytes(family.mtp_cache_parts(cfg, formats), sized.size, sized.size.pages)
     return CacheLayout(max_seq_len, pages_per_row, sized.size, parts, part, sized.pool_slots, int(device),
-                       int(sized.host_bytes), 4 * config.max_batch * (1 + config.num_speculative_tokens) * cfg.vocab_size)
+                       int(sized.host_bytes), 4 * config.max_batch * (1 + config.num_speculative_tokens) * cfg.vocab_size,
+                       sized.parts or parts)
 
 
 def memory_limits() -> tuple[int | None, int]:

@@ -211,7 +211,8 @@ class Engine:
         an idle engine, before serving."""
         if self.has_unfinished():
             raise RuntimeError("warm_up needs an idle engine: requests are unfinished")
-        room = min(self.max_seq_len, self.scheduler.allocators[0].capacity * self.config.page_size) - 1
+        room = (min(self.max_seq_len, self.scheduler.allocators[0].capacity * self.config.page_size) - 1
+                - self.scheduler.reserve)  # and the drafts' positions
         prompt = [0] * min(2 * self.config.prefill_chunk - 1, room)
         self.add_request(prompt, 1, ignore_eos=True)
         self.add_request(prompt, 0, prompt_logprobs=0)

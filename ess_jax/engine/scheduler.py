@@ -31,8 +31,6 @@ class StepTimes:
     decode_dispatch_s: float | None = None  # the compiled decode step's call until it returned (the host's part)
     decode_rows: int = 0  # requests decoded
     decode_tokens: int = 0  # tokens they produced (more than one per request with speculative decoding)
-    draft_s: float | None = None  # drafting the next step's tokens on the host (a caller's drafter; the MTP module
-    # drafts inside the decode step)
 
 
 @dataclasses.dataclass

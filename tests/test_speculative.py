@@ -29,8 +29,9 @@ from ess_jax.engine import Engine, EngineConfig
 FIXTURES = Path(__file__).parent / "fixtures"
 NEW = 12  # new tokens of every reference request
 PROMPTS = {"v32": (40, 70, 96, 33), "v4": (40, 70, 96, 33)}  # prompt lengths; the tier pools hold fewer entries
-BASE = {"v32": EngineConfig(max_batch=2, page_size=16, prefill_chunk=32, max_seq_len=96 + NEW + 3),
-        "v4": EngineConfig(max_batch=2, page_size=16, prefill_chunk=32, max_seq_len=96 + NEW + 3)}
+# (max_seq_len: the longest prompt, its new tokens and the 2K positions K = 3 drafts reserve)
+BASE = {"v32": EngineConfig(max_batch=2, page_size=16, prefill_chunk=32, max_seq_len=96 + NEW + 6),
+        "v4": EngineConfig(max_batch=2, page_size=16, prefill_chunk=32, max_seq_len=96 + NEW + 6)}
 
 
 @pytest.fixture(scope="module")
@@ -406,3 +407,26 @@ def test_mtp_drafts_verified_give_greedy_tokens(mtp_model, offload, k):
     spec = engine.speculative_metrics()
     assert spec["draft_tokens"] == k * spec["num_drafts"] > 0
     all_free(engine)
+
+
+def test_prometheus_counters_named_as_vllm():
+    """``/metrics``'s speculative counters from a usage read: vLLM's spec_decode names, per position too."""
+    from prometheus_client import generate_latest
+
+    from ess_jax.engine.scheduler import SpecStats
+    from ess_jax.server.metrics import Metrics
+
+    stats = SpecStats(accepted_per_position=[0, 0])
+    for accepted in (2, 1, 0, 2):
+        stats.record(2, accepted)
+    report = stats.report()
+    assert report["acceptance_rate"] == [0.75, 0.5] and report["mean_accepted_length"] == 2.25
+    metrics = Metrics()
+    metrics.usage({"rows_in_use": 1, "requests_waiting": 0, "pages_in_use": 2, "pages_total": 9,
+                   "speculative": report})
+    text = generate_latest(metrics.registry).decode()
+    for line in ("ess_jax_spec_decode_num_drafts_total 4.0", "ess_jax_spec_decode_num_draft_tokens_total 8.0",
+                 "ess_jax_spec_decode_num_accepted_tokens_total 5.0",
+                 'ess_jax_spec_decode_num_accepted_tokens_per_pos_total{position="0"} 3.0',
+                 'ess_jax_spec_decode_num_accepted_tokens_per_pos_total{position="1"} 2.0'):
+        assert line in text

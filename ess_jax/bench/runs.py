@@ -45,7 +45,7 @@ def decode_steps(engine) -> list[tuple[float, int, int]]:
 def engine_for(model, setting: Setting, batch: int, args):
     from ess_jax.engine import Engine, EngineConfig
 
-    config = EngineConfig(max_batch=batch, max_seq_len=args.context + args.new_tokens,
+    config = EngineConfig(max_batch=batch, max_seq_len=args.context + args.new_tokens + 2 * setting.speculative,
                           prefill_chunk=args.prefill_chunk, offload=setting.offload,
                           pool_ratio=setting.pool_ratio if setting.pool_ratio is not None else 0.2,
                           fetch=setting.fetch or "inline", kernels=args.kernels, cache_dtype=args.cache_dtype,

@@ -50,7 +50,8 @@ def engine_for(model, setting: Setting, batch: int, args):
                           pool_ratio=setting.pool_ratio if setting.pool_ratio is not None else 0.2,
                           fetch=setting.fetch or "inline", kernels=args.kernels, cache_dtype=args.cache_dtype,
                           index_dtype=args.index_dtype, rings=setting.rings, mesh=args.mesh,
-                          speculative="mtp" if setting.speculative else None, num_speculative_tokens=setting.speculative)
+                          speculative="mtp" if setting.speculative else None,
+                          num_speculative_tokens=setting.speculative)
     return Engine(model, config, record_steps=True)
 
 

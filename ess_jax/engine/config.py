@@ -89,7 +89,8 @@ class EngineConfig:
         if self.fetch not in tuple(Fetch):
             raise ValueError(f"--fetch {self.fetch!r} is not a fetch backend; use one of {', '.join(Fetch)}")
         if self.speculative is not None and self.speculative not in tuple(Speculative):
-            raise ValueError(f"--speculative {self.speculative!r} is not a drafter; use one of {', '.join(Speculative)}")
+            raise ValueError(f"--speculative {self.speculative!r} is not a drafter; use one of "
+                             f"{', '.join(Speculative)}")
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
             raise ValueError(f"--num-speculative-tokens {k!r} must be an integer >= 0")

@@ -61,9 +61,9 @@ def cache_layout(cfg, config: EngineConfig, model_format: str, *, lower_bound: b
     if config.speculative:  # the MTP module's cache: its one block's parts, resident, in every page
         formats = family.stored_formats(config.cache_dtype or model_format, model_format, config.index_dtype)
         device += families.resident_bytes(family.mtp_cache_parts(cfg, formats), sized.size, sized.size.pages)
+    logits = 4 * config.max_batch * (1 + config.num_speculative_tokens) * cfg.vocab_size
     return CacheLayout(max_seq_len, pages_per_row, sized.size, parts, part, sized.pool_slots, int(device),
-                       int(sized.host_bytes), 4 * config.max_batch * (1 + config.num_speculative_tokens) * cfg.vocab_size,
-                       sized.parts or parts)
+                       int(sized.host_bytes), logits, sized.parts or parts)
 
 
 def memory_limits() -> tuple[int | None, int]:

@@ -137,7 +137,7 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
         raise ValueError(f"{len(per_prompt)} sampling parameter sets for {len(encoded)} prompts")
     # Size the engine to this workload: no batch rows or page-table columns beyond what it can use (the rows a
     # multiple of the mesh's data shards).
-    longest = max(len(p) for p in encoded) + max_new_tokens
+    longest = max(len(p) for p in encoded) + max_new_tokens + 2 * engine.num_speculative_tokens  # + the drafts
     engine = dataclasses.replace(engine, max_batch=device_mesh.batch_rows(len(encoded), engine.max_batch, engine.mesh),
                                  max_seq_len=engine.max_seq_len or min(longest, model.cfg.max_position_embeddings))
     start = time.perf_counter()
@@ -152,7 +152,8 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
     metrics = {"prefill_tokens": stats.prefill_tokens, "decode_tokens": stats.decode_tokens,
                "wall_s": time.perf_counter() - start,
                "decode_tokens_per_s": stats.decode_tokens / stats.decode_s if stats.decode_s > 0 else 0.0,
-               "cache": server.cache_bytes(), "offload": server.offload_metrics()}
+               "cache": server.cache_bytes(), "offload": server.offload_metrics(),
+               "speculative": server.speculative_metrics()}
     outputs = [r.output_ids for r in requests]
     return Result(outputs, [model.tokenizer.decode(o) for o in outputs], [r.finish_reason for r in requests], metrics,
                   server.layout.pool_slots)

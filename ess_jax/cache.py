@@ -134,6 +134,11 @@ class ResidentPages:
         """Nothing to do before a step: every row is already where it is read from."""
         return self
 
+    def rollback(self, meta: StepMeta, length_B: jax.Array) -> ResidentPages:
+        """Nothing to undo after a verification step (``rollback``): rows past a request's ``length_B`` tokens
+        are never read (every read is masked by the query's position) and are written again before they are."""
+        return self
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -151,6 +156,12 @@ class PagedCacheV32:
     def begin_step(self) -> PagedCacheV32:
         """Start-of-step work of the latent store (the tier's backup of the last step's rows)."""
         return dataclasses.replace(self, latent=self.latent.begin_step())
+
+    def rollback(self, before: PagedCacheV32, meta: StepMeta, kept_B: jax.Array) -> PagedCacheV32:
+        """Undo what a verification step's rejected tokens wrote (``rollback``): each row keeps its first
+        ``kept_B`` tokens. Indexer keys and resident latent rows of later positions are invisible (the reads are
+        masked by position) and written again before they are read; the tier forgets their entries."""
+        return dataclasses.replace(self, latent=self.latent.rollback(meta, kept_length(meta, kept_B)))
 
 
 @jax.tree_util.register_dataclass
@@ -207,3 +218,33 @@ class V4Cache:
         HCA host rings."""
         return dataclasses.replace(self, csa=dataclasses.replace(self.csa, entries=self.csa.entries.begin_step()),
                                    hca=self.hca.begin_step())
+
+    def rollback(self, before: V4Cache, meta: StepMeta, kept_B: jax.Array) -> V4Cache:
+        """Undo what a verification step's rejected tokens wrote (``rollback``), ``before`` being the cache the
+        step started from: each row keeps its first ``kept_B`` tokens. The window and compressor rings are
+        rings of positions (slot ``p % size``): a slot a rejected token wrote takes back its content from
+        ``before`` (a step's tokens never share a slot: ``1 + K`` is at most the smallest ring). Compressed
+        entries and indexer keys closed by rejected tokens are invisible to every later query until the token
+        that closes them again rewrites them (a query sees an entry only once its window closed), and the
+        CSA tier forgets them."""
+        keep_BT = jnp.arange(meta.positions.shape[1])[None, :] < kept_B[:, None]
+        reject_BT = meta.valid & ~keep_BT
+
+        def restore(new, old):  # [L, rows, size, ...]: slots rejected tokens wrote take back their old content
+            size = new.shape[2]
+            back = jnp.zeros(new.shape[1:3], bool).at[meta.rows[:, None], meta.positions % size].max(reject_BT)
+            return jnp.where(back.reshape((1,) + back.shape + (1,) * (new.ndim - 3)), old, new)
+
+        def rings(new, old):
+            return {k: restore(getattr(new, k), getattr(old, k)) for k in new.ROW_STATE}
+
+        csa = dataclasses.replace(self.csa, **rings(self.csa, before.csa),
+                                  entries=self.csa.entries.rollback(meta, kept_length(meta, kept_B)))
+        return V4Cache(window=restore(self.window, before.window), csa=csa,
+                       hca=dataclasses.replace(self.hca, **rings(self.hca, before.hca)))
+
+
+def kept_length(meta: StepMeta, kept_B: jax.Array) -> jax.Array:
+    """Each row's tokens in the cache after a verification step that kept its first ``kept_B`` tokens
+    ``i32[B]``; a row that did not run: a length past every entry (nothing to forget)."""
+    return jnp.where(meta.valid[:, 0], meta.positions[:, 0] + kept_B, jnp.iinfo(jnp.int32).max)

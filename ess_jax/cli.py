@@ -131,6 +131,15 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     cache.add_argument("--prefill-chunk", type=int, default=256,
                        help="longest prefill piece in tokens; a shorter remainder runs as power-of-two pieces "
                             "(default 256)")
+    spec = p.add_argument_group("speculative decoding")
+    spec.add_argument("--speculative", choices=["mtp"], default=None,
+                      help="'mtp': the checkpoint's multi-token-prediction module drafts --num-speculative-tokens "
+                           "tokens per request and step, the model verifies them in one step (greedy: the same "
+                           "tokens as without; sampled: rejection sampling, the same distribution); refused for a "
+                           "checkpoint without an MTP layer (default: off)")
+    spec.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                      help="drafts per request and step with --speculative (K = 1 is DeepSeek's MTP = 2; default 1); "
+                           "a request reserves 2K positions more (the verified drafts and the MTP's chain)")
     p.add_argument("--kernels", choices=("auto", "xla", "pallas", *TARGETS), default="xla",  # ess_jax.ops.KERNELS
                    help="attention kernels: 'xla' (default: the Pallas kernels have not yet run on a device), "
                         "'auto' = the device's Pallas kernels (Hopper: mosaic_gpu, other NVIDIA from sm_80: "
@@ -220,7 +229,15 @@ def flags_config(args: argparse.Namespace, **overrides):
         max_batch=args.max_batch, page_size=args.page_size, num_pages=args.num_pages, max_seq_len=args.max_seq_len,
         prefill_chunk=args.prefill_chunk, offload=args.offload, pool_size=args.pool_size, pool_ratio=args.pool_ratio,
         fetch=args.fetch, host_cache_mb=args.host_cache_mb, rings=args.rings, kernels=args.kernels,
-        cache_dtype=args.cache_dtype, index_dtype=args.index_dtype, mesh=args.mesh), **overrides))
+        cache_dtype=args.cache_dtype, index_dtype=args.index_dtype, mesh=args.mesh, **speculative(args)), **overrides))
+
+
+def speculative(args: argparse.Namespace) -> dict:
+    """``--speculative`` / ``--num-speculative-tokens`` as EngineConfig fields (K defaults to 1; K without
+    --speculative is refused by the config)."""
+    k = getattr(args, "num_speculative_tokens", None)
+    mode = getattr(args, "speculative", None)
+    return dict(speculative=mode, num_speculative_tokens=k if k is not None else 1 if mode else 0)
 
 
 def check_run_flags(args: argparse.Namespace) -> None:
@@ -259,9 +276,11 @@ def _check_prompts(prompts: list, source, cfg, config, max_new_tokens: int) -> N
         bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
         if bad:
             raise ValueError(f"{flag}: token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
-        if len(ids) + max_new_tokens > longest:
-            raise ValueError(f"{flag}: {len(ids)} prompt tokens + --max-new-tokens {max_new_tokens} exceed the "
-                             f"{longest} tokens a request may have (max_position_embeddings, or --max-seq-len)")
+        reserve = 2 * config.num_speculative_tokens  # the drafts' positions (``Scheduler.reserve``)
+        if len(ids) + max_new_tokens + reserve > longest:
+            raise ValueError(f"{flag}: {len(ids)} prompt tokens + --max-new-tokens {max_new_tokens}"
+                             + (f" + {reserve} for the drafts" if reserve else "") + f" exceed the {longest} tokens "
+                             "a request may have (max_position_embeddings, or --max-seq-len)")
 
 
 def check_before_load(args: argparse.Namespace, config) -> None:

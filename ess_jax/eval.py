@@ -94,7 +94,7 @@ def cached_nll(model, windows: list[list[int]], engine: EngineConfig) -> tuple[l
         raise ValueError(f"--max-seq-len {engine.max_seq_len} is below the longest window ({longest} tokens); "
                          "raise it or lower --context")
     config = dataclasses.replace(engine, max_batch=min(len(windows), engine.max_batch),
-                                 max_seq_len=engine.max_seq_len or longest)
+                                 max_seq_len=engine.max_seq_len or longest + 2 * engine.num_speculative_tokens)
     server = Engine(model, config)
     ids = [server.add_request(w[:1], len(w) - 1, forced_ids=w[1:]) for w in windows]
     logprobs: dict[int, list[float]] = {i: [] for i in ids}

@@ -153,9 +153,10 @@ def engine_steps(cfg: ModelConfig, config, engine: Abstract, target: Target) -> 
     static, family = (engine.graphdef, config.kernels), families.get(cfg.family)
     rows = NamedSharding(target.mesh, steps.ROWS if config.mesh else PartitionSpec())
     cache_out, scratch_out = (jax.tree.map(lambda a: a.sharding, c) for c in (engine.cache, engine.scratch))
-    found = {"decode": Step(steps.decode, static, (engine.params, jax.ShapeDtypeStruct((b, 1), I32), meta(b, 1, x),
-                                                   engine.cache, sampling(b)),
-                            dict(shardings=engine.shardings), (rows, rows, cache_out))}
+    t = 1 + config.num_speculative_tokens  # each row's last token and its drafts
+    found = {"decode": Step(steps.decode, static, (engine.params, jax.ShapeDtypeStruct((b, t), I32), meta(b, t, x),
+                                                   engine.cache, sampling(b), jax.ShapeDtypeStruct((b,), bool)),
+                            dict(shardings=engine.shardings), (rows, rows, rows, cache_out))}
     for t in steps.piece_sizes(config.prefill_chunk):
         found[f"prefill_{t}"] = Step(
             steps.prefill, static, (engine.params, jax.ShapeDtypeStruct((d, t), I32), meta(d, t, x), engine.scratch,

@@ -213,6 +213,11 @@ class Family:
         a parameter the release keeps unquantized."""
         raise NotImplementedError
 
+    def step_tokens_limit(self, cfg: ModelConfig) -> int | None:
+        """The most tokens per row one decode step may write (a verification step's last token and drafts): the
+        smallest ring of positions a row keeps (its tokens must not share a slot); None: no limit."""
+        return None
+
     # ---- the engine's caches ---------------------------------------------------------------------
     def resident_cache(self, module, size: CacheSize, dtype, index: str | None = None):
         """An empty cache with every part on the device, the offloaded part's rows in ``dtype``, the indexer keys
@@ -234,15 +239,16 @@ class Family:
         raise NotImplementedError
 
     def offloaded_cache(self, module, size: CacheSize, part: Part, dtype, *, slots: int, fetch: str,
-                        index: str | None = None, rings: str = "host"):
+                        index: str | None = None, rings: str = "host", tokens: int = 1):
         """An empty decode cache whose offloaded part is the tier (``slots`` pool slots per sparse layer and
         batch row, a host store of the cache's pages), every other part resident (the indexer keys in
-        ``index``) but, with ``rings`` "host", the compressor rings ``host_rings`` moves."""
+        ``index``) but, with ``rings`` "host", the compressor rings ``host_rings`` moves; ``tokens``: the query
+        tokens of a decode step per row (1 + the drafts it verifies)."""
         shapes = jax.eval_shape(lambda: self.resident_cache(module, size, dtype, index))
         pages = self.store_of(shapes).pages
         tiered = tier.init_tier(layers=pages.shape[0], rows=size.rows, slots=slots, pages=size.pages,
                                 page_size=size.page_size, rate=part.tokens_per_row, width=pages.shape[-1], dtype=dtype,
-                                fetch=fetch)
+                                fetch=fetch, new_entries=-(-tokens // part.tokens_per_row))
         device = self.with_store(shapes, None)
         if rings == "host":
             device = self.rings_to_host(device, fetch)
@@ -330,6 +336,12 @@ class _DeepseekV4(Family):
 
     def sparse_layers(self, cfg):
         return [i for i, t in enumerate(cfg.layer_types) if t == V4Layer.CSA]
+
+    def step_tokens_limit(self, cfg):
+        rings = [cfg.sliding_window]  # the window, then the compressor rings of the layers present
+        rings += [2 * cfg.compress_rate_csa] if V4Layer.CSA in cfg.layer_types else []
+        rings += [cfg.compress_rate_hca] if V4Layer.HCA in cfg.layer_types else []
+        return min(rings)
 
     def release_bytes(self, names, routed, shape):
         if routed:  # e2m1 + one ue8m0 scale per 32 values

@@ -108,6 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prefill {m['prefill_tokens']} tokens, decode {m['decode_tokens']} tokens at "
               f"{m['decode_tokens_per_s']:.1f} tokens/s, wall {m['wall_s']:.2f} s, "
               f"cache {m['cache']['device_bytes'] / 2**20:.1f} MiB on the device", file=sys.stderr)
+        if m["speculative"]:
+            s = m["speculative"]
+            print(f"speculative: {s['accepted_tokens']} of {s['draft_tokens']} drafts accepted, acceptance per "
+                  f"position {', '.join(f'{a:.3f}' for a in s['acceptance_rate'])}, mean accepted length "
+                  f"{s['mean_accepted_length']:.2f}", file=sys.stderr)
         if m["offload"]:
             o = m["offload"]
             print(f"offload: {result.pool_size} pool slots, hit rate {o['hit_rate']:.3f} ({o['misses']} misses of "

@@ -67,7 +67,9 @@ def test_decode_runs_the_targets_kernels_over_the_host_tier(tmp_path, model, pla
     assert set(decode["custom_calls"]) == {call, "annotate_device_placement"}
     exported = _exported(tmp_path, "decode")
     text = exported.mlir_module()
-    assert exported.platforms == (platform,) and text.count(f"@{call}(") == decode["custom_calls"][call] >= 2
+    assert exported.platforms == (platform,) and text.count(f"@{call}(") == decode["custom_calls"][call] >= 1
+    # two sources attended by the kernel: two custom calls, or one kernel function called twice (sources of one shape)
+    assert max(text.count(f"@{call}("), text.count(f"call @{name}(")) >= 2
     assert mark.format(name=name) in text
     host = _host_bytes(model, layers, prefill_chunk=chunk)
     assert decode["argument_bytes_per_device"]["pinned_host"] == decode["output_bytes_per_device"]["pinned_host"] == host

@@ -36,6 +36,12 @@ def sampled(s: Scheduler, group, token: int, logits=None) -> PrefillResult:
     return PrefillResult(np.full(len(s.allocators), token, np.int32), wanted, {})
 
 
+def decoded(tokens_B: np.ndarray) -> DecodeResult:
+    """A decode step's result without drafts: each row's token, uniform logits."""
+    rows = tokens_B.shape[0]
+    return DecodeResult(tokens_B[:, None], np.zeros(rows, np.int32), np.tile(UNIFORM_V, (rows, 1, 1)))
+
+
 def prefill_all(s: Scheduler, token: int = 50) -> list:
     """Run every prefill call of one step with ``token`` sampled; the groups."""
     groups = s.schedule_prefill()
@@ -90,14 +96,14 @@ def test_stop_rules_and_what_a_finished_request_releases():
     assert batch.wants_logits  # the forced request reports its tokens' log-probabilities
     tokens_B = np.full(3, EOS, np.int32)
     tokens_B[rows[length]] = 61  # its second token: max_new_tokens reached
-    released = s.update_decode(batch, DecodeResult(tokens_B, np.tile(UNIFORM_V, (3, 1))))
+    released = s.update_decode(batch, decoded(tokens_B))
     outs = {o.request_id: o for o in s.outputs()}
     assert (outs[eos].finish_reason, outs[length].finish_reason, outs[forced].finished) == ("stop", "length", False)
     assert outs[forced].new_token_ids == [1]  # eos sampled, the forced id taken; a forced request ignores eos
     assert sorted(r.row for r in released) == sorted([rows[eos], rows[length]])
     assert all(r.pages_X[:2].tolist() != [0, 0] for r in released)  # each its own pages
     assert s.schedule_decode().request_ids.count(None) == 2  # only the forced request decodes on
-    released = s.update_decode(s.schedule_decode(), DecodeResult(np.zeros(3, np.int32), np.tile(UNIFORM_V, (3, 1))))
+    released = s.update_decode(s.schedule_decode(), decoded(np.zeros(3, np.int32)))
     (out,) = s.outputs()
     assert out.finish_reason == "length" and out.new_token_ids == [2] and [r.row for r in released] == [rows[forced]]
     assert not s.inbox.has_unfinished() and s.stats.reserved_pages == 0 and s.usage()["pages_in_use"] == 0

@@ -183,7 +183,7 @@ def test_lru_resolution_invariants(data):
         ids = np.array(chosen + [-1] * (k - len(chosen)), np.int32)
         known = np.where(ids >= 0, reference.slot_of[ids], -1).astype(np.int32)
         new_id = np.int32(newest if has_new else -1)
-        res = jax.tree.map(np.asarray, RESOLVE(ids, known, new_id, True, entry, order))
+        res = jax.tree.map(np.asarray, RESOLVE(ids, known, new_id[None], True, entry, order))
         hits = known >= 0
         assert (res.slot_K[hits] == known[hits]).all()  # a hit keeps its slot
         assert res.is_new_K.any() == (has_new and newest in chosen)
@@ -192,7 +192,7 @@ def test_lru_resolution_invariants(data):
         # the takers are the least recently used slots no hit holds: the new entry first, then the misses
         step = reference.step(ids, int(new_id))
         assert (step.miss_K == misses).all() and len(step.takers) == has_new + misses.sum()
-        assert ([int(res.new_slot)] if has_new else []) + res.slot_K[misses].tolist() == step.takers
+        assert ([int(res.new_slot[0])] if has_new else []) + res.slot_K[misses].tolist() == step.takers
         assert res.taker_K1.tolist() == step.takers + [slots] * (k + 1 - len(step.takers))  # so no hit is evicted
         entry, order = res.slot_entry_P, res.order_P
         held = entry[entry >= 0]

@@ -3,6 +3,7 @@ the depth sweep, else the engine runs, the stall pass, the locality pass and the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -32,8 +33,9 @@ def bench(args, log) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = load_model(args.model, args.dtype, seed=args.weights_seed, mesh=args.mesh)
-    settings = [runs.Setting("none")] + [runs.Setting("ess", r, f, rings) for r in args.ratios for f in args.fetch
-                                         for rings in args.rings]
+    plain = [runs.Setting("none")] + [runs.Setting("ess", r, f, rings) for r in args.ratios for f in args.fetch
+                                      for rings in args.rings]
+    settings = plain + [dataclasses.replace(s, speculative=k) for k in args.num_speculative_tokens for s in plain]
     run_results = runs.run_settings(model, settings, engine_prompts, args, log)
     stall_result = stall.prefill_stall(model, engine_prompts, args, log) if args.stall_steps else None
     result = {

@@ -120,6 +120,11 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fetch", type=_names, default=["inline", "split"],
                    help="fetch backends to run, comma-separated subset of inline,split (default both)")
     p.add_argument("--repeats", type=int, default=3, help="repetitions per configuration; medians reported (default 3)")
+    p.add_argument("--speculative", choices=["mtp"], default=None,
+                   help="'mtp': also run every configuration with the checkpoint's MTP module drafting, once per "
+                        "--num-speculative-tokens (rows beside the plain ones, compared with them)")
+    p.add_argument("--num-speculative-tokens", type=_ints, default=None, metavar="K,K,...",
+                   help="drafts per request and step of the --speculative rows, comma-separated (default 1)")
     p.add_argument("--warmup-steps", type=int, default=4,
                    help="decode steps dropped at the start of every run (default 4)")
 
@@ -244,10 +249,18 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--fetch {','.join(args.fetch)!r} must be a subset of {','.join(FETCH_BACKENDS)}")
     if args.device_budget_mb <= 0:
         raise ValueError(f"--device-budget-mb {args.device_budget_mb} must be > 0")
+    if args.num_speculative_tokens is not None and not args.speculative:
+        raise ValueError("--num-speculative-tokens needs --speculative mtp")
+    args.num_speculative_tokens = (args.num_speculative_tokens or [1]) if args.speculative else []
+    if any(k < 1 for k in args.num_speculative_tokens):
+        raise ValueError(f"--num-speculative-tokens {args.num_speculative_tokens} must be >= 1 each")
 
 
 def check_model(args: argparse.Namespace, cfg) -> None:
     """The flags against the model's config ``cfg``: the longest request within ``max_position_embeddings``."""
+    if args.num_speculative_tokens and not cfg.num_nextn_predict_layers:
+        raise ValueError(f"--speculative mtp: {args.model} has no MTP layer (num_nextn_predict_layers = 0) to draft "
+                         "with; use a checkpoint with one")
     if args.context + args.new_tokens > cfg.max_position_embeddings:
         raise ValueError(f"--context {args.context} + --new-tokens {args.new_tokens} exceeds max_position_embeddings "
                          f"{cfg.max_position_embeddings}")

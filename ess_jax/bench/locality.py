@@ -85,7 +85,7 @@ def run_piece(model, kernels: str, tokens: list[int], start: int, table_BX, cach
     meta = StepMeta(jnp.asarray(start + np.arange(len(tokens), dtype=np.int32))[None], jnp.ones((1, len(tokens)), bool),
                     table_BX, jnp.zeros((1,), jnp.int32))
     tokens_BT = jnp.asarray([tokens], jnp.int32)
-    token, _, _, window, cache = steps.prefill(model.graphdef, kernels, model.params, tokens_BT, meta, cache,
+    token, _, _, window, cache, _, _ = steps.prefill(model.graphdef, kernels, model.params, tokens_BT, meta, cache,
                                                greedy_row(), window, jnp.zeros_like(tokens_BT))
     return int(token[0]), window, cache
 

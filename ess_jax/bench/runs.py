@@ -16,12 +16,13 @@ class Setting:
     pool_ratio: float | None = None
     fetch: str | None = None
     rings: str = "host"  # ess: where DeepSeek-V4's HCA compressor rings live
+    speculative: int = 0  # K: the MTP module's drafts per request and step (0: no speculative decoding)
 
     @property
     def label(self) -> str:
-        if self.offload == "none":
-            return "resident"
-        return f"ess r={self.pool_ratio:g} {self.fetch}" + ("" if self.rings == "host" else f" rings {self.rings}")
+        base = "resident" if self.offload == "none" else f"ess r={self.pool_ratio:g} {self.fetch}" + (
+            "" if self.rings == "host" else f" rings {self.rings}")
+        return base + (f" mtp K={self.speculative}" if self.speculative else "")
 
 
 @dataclasses.dataclass
@@ -35,19 +36,22 @@ class Samples:
     output_ids: list[list[int]] | None = None  # the first repetition's tokens, per request
 
 
-def decode_steps(engine) -> list[tuple[float, int]]:
-    """(seconds, rows decoded) of each decode step an engine built with ``record_steps=True`` ran."""
-    return [(t.decode_s, t.decode_rows) for t in engine.stats.steps if t.decode_s is not None]
+def decode_steps(engine) -> list[tuple[float, int, int]]:
+    """(seconds, rows decoded, tokens they produced) of each decode step an engine built with
+    ``record_steps=True`` ran."""
+    return [(t.decode_s, t.decode_rows, t.decode_tokens) for t in engine.stats.steps if t.decode_s is not None]
 
 
 def engine_for(model, setting: Setting, batch: int, args):
     from ess_jax.engine import Engine, EngineConfig
 
-    config = EngineConfig(max_batch=batch, max_seq_len=args.context + args.new_tokens,
+    config = EngineConfig(max_batch=batch, max_seq_len=args.context + args.new_tokens + 2 * setting.speculative,
                           prefill_chunk=args.prefill_chunk, offload=setting.offload,
                           pool_ratio=setting.pool_ratio if setting.pool_ratio is not None else 0.2,
                           fetch=setting.fetch or "inline", kernels=args.kernels, cache_dtype=args.cache_dtype,
-                          index_dtype=args.index_dtype, rings=setting.rings, mesh=args.mesh)
+                          index_dtype=args.index_dtype, rings=setting.rings, mesh=args.mesh,
+                          speculative="mtp" if setting.speculative else None,
+                          num_speculative_tokens=setting.speculative)
     return Engine(model, config, record_steps=True)
 
 
@@ -63,20 +67,24 @@ def repeat(engine, samples: Samples, prompts: list[list[int]], args) -> None:
     if samples.cache_bytes is None:  # resident_device_bytes sums every request submitted so far: read it once
         samples.cache_bytes = engine.cache_bytes()
     # full-batch steps only: a later prompt's prefill interleaves with the first requests' decode
-    measured = [t for t, rows in decode_steps(engine)[first:] if rows == len(prompts)][args.warmup_steps:]
-    samples.tok_s.append(len(prompts) * len(measured) / sum(measured))
-    samples.steps_ms += [1e3 * t for t in measured]
+    measured = [(t, tokens) for t, rows, tokens in decode_steps(engine)[first:]
+                if rows == len(prompts)][args.warmup_steps:]
+    samples.tok_s.append(sum(n for _, n in measured) / sum(t for t, _ in measured))
+    samples.steps_ms += [1e3 * t for t, _ in measured]
 
 
 def summary(setting: Setting, engine, samples: Samples, batch: int, first: Samples,
-            resident_tok_s: float | None) -> dict:
+            resident_tok_s: float | None, plain_tok_s: float | None = None) -> dict:
     """One setting's result: its tokens compared with those of ``first`` (the first setting's), its decode rate
-    with ``resident_tok_s`` (None: no resident setting ran)."""
+    with ``resident_tok_s`` (None: no resident setting ran) and, with speculative decoding, with ``plain_tok_s``
+    (the same setting without it) and the acceptance per draft position."""
     rates, ms, cb = samples.tok_s, samples.steps_ms, samples.cache_bytes
     full_steps = engine.stats.decode_tokens / batch  # decode steps of the whole batch, equivalently
     metrics = engine.offload_metrics()
     return {
         "offload": setting.offload, "pool_ratio": setting.pool_ratio, "fetch": setting.fetch,
+        "speculative": setting.speculative, "speculative_metrics": engine.speculative_metrics(),
+        "relative_to_plain": statistics.median(rates) / plain_tok_s if plain_tok_s else None,
         "rings": setting.rings if setting.offload == "ess" else None,
         "pool_slots": engine.layout.pool_slots,
         "decode_tokens_per_s": statistics.median(rates), "decode_tokens_per_s_runs": rates,
@@ -124,6 +132,10 @@ def run_settings(model, settings: list[Setting], prompts: list[list[int]], args,
             repeat(engines[i], samples[i], prompts, args)
             log(f"repeat {rep + 1}/{args.repeats}  {settings[i].label:<22} {samples[i].tok_s[-1]:8.1f} tok/s")
     resident_tok_s = statistics.median(samples[0].tok_s) if settings[0].offload == "none" else None
-    results = [summary(s, e, x, len(prompts), samples[0], resident_tok_s) for s, e, x in zip(settings, engines, samples)]
+    plain = {dataclasses.replace(s, speculative=0): statistics.median(x.tok_s) for s, x in zip(settings, samples)
+             if not s.speculative}
+    results = [summary(s, e, x, len(prompts), samples[0], resident_tok_s,
+                       plain.get(dataclasses.replace(s, speculative=0)) if s.speculative else None)
+               for s, e, x in zip(settings, engines, samples)]
     capacity(results, args.device_budget_mb * 2**20, len(prompts))
     return results

@@ -30,6 +30,10 @@ class Fetch(enum.StrEnum):
 assert tuple(Fetch) == tier.FETCH_BACKENDS
 
 
+class Speculative(enum.StrEnum):
+    MTP = "mtp"  # the checkpoint's multi-token-prediction module drafts, the model verifies
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     max_batch: int = 8  # decode batch rows
@@ -50,6 +54,8 @@ class EngineConfig:
     index_dtype: str | None = None  # indexer keys, an INDEX_DTYPES entry ("fp4": DeepSeek-V4 only); None: V3.2 fp8
     # with --cache-dtype fp8, else the model's dtype
     mesh: str | None = None  # "data=D,expert=E": a device mesh over every device (ess_jax.mesh); None: one device
+    speculative: Speculative | None = None  # "mtp": speculative decoding, drafts from the MTP module
+    num_speculative_tokens: int = 0  # K: drafts verified per request per decode step (with --speculative)
 
     def __post_init__(self):
         for name in ("max_batch", "page_size", "prefill_chunk", "num_pages", "max_seq_len", "pool_size"):
@@ -82,6 +88,17 @@ class EngineConfig:
             raise ValueError(f"--rings {self.rings!r} is not a ring placement; use one of {', '.join(RINGS)}")
         if self.fetch not in tuple(Fetch):
             raise ValueError(f"--fetch {self.fetch!r} is not a fetch backend; use one of {', '.join(Fetch)}")
+        if self.speculative is not None and self.speculative not in tuple(Speculative):
+            raise ValueError(f"--speculative {self.speculative!r} is not a drafter; use one of "
+                             f"{', '.join(Speculative)}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
+            raise ValueError(f"--num-speculative-tokens {k!r} must be an integer >= 0")
+        if (self.speculative is None) != (k == 0):
+            raise ValueError("--speculative and --num-speculative-tokens go together: --speculative mtp "
+                             "--num-speculative-tokens K (K >= 1), or neither")
+        if self.speculative is not None:
+            object.__setattr__(self, "speculative", Speculative(self.speculative))
         object.__setattr__(self, "offload", Offload(self.offload))
         object.__setattr__(self, "fetch", Fetch(self.fetch))
         if self.mesh is not None:

@@ -19,17 +19,44 @@ import threading
 import time
 from typing import Sequence
 
+import numpy as np
 import jax.numpy as jnp
 from tqdm import tqdm
 
 from ess_jax import families, mesh
+from ess_jax.config import V4Layer
 from ess_jax.engine import offload
 from ess_jax.engine.config import EngineConfig
 from ess_jax.engine.layout import cache_layout, check_memory
 from ess_jax.engine.request import Request, RequestOutput, check_ids, make_request
 from ess_jax.engine.runner import Runner
-from ess_jax.engine.scheduler import EngineStats, Scheduler, StepTimes
+from ess_jax.engine.scheduler import Drafter, EngineStats, Scheduler, StepTimes
 from ess_jax.sampling import SamplingParams
+
+
+def has_mtp(model) -> bool:
+    """The model carries a multi-token-prediction module (the checkpoint's MTP layer)."""
+    return getattr(model.module, "mtp", None) is not None
+
+
+def check_speculative(model, config: EngineConfig, drafter: Drafter | None) -> None:
+    """ValueError naming the fix when speculative decoding cannot run: drafts from an MTP module the checkpoint
+    does not have, or more tokens per step than a row's rings hold apart."""
+    k = config.num_speculative_tokens
+    if drafter is not None and not k:
+        raise ValueError("a drafter needs speculative decoding: --speculative mtp --num-speculative-tokens K")
+    if not k:
+        return
+    if drafter is None and not has_mtp(model):
+        raise ValueError(f"--speculative mtp: this checkpoint has no MTP layer (num_nextn_predict_layers = 0) to "
+                         f"draft with; use a checkpoint with one, or serve without --speculative")
+    if config.offload == "ess" and config.rings == "host" and V4Layer.HCA in model.cfg.layer_types:
+        raise ValueError("--speculative with --rings host: the host rings take one token per request and step; use "
+                         "--rings device (the HCA compressor rings on the device)")
+    limit = families.get(model.cfg.family).step_tokens_limit(model.cfg)
+    if limit is not None and 1 + k > limit:
+        raise ValueError(f"--num-speculative-tokens {k}: a step of 1 + {k} tokens per request exceeds the smallest "
+                         f"ring of positions this model keeps per request ({limit}); use at most {limit - 1}")
 
 
 def _listed(ids):
@@ -39,24 +66,43 @@ def _listed(ids):
 
 class Engine:
     def __init__(self, model, config: EngineConfig = EngineConfig(), *, progress: bool = False,
-                 record_steps: bool = False):
+                 record_steps: bool = False, drafter: Drafter | None = None):
         """Sizes from the configs, checked against the machine before any cache array exists
-        (``layout.check_memory``). ``record_steps``: every step's times in ``stats.steps``."""
+        (``layout.check_memory``). ``record_steps``: every step's times in ``stats.steps``. ``drafter`` (with
+        ``config.speculative``): a caller's drafts in place of the MTP module's, ``drafter(request)`` -> the
+        ``num_speculative_tokens`` tokens to verify after the request's last (its ``output_ids`` so far)."""
         self.model, self.config, self.progress = model, config, progress
+        check_speculative(model, config, drafter)
         self.layout = cache_layout(model.cfg, config, jnp.dtype(model.module.dtype).name)
         shape = mesh.parse(config.mesh) if config.mesh else mesh.MeshShape()
         check_memory(self.layout, mesh.param_bytes_per_device(model.params, shape))
         self.max_seq_len = self.layout.max_seq_len
         self.stats = EngineStats(steps=[] if record_steps else None)
         mode = offload.MODES[config.offload]
+        mtp = None
+        if config.speculative and drafter is None:  # the MTP module drafts: its own cache, resident
+            dtype = offload.entry_dtype(model.module, config)
+            mtp = lambda size: model.module.init_mtp_cache(size.rows, size.pages, size.page_size,  # noqa: E731
+                                                           dtype, config.index_dtype)
         self.runner = Runner(model, config, self.layout, self.stats,
-                             lambda size: mode.decode_cache(model.module, size, config, self.layout))
+                             lambda size: mode.decode_cache(model.module, size, config, self.layout), mtp)
         self.offload: offload.Mode = mode(self.runner, self.layout, self.stats)
         size = self.layout.size
         self.scheduler = Scheduler(config, shards=size.shards, pages=size.pages // size.shards,
                                    pages_per_row=self.layout.pages_per_row, max_seq_len=self.max_seq_len,
-                                   stats=self.stats)
+                                   stats=self.stats, drafter=drafter and self._checked(drafter))
         self._step_lock = threading.Lock()  # held while the engine's state changes (step, abort)
+
+    def _checked(self, drafter: Drafter) -> Drafter:
+        """``drafter`` whose drafts are checked before they reach the model: K token ids of the vocabulary."""
+        k, vocab = self.config.num_speculative_tokens, self.model.cfg.vocab_size
+
+        def drafts(request: Request) -> np.ndarray:
+            ids = np.asarray(drafter(request))
+            if ids.shape != (k,) or not np.issubdtype(ids.dtype, np.integer) or not ((0 <= ids) & (ids < vocab)).all():
+                raise ValueError(f"the drafter must give {k} token ids in [0, {vocab}), got {ids.tolist()!r}")
+            return ids
+        return drafts
 
     # ---- any thread ----------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
@@ -128,13 +174,18 @@ class Engine:
                 self._timed_prefill(time.perf_counter() - start, times)
                 self.offload.release(self.scheduler.update_prefill(group, result))
             if (batch := self.scheduler.schedule_decode()) is not None:
-                start = time.perf_counter()
+                start, tokens = time.perf_counter(), self.stats.decode_tokens
                 self.offload.release(self.scheduler.update_decode(batch, self.runner.decode(batch, times)))
                 if times is not None:
                     times.decode_s, times.decode_rows = time.perf_counter() - start, int(batch.active_B.sum())
+                    times.decode_tokens = self.stats.decode_tokens - tokens
             if times is not None:
                 self.stats.steps.append(times)
             return self.scheduler.outputs()
+
+    def speculative_metrics(self) -> dict | None:
+        """Speculative decoding's counters as the ``--json`` ``metrics.speculative`` object; None without."""
+        return self.stats.speculative.report() if self.stats.speculative else None
 
     def _timed_prefill(self, seconds: float, times: StepTimes | None) -> None:
         self.stats.prefill_s += seconds
@@ -160,7 +211,8 @@ class Engine:
         an idle engine, before serving."""
         if self.has_unfinished():
             raise RuntimeError("warm_up needs an idle engine: requests are unfinished")
-        room = min(self.max_seq_len, self.scheduler.allocators[0].capacity * self.config.page_size) - 1
+        room = (min(self.max_seq_len, self.scheduler.allocators[0].capacity * self.config.page_size) - 1
+                - self.scheduler.reserve)  # and the drafts' positions
         prompt = [0] * min(2 * self.config.prefill_chunk - 1, room)
         self.add_request(prompt, 1, ignore_eos=True)
         self.add_request(prompt, 0, prompt_logprobs=0)
@@ -172,10 +224,12 @@ class Engine:
     # ---- reports -------------------------------------------------------------------------------
     def usage(self) -> dict:
         """What the admitted requests hold now: pages (of the device cache, or the host store with offload),
-        batch rows, in all and per data shard (``per_shard``), the requests waiting, and with offload the device
-        pool slots in use (read from the device) and the host store's pages and bytes."""
+        batch rows, in all and per data shard (``per_shard``), the requests waiting, with offload the device
+        pool slots in use (read from the device) and the host store's pages and bytes, and with speculative
+        decoding its counters so far (``speculative``: ``speculative_metrics``)."""
         scheduled = self.scheduler.usage()
-        return {**scheduled, **self.offload.usage(scheduled)}
+        spec = {"speculative": self.speculative_metrics()} if self.stats.speculative else {}
+        return {**scheduled, **self.offload.usage(scheduled), **spec}
 
     def cache_bytes(self) -> dict[str, int]:
         """Bytes of the real cache arrays: device (the decode-time cache), host (the offload store), and

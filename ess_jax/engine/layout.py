@@ -28,10 +28,11 @@ class CacheLayout:
     parts: list  # families.Part of one request's cache, in the stored formats
     offloaded: families.Part  # the tier's part with --offload ess
     pool_slots: int | None  # ess: device pool slots per (layer, request)
-    device_bytes: int  # the decode-time cache (with ess: resident parts, pools; and the prefill scratch), every
-    # data shard's together (a shard's devices each hold 1 / shards of it)
+    device_bytes: int  # the decode-time cache (with ess: resident parts, pools; and the prefill scratch; with
+    # speculative decoding the MTP module's cache), every data shard's together (a shard's devices each hold
+    # 1 / shards of it)
     host_bytes: int  # ess: the host store, every data shard's together
-    logits_bytes: int  # one decode step's float32 logits [max_batch, vocab]
+    logits_bytes: int  # one decode step's float32 logits [max_batch, 1 + drafts, vocab]
     placed: list  # the parts where the mode places them (ess: ``families.host_rings`` with --rings host)
 
 
@@ -56,8 +57,13 @@ def cache_layout(cfg, config: EngineConfig, model_format: str, *, lower_bound: b
             check_geometry(config.page_size, p.tokens_per_row)
     part = next(p for p in parts if p.where == "offloaded")
     sized = offload.MODES[config.offload].sizes(cfg, config, size, parts, lower_bound=lower_bound)
-    return CacheLayout(max_seq_len, pages_per_row, sized.size, parts, part, sized.pool_slots, int(sized.device_bytes),
-                       int(sized.host_bytes), 4 * config.max_batch * cfg.vocab_size, sized.parts or parts)
+    device = sized.device_bytes
+    if config.speculative:  # the MTP module's cache: its one block's parts, resident, in every page
+        formats = family.stored_formats(config.cache_dtype or model_format, model_format, config.index_dtype)
+        device += families.resident_bytes(family.mtp_cache_parts(cfg, formats), sized.size, sized.size.pages)
+    logits = 4 * config.max_batch * (1 + config.num_speculative_tokens) * cfg.vocab_size
+    return CacheLayout(max_seq_len, pages_per_row, sized.size, parts, part, sized.pool_slots, int(device),
+                       int(sized.host_bytes), logits, sized.parts or parts)
 
 
 def memory_limits() -> tuple[int | None, int]:

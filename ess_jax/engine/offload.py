@@ -153,7 +153,7 @@ class Ess:
     def decode_cache(module, size: families.CacheSize, config: EngineConfig, layout: CacheLayout):
         return families.get(module.cfg.family).offloaded_cache(
             module, size, layout.offloaded, entry_dtype(module, config), slots=layout.pool_slots, fetch=config.fetch,
-            index=config.index_dtype, rings=config.rings)
+            index=config.index_dtype, rings=config.rings, tokens=1 + config.num_speculative_tokens)
 
     def __init__(self, runner: Runner, layout: CacheLayout, stats: EngineStats):
         self.runner, self.layout, self.stats = runner, layout, stats

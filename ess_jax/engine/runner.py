@@ -58,8 +58,10 @@ def window_shape(module, layout: CacheLayout, kernels: str) -> tuple[int, ...]:
 
 class Runner:
     def __init__(self, model, config: EngineConfig, layout: CacheLayout, stats: EngineStats,
-                 decode_cache: Callable[[families.CacheSize], object]):
-        """``decode_cache(size)``: the empty decode cache of ``size`` (the offload mode's)."""
+                 decode_cache: Callable[[families.CacheSize], object],
+                 mtp_cache: Callable[[families.CacheSize], object] | None = None):
+        """``decode_cache(size)``: the empty decode cache of ``size`` (the offload mode's); ``mtp_cache(size)``: the
+        MTP module's (speculative decoding with its drafts; None: no MTP drafting)."""
         self.model, self.config, self.layout, self.stats = model, config, layout, stats
         ops.resolve_kernels(config.kernels)  # Pallas where this backend has no kernels for it: refused here
         self.kernels = config.kernels  # static in the compiled steps
@@ -71,7 +73,9 @@ class Runner:
         self._compiled_decode = None
         with self.on_mesh():
             self.cache, self.shardings = self.build(decode_cache, layout.size)
+            self.mtp_cache, self.mtp_shardings = self.build(mtp_cache, layout.size) if mtp_cache else (None, None)
             self.window = self._empty_window()
+        self.drafts = config.num_speculative_tokens if mtp_cache else 0  # the MTP's drafts per step
 
     def on_mesh(self):
         """The context the engine's arrays are made and its steps run in: ``jax.set_mesh`` of its mesh."""
@@ -102,15 +106,25 @@ class Runner:
         tokens, positions = np.zeros((d, t), np.int32), np.zeros((d, t), np.int32)
         valid, targets = np.zeros((d, t), bool), np.zeros((d, t), np.int32)
         params, steps_D = [SamplingParams()] * d, np.zeros(d, np.int32)
+        pages_DX, rows_D, last_D = np.zeros_like(table_DX), np.zeros(d, np.int32), np.zeros(d, bool)
         for shard, piece in group.slices.items():
             tokens[shard], positions[shard], valid[shard] = piece.tokens, piece.start + np.arange(t), True
             targets[shard, :len(piece.targets)] = piece.targets
             params[shard] = piece.sampling
+            pages_DX[shard], rows_D[shard], last_D[shard] = piece.pages_X, piece.row % self.rows_per_shard, piece.last
         meta = StepMeta(*(jnp.asarray(x) for x in (positions, valid, table_DX, row_D)))
-        token, logits_DV, scores, self.window, cache = steps.prefill(
+        mtp = {}
+        if self.mtp_cache is not None:  # the MTP module's cache: the request's own pages and batch row
+            mtp = dict(mtp_cache=self.mtp_cache, mtp_meta=StepMeta(*(jnp.asarray(x) for x in (
+                positions, valid, pages_DX, rows_D))), last_B=jnp.asarray(last_D), mtp_shardings=self.mtp_shardings,
+                drafts=self.drafts)
+        token, logits_DV, scores, self.window, cache, drafts_DK, mtp_cache = steps.prefill(
             self.model.graphdef, self.kernels, self.params, jnp.asarray(tokens), meta, cache,
             sampling_batch(tuple(params), steps_D), self.window, jnp.asarray(targets), shardings=shardings,
-            scored=self.prompt_top if group.scored else 0)
+            scored=self.prompt_top if group.scored else 0, **mtp)
+        if self.mtp_cache is not None:
+            self.mtp_cache = mtp_cache
+        drafts = mesh.host_array(drafts_DK) if drafts_DK is not None else None
         sampled = mesh.host_array(token)
         wanted = [s for s, piece in group.slices.items() if piece.last and piece.wants_logits]
         logits = mesh.host_array(logits_DV) if wanted else None
@@ -119,32 +133,44 @@ class Runner:
             fields = [mesh.host_array(x) for x in jax.tree.leaves(scores)]  # in PromptScores' field order
             scored = {s: tuple(x[s, :len(piece.targets)] for x in fields) for s, piece in group.slices.items()
                       if piece.prompt_logprobs is not None}
-        return PrefillResult(sampled, {s: logits[s] for s in wanted}, scored), cache
+        return PrefillResult(sampled, {s: logits[s] for s in wanted}, scored,
+                             {s: drafts[s] for s, piece in group.slices.items() if piece.last} if drafts is not None
+                             else {}), cache
 
     # ---- decode --------------------------------------------------------------------------------
     def _decode_args(self, batch: DecodeBatch):
+        """The decode step's arguments: each row's last token and its drafts ``[B, T]`` at positions ``length +
+        t`` (a row that does not run: positions from 0, nothing written)."""
+        tokens_BT = np.concatenate([batch.tokens_B[:, None], batch.drafts_BK], axis=1)
+        t = tokens_BT.shape[1]
         rows = np.arange(self.config.max_batch, dtype=np.int32) % self.rows_per_shard
-        meta = StepMeta(jnp.asarray(batch.lengths_B[:, None]), jnp.asarray(batch.active_B[:, None]),
+        active_BT = np.broadcast_to(batch.active_B[:, None], (self.config.max_batch, t))
+        meta = StepMeta(jnp.asarray(batch.lengths_B[:, None] + np.arange(t, dtype=np.int32)), jnp.asarray(active_BT),
                         jnp.asarray(batch.page_table_BX), jnp.asarray(rows))
-        return (self.params, jnp.asarray(batch.tokens_B[:, None]), meta, self.cache,
-                sampling_batch(batch.sampling, batch.steps_B))
+        return (self.params, jnp.asarray(tokens_BT), meta, self.cache, sampling_batch(batch.sampling, batch.steps_B),
+                jnp.asarray(batch.forced_B), self.mtp_cache)
 
     def compile_decode(self) -> None:
         """Compile the decode step ahead (one shape), so no decode timing includes compilation."""
         if self._compiled_decode is not None:
             return
         start = time.perf_counter()
-        idle = DecodeBatch.idle(self.config.max_batch, self.layout.pages_per_row)
+        idle = DecodeBatch.idle(self.config.max_batch, self.layout.pages_per_row, self.config.num_speculative_tokens)
         self._compiled_decode = steps.decode.lower(self.model.graphdef, self.kernels, *self._decode_args(idle),
-                                                   shardings=self.shardings).compile()
+                                                   shardings=self.shardings,
+                                                   mtp_shardings=self.mtp_shardings).compile()
         self.stats.compile_s = time.perf_counter() - start
 
     def decode(self, batch: DecodeBatch, times: StepTimes | None) -> DecodeResult:
         self.compile_decode()
         start = time.perf_counter()
-        tokens, logits_BV, self.cache = self._compiled_decode(*self._decode_args(batch))
+        tokens_BT, accepted_B, logits_BTV, self.cache, drafts_BK, mtp_cache = self._compiled_decode(
+            *self._decode_args(batch))
+        if self.mtp_cache is not None:
+            self.mtp_cache = mtp_cache
         if times is not None:
             times.decode_dispatch_s = time.perf_counter() - start
-        sampled = mesh.host_array(tokens)
+        tokens_BT, accepted_B = mesh.host_array(tokens_BT), mesh.host_array(accepted_B)
         self.stats.decode_s += time.perf_counter() - start
-        return DecodeResult(sampled, mesh.host_array(logits_BV) if batch.wants_logits else None)
+        return DecodeResult(tokens_BT, accepted_B, mesh.host_array(logits_BTV) if batch.wants_logits else None,
+                            mesh.host_array(drafts_BK) if drafts_BK is not None else None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import deque
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -29,6 +30,7 @@ class StepTimes:
     decode_s: float | None = None  # the decode step with its bookkeeping (None: no request was decoding)
     decode_dispatch_s: float | None = None  # the compiled decode step's call until it returned (the host's part)
     decode_rows: int = 0  # requests decoded
+    decode_tokens: int = 0  # tokens they produced (more than one per request with speculative decoding)
 
 
 @dataclasses.dataclass
@@ -45,6 +47,34 @@ class EngineStats:
     reserved_pages: int = 0
     peak_reserved_pages: int = 0
     steps: list[StepTimes] | None = None
+    speculative: SpecStats | None = None  # with speculative decoding
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """Speculative decoding's counters: drafts verified, drafts accepted, and per draft position how often it was
+    accepted (vLLM's ``spec_decode`` counters)."""
+
+    num_drafts: int = 0  # verification steps of one request (each verifies K drafts)
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)  # [K]
+
+    def record(self, drafts: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.draft_tokens += drafts
+        self.accepted_tokens += accepted
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    def report(self) -> dict:
+        """The ``--json`` ``metrics.speculative`` object: acceptance rate per draft position, mean accepted length
+        (tokens per verification step: the accepted drafts and the token after them), drafts and accepted."""
+        n = self.num_drafts
+        return {"acceptance_rate": [a / n if n else 0.0 for a in self.accepted_per_position],
+                "mean_accepted_length": 1 + self.accepted_tokens / n if n else 0.0,
+                "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
+                "num_drafts": n, "accepted_per_position": list(self.accepted_per_position)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +113,8 @@ class PrefillResult:
     logits: dict[int, np.ndarray]  # data shard -> f32[V], for the finishing slices that want them
     scores: dict[int, tuple[np.ndarray, ...]]  # data shard -> its piece's ``steps.PromptScores`` fields on the host
     # (logprob_T, rank_T, top_ids_TK, top_TK), for the scored pieces
+    drafts: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # data shard -> i32[K] the MTP module's
+    # drafts after a prompt its piece finished (speculative decoding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +123,8 @@ class DecodeBatch:
 
     request_ids: tuple[int | None, ...]  # per batch row: the request decoding there
     tokens_B: np.ndarray  # i32[B] the token each row feeds
+    drafts_BK: np.ndarray  # i32[B, K] the tokens drafted after it, verified in the step (K = 0 without speculation)
+    forced_B: np.ndarray  # bool[B] rows that accept every draft (teacher forcing: their drafts are the forced ids)
     lengths_B: np.ndarray  # i32[B] tokens in the cache per row
     page_table_BX: np.ndarray  # i32[B, pages_per_row]
     sampling: tuple[SamplingParams, ...]  # per row (defaults for inactive rows)
@@ -102,17 +136,19 @@ class DecodeBatch:
         return np.array([r is not None for r in self.request_ids])
 
     @classmethod
-    def idle(cls, rows: int, pages_per_row: int) -> DecodeBatch:
+    def idle(cls, rows: int, pages_per_row: int, drafts: int = 0) -> DecodeBatch:
         """A batch with no active row (the shapes the decode step compiles for)."""
         zeros = np.zeros(rows, np.int32)
-        return cls((None,) * rows, zeros, zeros, np.zeros((rows, pages_per_row), np.int32),
-                   (SamplingParams(),) * rows, zeros, False)
+        return cls((None,) * rows, zeros, np.zeros((rows, drafts), np.int32), np.zeros(rows, bool), zeros,
+                   np.zeros((rows, pages_per_row), np.int32), (SamplingParams(),) * rows, zeros, False)
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeResult:
-    sampled_B: np.ndarray  # i32[B]
-    logits_BV: np.ndarray | None  # f32[B, V] when the batch wants logits
+    tokens_BT: np.ndarray  # i32[B, 1 + K] each row's tokens: its output is the first accepted_B + 1 of them
+    accepted_B: np.ndarray  # i32[B] drafts each row accepted (0 without speculation)
+    logits_BTV: np.ndarray | None  # f32[B, 1 + K, V] each position's logits when the batch wants logits
+    drafts_BK: np.ndarray | None = None  # i32[B, K] the MTP module's drafts for each row's next step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,11 +214,23 @@ class Inbox:
             self.stats.reserved_pages -= self._reserved.pop(request_id)
 
 
+Drafter = Callable[[Request], Sequence[int]]  # a request -> the K tokens it drafts after its last one
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, *, shards: int, pages: int, pages_per_row: int, max_seq_len: int,
-                 stats: EngineStats):
-        """``pages``: each data shard's pool, its null page included."""
+                 stats: EngineStats, drafter: Drafter | None = None):
+        """``pages``: each data shard's pool, its null page included. With speculative decoding each decode step
+        verifies ``config.num_speculative_tokens`` drafts per request: ``drafter``'s (a caller's, on the host),
+        else those the last decode step drafted (the MTP module's); a request reserves room for them."""
         self.config, self.stats, self.pages_per_row = config, stats, pages_per_row
+        self.drafts, self.drafter = config.num_speculative_tokens, drafter
+        # positions past its last token a request's steps may write: a verification step's K drafts, then the MTP
+        # module's chain of K - 1 more (undone, but written)
+        self.reserve = 2 * self.drafts
+        if self.drafts:
+            stats.speculative = SpecStats(accepted_per_position=[0] * self.drafts)
+        self._drafted = np.zeros((config.max_batch, self.drafts), np.int32)  # each row's drafts for its next step
         self.allocators = [PageAllocator(pages, config.page_size) for _ in range(shards)]
         self.admission = Admission(self.allocators, max_batch=config.max_batch, max_position_embeddings=max_seq_len)
         self.inbox = Inbox(stats)
@@ -196,7 +244,7 @@ class Scheduler:
 
     def check(self, prompt_len: int, max_new_tokens: int) -> int:
         """The pages a request would reserve (ValueError naming the numbers if it can never run). Any thread."""
-        return self.admission.check(None, prompt_len, max_new_tokens)
+        return self.admission.check(None, prompt_len, max_new_tokens + self.reserve)
 
     # ---- the engine's thread -------------------------------------------------------------------
     def take_inbox(self) -> list[Released]:
@@ -204,7 +252,7 @@ class Scheduler:
         added, aborts = self.inbox.take()
         for request_id, request in added:
             self._requests[request_id] = request
-            self.admission.submit(request_id, len(request.prompt_ids), request.max_new_tokens)
+            self.admission.submit(request_id, len(request.prompt_ids), request.max_new_tokens + self.reserve)
         released = []
         for request_id in aborts:
             request = self._requests[request_id]
@@ -264,6 +312,7 @@ class Scheduler:
                 self._prefilling = deque(e for e in self._prefilling if e.request_id != piece.request_id)
                 self._lengths[piece.row] = piece.prompt_len
                 self._decoding[piece.request_id] = piece.row
+                self._drafted[piece.row] = result.drafts.get(shard, 0)
                 released += self._accept(piece.request_id, piece.row, int(result.sampled_D[shard]),
                                          result.logits.get(shard))
         return released
@@ -276,21 +325,40 @@ class Scheduler:
         for request_id, row in self._decoding.items():
             ids[row] = request_id
         requests = [self._requests[i] if i is not None else None for i in ids]
-        return DecodeBatch(tuple(ids), self._last.copy(), self._lengths.copy(),
+        drafts_BK, forced_B = self._drafted.copy(), np.zeros(self.config.max_batch, bool)
+        for row, request in enumerate(requests):
+            if request is not None and self.drafts:
+                if request.forced_ids is not None:  # the forced tokens are the drafts, all accepted
+                    forced = request.forced_ids[len(request.output_ids):][:self.drafts]
+                    drafts_BK[row], forced_B[row] = 0, True
+                    drafts_BK[row, :len(forced)] = forced
+                elif self.drafter is not None:
+                    drafts_BK[row] = self.drafter(request)
+        return DecodeBatch(tuple(ids), self._last.copy(), drafts_BK, forced_B, self._lengths.copy(),
                            self.admission.page_table(self.pages_per_row),
                            tuple(r.sampling if r else SamplingParams() for r in requests),
                            np.array([len(r.output_ids) if r else 0 for r in requests], np.int32),
                            any(self._wants_logits(r) for r in requests if r))
 
     def update_decode(self, batch: DecodeBatch, result: DecodeResult) -> list[Released]:
-        """Record a decode step: each active row's token, and the requests it ends."""
-        self._lengths += batch.active_B
+        """Record a decode step: each active row's tokens (its accepted drafts and the token after them, up to
+        the one that ends it), and the requests it ends."""
         released = []
+        if result.drafts_BK is not None:
+            self._drafted[:] = result.drafts_BK
         for row, request_id in enumerate(batch.request_ids):
-            if request_id is not None:
+            if request_id is None:
+                continue
+            accepted = int(result.accepted_B[row])
+            if self.drafts and not batch.forced_B[row]:
+                self.stats.speculative.record(self.drafts, accepted)
+            self._lengths[row] += accepted + 1
+            for t in range(accepted + 1):
                 self.stats.decode_tokens += 1
-                logits = None if result.logits_BV is None else result.logits_BV[row]
-                released += self._accept(request_id, row, int(result.sampled_B[row]), logits)
+                logits = None if result.logits_BTV is None else result.logits_BTV[row, t]
+                released += self._accept(request_id, row, int(result.tokens_BT[row, t]), logits)
+                if request_id not in self._requests:  # it ended inside the accepted run: exactly there
+                    break
         return released
 
     def _wants_logits(self, request: Request) -> bool:

@@ -4,7 +4,8 @@ so that engines over the same model and shapes share their executables, each don
 - ``prefill``: one exact piece of one prompt per data shard ``[D, T]`` (the shards without one do not run); with
   ``scored`` (static) also each position's log-probability of the prompt's next token and its top-N
   (``PromptScores``), reduced on the device from the piece's logits;
-- ``decode``: one token for every batch row ``[B, 1]``, inactive rows masked;
+- ``decode``: every batch row's last token and its drafts ``[B, 1 + K]`` (speculative decoding; K = 0 without),
+  verified, the rejected drafts' writes undone, inactive rows masked;
 - ``handoff``, ``release``, ``flush``: the offloaded tier's moves (``ess_jax.engine.offload``).
 
 ``shardings`` (static): the cache's ``mesh.Layout`` on the engine's mesh; the steps then run per data shard
@@ -24,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ess_jax import families, mesh, tier
 from ess_jax.cache import StepMeta
-from ess_jax.sampling import sample
+from ess_jax.sampling import sample, verify
 
 ROWS, ALL = PartitionSpec("data"), PartitionSpec()  # a batch-row-major argument split over the shards; replicated
 LAYER_ROWS = PartitionSpec(None, "data")  # a [L, rows, ...] argument split over the shards
@@ -43,6 +44,12 @@ class SamplingBatch:
 
     def sample(self, logits_BV: jax.Array) -> jax.Array:
         return sample(logits_BV, self.temperature_B, self.top_k_B, self.top_p_B, self.seed_B, self.step_B)
+
+    def verify(self, logits_BTV: jax.Array, drafts_BK: jax.Array, forced_B: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``ess_jax.sampling.verify`` of deterministic drafts (each a one-hot draft distribution)."""
+        q_BKV = jax.nn.one_hot(drafts_BK, logits_BTV.shape[-1], dtype=jnp.float32)
+        return verify(logits_BTV, drafts_BK, q_BKV, self.temperature_B, self.top_k_B, self.top_p_B, self.seed_B,
+                      self.step_B, forced_B)
 
 
 @jax.tree_util.register_dataclass
@@ -91,38 +98,101 @@ def next_window(prev_LBQK: jax.Array, ids_LBTK: jax.Array, meta: StepMeta) -> ja
 
 
 def _prefill(graphdef, kernels: str, params, tokens_BT, meta: StepMeta, cache, sampling: SamplingBatch, window_LBQK,
-             targets_BT, shardings=None, scored: int = 0):
+             targets_BT, mtp_cache=None, mtp_meta=None, last_B=None, shardings=None, scored: int = 0,
+             mtp_shardings=None, drafts: int = 0):
     """One prefill piece, a row per data shard (rows not valid: nothing written). Returns the token sampled after
     each row's last token ``i32[B]``, its logits ``f32[B, V]``, with ``scored`` (static: the top-N kept; 0: none)
     the ``PromptScores`` of ``targets_BT`` (``i32[B, T]``, each position's next prompt token) else None, each
-    row's window of top-k ids (``next_window``) and the cache."""
-    def run(params, tokens_BT, meta, cache, sampling, window_LBQK, targets_BT):
-        logits_BTV, ids_LBTK, cache = nnx.merge(graphdef, params).step(tokens_BT, meta, cache, kernels=kernels)
+    row's window of top-k ids (``next_window``) and the cache; then, with ``mtp_cache`` (speculative decoding
+    with the MTP module, whose cache is the request's own pages and batch row: ``mtp_meta``), the drafts after
+    the piece (``drafts`` of them, static; ``mtp_drafts``: meaningful where the piece ends the prompt, ``last_B``:
+    there the pair at its last position has the sampled token) and the MTP cache, else None and None."""
+    def run(params, tokens_BT, meta, cache, sampling, window_LBQK, targets_BT, mtp_cache, mtp_meta, last_B):
+        module = nnx.merge(graphdef, params)
+        logits_BTV, hidden, ids_LBTK, cache = module.step_hidden(tokens_BT, meta, cache, kernels=kernels)
         logits_BV = logits_BTV[:, -1]
         window_LBQK = next_window(window_LBQK, ids_LBTK, meta).astype(window_LBQK.dtype)
         scores = prompt_scores(logits_BTV, targets_BT, scored) if scored else None
-        return sampling.sample(logits_BV), logits_BV, scores, window_LBQK, cache
+        token_B = sampling.sample(logits_BV)
+        drafts_BK = None
+        if mtp_cache is not None:
+            next_BT = targets_BT.at[:, -1].set(jnp.where(last_B, token_B, targets_BT[:, -1]))
+            t = tokens_BT.shape[1]
+            drafts_BK, mtp_cache = mtp_drafts(module, hidden, next_BT, mtp_meta, mtp_cache,
+                                              jnp.where(mtp_meta.valid[:, 0], t, 0), drafts, kernels)
+        return token_B, logits_BV, scores, window_LBQK, cache, drafts_BK, mtp_cache
 
-    specs = shardings and shardings.specs
-    token, logits_BV, scores, window_LBQK, cache = on_shards(
-        run, shardings, (ALL, ROWS, ROWS, specs, ROWS, LAYER_ROWS, ROWS), (ROWS, ROWS, ROWS, LAYER_ROWS, specs))(
-        params, tokens_BT, meta, cache, sampling, window_LBQK, targets_BT)
+    specs, mtp_specs = shardings and shardings.specs, mtp_shardings and mtp_shardings.specs
+    drafted = ROWS if mtp_cache is not None else None
+    token, logits_BV, scores, window_LBQK, cache, drafts_BK, mtp_cache = on_shards(
+        run, shardings, (ALL, ROWS, ROWS, specs, ROWS, LAYER_ROWS, ROWS, mtp_specs, drafted, drafted),
+        (ROWS, ROWS, ROWS, LAYER_ROWS, specs, drafted, mtp_specs))(
+        params, tokens_BT, meta, cache, sampling, window_LBQK, targets_BT, mtp_cache, mtp_meta, last_B)
     if shardings:  # the window in the shardings it was built with, whatever the partitioner chose
         window_LBQK = jax.lax.with_sharding_constraint(window_LBQK, NamedSharding(shardings.mesh, LAYER_ROWS))
-    return token, logits_BV, scores, window_LBQK, placed(shardings, cache)
+    return token, logits_BV, scores, window_LBQK, placed(shardings, cache), drafts_BK, placed(mtp_shardings, mtp_cache)
 
 
-def _decode(graphdef, kernels: str, params, tokens_BT, meta: StepMeta, cache, sampling: SamplingBatch,
-            shardings=None):
-    """One decode step for every batch row: the sampled tokens ``i32[B]``, their logits and the cache."""
-    def run(params, tokens_BT, meta, cache, sampling):
-        logits_BTV, _, cache = nnx.merge(graphdef, params).step(tokens_BT, meta, cache.begin_step(), kernels=kernels)
-        return sampling.sample(logits_BTV[:, -1]), logits_BTV[:, -1], cache
+def mtp_drafts(module, hidden, next_BT, meta: StepMeta, mtp_cache, kept_B, drafts: int, kernels: str):
+    """The MTP module's ``drafts`` tokens after each row's last kept position, and its cache (``models.mtp``).
 
-    specs = shardings and shardings.specs
-    tokens, logits_BV, cache = on_shards(run, shardings, (ALL, ROWS, ROWS, specs, ROWS), (ROWS, ROWS, specs))(
-        params, tokens_BT, meta, cache, sampling)
-    return tokens, logits_BV, placed(shardings, cache)
+    The module runs over the step's positions (the pairs of the main model's hidden state ``hidden`` and the
+    token after it, ``next_BT``), keeps the first ``kept_B`` of them (a verification step's accepted run;
+    ``rollback`` undoes the rest), and its logits at the last kept position give the first draft (greedy: the
+    argmax, a deterministic drafter). Each further draft chains the module on its own output hidden state and
+    the draft before it, one position on; what the chain wrote is undone, so the cache holds verified
+    positions only. Returns ``i32[B, drafts]`` and the cache."""
+    before = mtp_cache
+    logits_BTV, out, mtp_cache = module.mtp_step(hidden, next_BT, meta, mtp_cache, kernels=kernels)
+    mtp_cache = mtp_cache.rollback(before, meta, kept_B)
+    last_B = jnp.maximum(kept_B - 1, 0)
+    at_last = lambda x: jnp.take_along_axis(  # noqa: E731 - each row's last kept position, T kept as 1
+        x, last_B.reshape((-1, 1) + (1,) * (x.ndim - 2)), axis=1)
+    token_B = jnp.argmax(at_last(logits_BTV)[:, 0], axis=-1).astype(jnp.int32)
+    hidden, tokens = at_last(out), [token_B]
+    chain = StepMeta(at_last(meta.positions) + 1 + jnp.arange(drafts - 1), jnp.broadcast_to(
+        meta.valid[:, :1], (meta.valid.shape[0], drafts - 1)), meta.page_table, meta.rows)
+    chained = mtp_cache
+    for j in range(drafts - 1):
+        one = StepMeta(chain.positions[:, j:j + 1], chain.valid[:, j:j + 1], meta.page_table, meta.rows)
+        logits_BTV, hidden, chained = module.mtp_step(hidden, tokens[-1][:, None], one, chained, kernels=kernels)
+        tokens.append(jnp.argmax(logits_BTV[:, 0], axis=-1).astype(jnp.int32))
+    if drafts > 1:
+        mtp_cache = chained.rollback(mtp_cache, chain, jnp.zeros_like(kept_B))
+    return jnp.stack(tokens, axis=1), mtp_cache
+
+
+def _decode(graphdef, kernels: str, params, tokens_BT, meta: StepMeta, cache, sampling: SamplingBatch, forced_B,
+            mtp_cache=None, shardings=None, mtp_shardings=None):
+    """One decode step for every batch row: each row's last token and its ``K = T - 1`` drafts (speculative
+    decoding; ``K = 0`` without), verified in one pass of the model. Returns the tokens ``i32[B, T]`` and the
+    drafts each row accepted ``i32[B]`` (``sampling.verify``; without drafts the sampled token and 0), every
+    position's logits ``f32[B, T, V]``, the cache, in which what the rejected drafts wrote is undone
+    (``rollback``): each row holds its cache as if it had decoded its accepted tokens one at a time; with
+    ``mtp_cache`` (the MTP module drafts) the next step's drafts ``i32[B, K]`` (``mtp_drafts``) and its cache,
+    else None and None. ``forced_B``: rows that accept every draft (teacher forcing)."""
+    def run(params, tokens_BT, meta, cache, sampling, forced_B, mtp_cache):
+        module = nnx.merge(graphdef, params)
+        before = cache.begin_step()
+        logits_BTV, hidden, _, cache = module.step_hidden(tokens_BT, meta, before, kernels=kernels)
+        if tokens_BT.shape[1] == 1:
+            return sampling.sample(logits_BTV[:, 0])[:, None], jnp.zeros_like(forced_B, jnp.int32), logits_BTV, \
+                cache, None, None
+        tokens_BT, accepted_B = sampling.verify(logits_BTV, tokens_BT[:, 1:], forced_B)
+        kept_B = jnp.where(meta.valid[:, 0], accepted_B + 1, 0)
+        cache = cache.rollback(before, meta, kept_B)
+        drafts_BK = None
+        if mtp_cache is not None:
+            drafts_BK, mtp_cache = mtp_drafts(module, hidden, tokens_BT, meta, mtp_cache, kept_B,
+                                              tokens_BT.shape[1] - 1, kernels)
+        return tokens_BT, accepted_B, logits_BTV, cache, drafts_BK, mtp_cache
+
+    specs, mtp_specs = shardings and shardings.specs, mtp_shardings and mtp_shardings.specs
+    drafted = ROWS if mtp_cache is not None else None
+    tokens_BT, accepted_B, logits_BTV, cache, drafts_BK, mtp_cache = on_shards(
+        run, shardings, (ALL, ROWS, ROWS, specs, ROWS, ROWS, mtp_specs),
+        (ROWS, ROWS, ROWS, specs, drafted, mtp_specs))(params, tokens_BT, meta, cache, sampling, forced_B, mtp_cache)
+    return tokens_BT, accepted_B, logits_BTV, placed(shardings, cache), drafts_BK, placed(mtp_shardings, mtp_cache)
 
 
 def _handoff(family: families.Family, cache, scratch, table_DX, pages_DX, row_D, entries_D, window_LDQK,
@@ -159,8 +229,9 @@ def _release(family: families.Family, cache, row_D, pages_DX, shardings=None):
 
 
 # The split backend's NumPy store is part of a step's static identity (its engine's own).
-prefill = jax.jit(_prefill, static_argnums=(0, 1), static_argnames=("shardings", "scored"), donate_argnums=(5, 7))
-decode = jax.jit(_decode, static_argnums=(0, 1), static_argnames="shardings", donate_argnums=5)
+prefill = jax.jit(_prefill, static_argnums=(0, 1), static_argnames=("shardings", "scored", "mtp_shardings", "drafts"),
+                  donate_argnums=(5, 7, 9))
+decode = jax.jit(_decode, static_argnums=(0, 1), static_argnames=("shardings", "mtp_shardings"), donate_argnums=(5, 8))
 handoff = jax.jit(_handoff, static_argnums=0, static_argnames=("shardings", "scratch_shardings"), donate_argnums=1)
 flush = jax.jit(_flush, static_argnums=0, static_argnames="shardings", donate_argnums=1)
 release = jax.jit(_release, static_argnums=0, static_argnames="shardings", donate_argnums=1)

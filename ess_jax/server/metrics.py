@@ -38,6 +38,7 @@ class Metrics:
         self.pages_total = Gauge("ess_jax_kv_pages_total", "Allocatable cache pages", registry=r)
         self.tier: dict[str, Any] = {}  # the last offload_metrics() ("offload") and usage()'s tier keys
         r.register(_TierCollector(self.tier))
+        r.register(_SpecCollector(self.tier))
 
     def added(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
@@ -55,6 +56,8 @@ class Metrics:
             self.requests.labels(out.finish_reason).inc()
 
     def usage(self, usage: dict) -> None:
+        if "speculative" in usage:
+            self.tier["speculative"] = usage["speculative"]
         self.running.set(usage["rows_in_use"])
         self.waiting.set(usage["requests_waiting"])
         self.pages_in_use.set(usage["pages_in_use"])
@@ -63,6 +66,29 @@ class Metrics:
 
     def offload(self, offload: dict) -> None:
         self.tier["offload"] = offload
+
+
+class _SpecCollector:
+    """Speculative decoding's counters from the last usage read, named as vLLM names them
+    (``spec_decode_num_drafts``, ``..._num_draft_tokens``, ``..._num_accepted_tokens``, and per draft position
+    ``..._num_accepted_tokens_per_pos``), once a speculative engine was read."""
+
+    def __init__(self, tier: dict[str, Any]):
+        self.tier = tier
+
+    def collect(self):
+        spec = self.tier.get("speculative")
+        if spec is None:
+            return
+        for name, key, text in (("num_drafts", "num_drafts", "Verification steps of a request (K drafts each)"),
+                                ("num_draft_tokens", "draft_tokens", "Drafted tokens verified"),
+                                ("num_accepted_tokens", "accepted_tokens", "Drafted tokens accepted")):
+            yield CounterMetricFamily(f"ess_jax_spec_decode_{name}", text, value=spec[key])
+        per_pos = CounterMetricFamily("ess_jax_spec_decode_num_accepted_tokens_per_pos",
+                                      "Drafted tokens accepted at each draft position", labels=["position"])
+        for position, accepted in enumerate(spec["accepted_per_position"]):
+            per_pos.add_metric([str(position)], accepted)
+        yield per_pos
 
 
 class _TierCollector:

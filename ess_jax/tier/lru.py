@@ -4,7 +4,8 @@
 (``slot_order``) and the residency map entry -> slot (``resident_slot``, paged like the entries, so a hit
 costs one gather, not a k x P comparison). ``resolve`` is one step's resolution for one (layer, row); it
 knows no rows, stores or attention. Axis letters: ess_jax.notation (P pool slots, K1 = K + 1: the slots one
-step can take, the new entry and one per miss).
+step can take, the new entry and one per miss; in a verification step K1 = min(P, K + M): M new entries and
+K the union of its queries' top-k ids).
 """
 
 from __future__ import annotations
@@ -36,14 +37,16 @@ def pool_slots(entries: int, topk: int, *, pool_size: int | None = None, pool_ra
 
 @dataclasses.dataclass
 class Resolution:
-    """One step's resolution for one (layer, row)."""
+    """One step's resolution for one (layer, row). ``K``: the step's selected ids (one query's top-k, or the union
+    of a verification step's queries' top-k ids); ``M``: the entries the step writes; ``K1``: the slots the step
+    may take, ``min(P, K + M)``."""
 
-    slot_K: jax.Array  # i32[K] slot of each selected entry (-1 invalid)
+    slot_K: jax.Array  # i32[K] slot of each selected entry (-1 invalid, or a miss the pool had no room for)
     hit_K: jax.Array  # bool[K] resident before this step
     miss_K: jax.Array  # bool[K] fetched from the host this step
-    is_new_K: jax.Array  # bool[K] the entry written this step
-    new_slot: jax.Array  # i32[] the slot the new entry takes
-    taker_K1: jax.Array  # i32[K + 1] the slots taken this step, least recently used first (P = none)
+    is_new_K: jax.Array  # bool[K] an entry written this step
+    new_slot: jax.Array  # i32[M] the slot each new entry takes (P = none)
+    taker_K1: jax.Array  # i32[K1] the slots taken this step, in the order they are taken (P = none)
     slot_entry_P: jax.Array  # i32[P] updated slot -> entry table
     order_P: jax.Array  # i32[P] updated recency order
 
@@ -51,40 +54,52 @@ class Resolution:
 jax.tree_util.register_dataclass(Resolution)
 
 
-def resolve(ids_K, known_K, new_id, active, slot_entry_P, order_P) -> Resolution:
+def resolve(ids_K, known_K, new_ids_M, active, slot_entry_P, order_P) -> Resolution:
     """LRU resolution for one (layer, row): ``known_K`` is the residency map's slot per id (ids are
-    distinct, as top-k ids are), ``new_id`` the entry written this step (-1: none), ``active`` whether the
-    row runs at all, ``order_P`` the slots from least to most recently used.
+    distinct, as top-k ids and their union are), ``new_ids_M`` the entries written this step (-1: none),
+    ``active`` whether the row runs at all, ``order_P`` the slots from least to most recently used.
 
-    The new entry and the misses take, in that order, the first slots of ``order_P`` that no hit holds.
-    Hits and takers together are at most K + 1 slots, so the takers lie within the order's first K + 1
-    positions. Every slot used this step then moves to the back of the order, by slot number, the others
-    keeping theirs: the order stays sorted by (last use, slot), without a sort."""
+    The new entries and then the misses take, in that order, the first slots of ``order_P`` that no hit holds.
+    With one query (K + 1 <= P) there is always room; a verification step's union may have more hits and misses
+    than the pool has slots: then a new entry takes the least recently used hit's slot (the hit is read before
+    the slot is written), and misses without a slot are attended from the fetched rows without being kept.
+    Takers lie within the order's first ``K1 = min(P, K + M)`` positions. Every slot used this step then moves
+    to the back of the order, by slot number, the others keeping theirs: the order stays sorted by (last use,
+    slot), without a sort."""
     valid_K = ids_K >= 0
-    has_new = new_id >= 0
-    is_new_K = valid_K & (ids_K == new_id) & has_new
+    has_new_M = new_ids_M >= 0
+    is_new_K = valid_K & (ids_K[:, None] == jnp.where(has_new_M, new_ids_M, -2)[None, :]).any(axis=1)
     hit_K = valid_K & ~is_new_K & (known_K >= 0)
     miss_K = valid_K & ~is_new_K & ~hit_K & active
-    p, k = slot_entry_P.shape[0], ids_K.shape[0]
+    p, k, m = slot_entry_P.shape[0], ids_K.shape[0], new_ids_M.shape[0]
+    f = min(p, k + m)
     hit_slot_K = jnp.where(hit_K, known_K, p)  # p = none
-    front_K1 = order_P[: k + 1]  # the pool holds at least K + 1 slots
-    free_K1 = ~(front_K1[:, None] == hit_slot_K[None, :]).any(axis=1)
-    rank_K1 = jnp.cumsum(free_K1) - 1
-    take_K1 = free_K1 & (rank_K1 < miss_K.sum() + has_new.astype(jnp.int32))
-    taker_K1 = jnp.full(k + 1, p, jnp.int32).at[jnp.where(take_K1, rank_K1, k + 1)].set(front_K1, mode="drop")
-    new_slot = taker_K1[0]
-    miss_slot_K = taker_K1[jnp.clip(has_new + jnp.cumsum(miss_K) - 1, 0, k)]  # after the new entry's slot
-    slot_K = jnp.where(hit_K, known_K, jnp.where(is_new_K, new_slot, jnp.where(miss_K, miss_slot_K, -1)))
-    # every taker is overwritten: the new entry's slot, then one per miss
-    entries = slot_entry_P.at[jnp.where(has_new, new_slot, p)].set(new_id, mode="drop")
-    entries = entries.at[jnp.where(miss_K, miss_slot_K, p)].set(ids_K, mode="drop")
+    held_P = jnp.zeros(p, bool).at[hit_slot_K].set(True, mode="drop")
+    front_K1 = order_P[:f]
+    held_K1 = held_P[front_K1]
+    free = (~held_K1).sum()
+    # candidates: the front's free slots, then its hits' slots, each in recency order
+    rank_K1 = jnp.where(held_K1, free + jnp.cumsum(held_K1) - 1, jnp.cumsum(~held_K1) - 1)
+    candidate_K1 = jnp.zeros(f, jnp.int32).at[rank_K1].set(front_K1)
+    n_new = has_new_M.sum()
+    new_slot = jnp.where(has_new_M, candidate_K1[jnp.clip(jnp.cumsum(has_new_M) - 1, 0, f - 1)], p)
+    miss_rank_K = n_new + jnp.cumsum(miss_K) - 1  # after the new entries' slots
+    kept_K = miss_K & (miss_rank_K < free)
+    miss_slot_K = jnp.where(kept_K, candidate_K1[jnp.clip(miss_rank_K, 0, f - 1)], p)
+    new_of_K = jnp.argmax(ids_K[:, None] == new_ids_M[None, :], axis=1)
+    slot_K = jnp.where(hit_K, known_K, jnp.where(is_new_K, new_slot[new_of_K], jnp.where(kept_K, miss_slot_K, -1)))
+    taken = n_new + kept_K.sum()
+    taker_K1 = jnp.where(jnp.arange(f) < taken, candidate_K1, p)
+    # every taker is overwritten: the new entries' slots, then one per kept miss
+    entries = slot_entry_P.at[new_slot].set(new_ids_M, mode="drop")
+    entries = entries.at[miss_slot_K].set(ids_K, mode="drop")
     # the recency order: slots untouched this step keep their order, then the used ones by slot
-    used = jnp.sort(jnp.concatenate([hit_slot_K, jnp.where(take_K1, front_K1, p)]))  # p = none
-    used_P = jnp.zeros(p, bool).at[used].set(True, mode="drop")
+    used_P = held_P.at[taker_K1].set(True, mode="drop")
     keep_P = ~used_P[order_P]
     n_keep = keep_P.sum()
     order = jnp.zeros(p, jnp.int32).at[jnp.where(keep_P, jnp.cumsum(keep_P) - 1, p)].set(order_P, mode="drop")
-    order = order.at[jnp.where(used < p, n_keep + jnp.arange(used.shape[0]), p)].set(used, mode="drop")
+    order = order.at[jnp.where(used_P, n_keep + jnp.cumsum(used_P) - 1, p)].set(jnp.arange(p, dtype=jnp.int32),
+                                                                                mode="drop")
     return Resolution(slot_K, hit_K, miss_K, is_new_K, new_slot, taker_K1, entries, order)
 
 
@@ -124,28 +139,30 @@ class LruPool:
     def slots(self) -> int:
         return self.slot_entry.shape[2]
 
-    def lookup(self, layer, page_BK, offset_BK, ids_BK, new_id_B, active_B) -> tuple[Resolution, jax.Array]:
-        """Resolve layer ``layer``'s ids (an int, or i32[] inside a scan over layers): the resolution per row
-        and the entries leaving the taken slots ``i32[B, K + 1]`` (-1: the slot was empty, or no taker)."""
+    def lookup(self, layer, page_BK, offset_BK, ids_BK, new_ids_BM, active_B) -> tuple[Resolution, jax.Array]:
+        """Resolve layer ``layer``'s ids (an int, or i32[] inside a scan over layers) and the step's new entries
+        ``new_ids_BM``: the resolution per row and the entries leaving the taken slots ``i32[B, K1]`` (-1: the
+        slot was empty, or no taker)."""
         known_BK = jnp.where(ids_BK >= 0, self.resident_slot[layer, page_BK, offset_BK], -1)
-        res = jax.vmap(resolve)(ids_BK, known_BK, new_id_B, active_B, self.slot_entry[layer], self.slot_order[layer])
+        res = jax.vmap(resolve)(ids_BK, known_BK, new_ids_BM, active_B, self.slot_entry[layer],
+                                self.slot_order[layer])
         p = self.slots
         held_BK1 = jnp.take_along_axis(self.slot_entry[layer], jnp.minimum(res.taker_K1, p - 1), axis=1)
         return res, jnp.where(res.taker_K1 < p, held_BK1, -1)
 
-    def commit(self, layer, res: Resolution, ids_BK, new_id_B, evicted_BK1, locate: Locate) -> LruPool:
-        """Residency (evicted entries leave first, then the new entry and the misses arrive) and the slot
+    def commit(self, layer, res: Resolution, ids_BK, new_ids_BM, evicted_BK1, locate: Locate) -> LruPool:
+        """Residency (evicted entries leave first, then the new entries and the kept misses arrive) and the slot
         tables after the step."""
         p, g = self.slots, self.resident_slot.shape[1]
-        has_new_B = new_id_B >= 0
-        write_BK1 = jnp.concatenate([has_new_B[:, None], res.miss_K], axis=1)  # the new entry, then each miss
-        slot_BK1 = jnp.where(write_BK1, jnp.concatenate([res.new_slot[:, None], res.slot_K], axis=1), p)
+        # the new entries, then each miss given a slot
+        write_BA = jnp.concatenate([new_ids_BM >= 0, res.miss_K & (res.slot_K >= 0)], axis=1)
+        slot_BA = jnp.where(write_BA, jnp.concatenate([res.new_slot, res.slot_K], axis=1), p)
         ev_page_BK1, ev_offset_BK1 = locate(evicted_BK1)
         resident = self.resident_slot.at[layer, jnp.where(evicted_BK1 >= 0, ev_page_BK1, g), ev_offset_BK1].set(
             -1, mode="drop")
-        arrive_page_BK1, arrive_offset_BK1 = locate(jnp.concatenate([new_id_B[:, None], ids_BK], axis=1))
-        resident = resident.at[layer, jnp.where(write_BK1, arrive_page_BK1, g), arrive_offset_BK1].set(slot_BK1,
-                                                                                                    mode="drop")
+        arrive_page_BA, arrive_offset_BA = locate(jnp.concatenate([new_ids_BM, ids_BK], axis=1))
+        resident = resident.at[layer, jnp.where(write_BA, arrive_page_BA, g), arrive_offset_BA].set(slot_BA,
+                                                                                                 mode="drop")
         return LruPool(self.slot_entry.at[layer].set(res.slot_entry_P), self.slot_order.at[layer].set(res.order_P),
                        resident)
 
@@ -159,6 +176,19 @@ class LruPool:
             jnp.broadcast_to(jnp.arange(self.slots, dtype=jnp.int32), entry_LP.shape), mode="drop")
         return LruPool(self.slot_entry.at[:, row].set(entry_LP, mode="drop"),
                        self.slot_order.at[:, row].set(order_LP, mode="drop"), resident)
+
+    def forget(self, drop_LBP, page_LBP, offset_LBP) -> LruPool:
+        """Empty the slots ``drop_LBP`` (their entries at ``page_LBP`` / ``offset_LBP`` leave the residency map),
+        moved to the front of each recency order, the others keeping theirs (empty slots stay first)."""
+        g = self.resident_slot.shape[1]
+        layers = jnp.arange(drop_LBP.shape[0])[:, None, None]
+        resident = self.resident_slot.at[layers, jnp.where(drop_LBP, page_LBP, g), offset_LBP].set(-1, mode="drop")
+        dropped_LBP = jnp.take_along_axis(drop_LBP, self.slot_order, axis=-1)  # in recency order
+        n_LB1 = dropped_LBP.sum(-1, keepdims=True)
+        place_LBP = jnp.where(dropped_LBP, jnp.cumsum(dropped_LBP, -1) - 1, n_LB1 + jnp.cumsum(~dropped_LBP, -1) - 1)
+        scatter = lambda place_P, order_P: jnp.zeros_like(order_P).at[place_P].set(order_P)  # noqa: E731
+        order = jax.vmap(jax.vmap(scatter))(place_LBP, self.slot_order)
+        return LruPool(jnp.where(drop_LBP, -1, self.slot_entry), order, resident)
 
     def release(self, row, pages_X) -> LruPool:
         """Empty batch row ``row``'s pools and the residency of the request's pages ``pages_X`` (0 = none)."""

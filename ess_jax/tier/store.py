@@ -38,9 +38,9 @@ class Tier:
 
     pool: jax.Array  # [L, B, P, W] working-set rows (the store's format)
     lru: lru.LruPool  # slot tables and the residency map
-    staged: jax.Array  # [L, B, W] rows written by the last step, backed up at the start of the next
-    staged_page: jax.Array  # i32[B] their host page (0, the null page, when nothing is pending)
-    staged_offset: jax.Array  # i32[B] their offset in the page
+    staged: jax.Array  # [L, B, M, W] rows written by the last step (M per row), backed up at the start of the next
+    staged_page: jax.Array  # i32[B, M] their host page (0, the null page, when nothing is pending)
+    staged_offset: jax.Array  # i32[B, M] their offset in the page
     counters: jax.Array  # i32[L, B, 4] lookups, hits, misses, entries staged for the host, per batch row, since the
     # engine started (so a mesh's data shards count their own rows)
     host: Any  # host.PinnedHostStore | host.NumpyHostStore: [L, G, Z, W]
@@ -56,48 +56,76 @@ class Tier:
 
     def read(self, layer, meta: StepMeta, new_ids_BM: jax.Array, new_rows_BMW: jax.Array,
              ids_BTK: jax.Array) -> Sources:
-        """One decode token per row (T = 1, at most one new entry: M = 1) of sparse layer ``layer`` (an int, or
-        i32[] inside a scan over layers): the new entry into a slot no hit holds, the misses fetched; sources:
-        the pool with the hits and the new entry (ready) and the fetched rows (in flight)."""
-        if ids_BTK.shape[1] != 1 or new_ids_BM.shape[1] != 1:
-            raise ValueError(f"the tier serves decode steps of one token per request, got T={ids_BTK.shape[1]}")
-        ids_BK, new_id_B, new_row_BW = ids_BTK[:, 0], new_ids_BM[:, 0], new_rows_BMW[:, 0]
+        """One decode step of sparse layer ``layer`` (an int, or i32[] inside a scan over layers): ``T`` query
+        tokens per row (1, or a verification step's last token and drafts) and ``M`` new entries. The union of
+        the queries' top-k ids is resolved once (``lru.resolve``), its misses fetched once; sources: the pool
+        with the hits (ready) and the step's arrivals, its new rows and fetched misses (in flight); ``settle``
+        writes the arrivals into the slots they took."""
+        b, t, k = ids_BTK.shape
+        m = new_ids_BM.shape[1]
         active_B = meta.valid[:, 0]
-        b, k = ids_BK.shape
         _, rows, p, w = self.pool.shape
-        page_BK, offset_BK = self._locate(meta.page_table, ids_BK)
+        ids_BU, first_BTK = jax.vmap(union)(ids_BTK)  # U = T * K distinct ids (-1 past them), each query's place
+        u = ids_BU.shape[1]
+        page_BU, offset_BU = self._locate(meta.page_table, ids_BU)
         with jax.named_scope("resolve"):
-            res, evicted_BK1 = self.lru.lookup(layer, page_BK, offset_BK, ids_BK, new_id_B, active_B)
+            res, evicted_BK1 = self.lru.lookup(layer, page_BU, offset_BU, ids_BU, new_ids_BM, active_B)
             # every read of the old maps happens before their in-place updates in settle
             evicted_BK1, old = jax.lax.optimization_barrier((evicted_BK1, self.lru))
         with jax.named_scope("fetch"):
-            fetched_BKW = self.host.fetch(layer, jnp.where(res.miss_K, page_BK, 0), jnp.where(res.miss_K, offset_BK, 0))
-        pool = self.pool.at[layer, jnp.arange(b), jnp.where(new_id_B >= 0, res.new_slot, p)].set(new_row_BW,
-                                                                                                 mode="drop")
-        in_pool_BK = res.hit_K | res.is_new_K
+            fetched_BUW = self.host.fetch(layer, jnp.where(res.miss_K, page_BU, 0), jnp.where(res.miss_K, offset_BU, 0))
+        # the step's arrivals: its new rows, then the fetched misses (A = M + U rows per batch row)
+        arrivals_BAW = jnp.concatenate([new_rows_BMW.astype(fetched_BUW.dtype), fetched_BUW], axis=1)
+        new_of_BU = jnp.argmax(ids_BU[:, :, None] == new_ids_BM[:, None, :], axis=2)
+        arrival_BU = jnp.where(res.is_new_K, new_of_BU, jnp.where(res.miss_K, m + jnp.arange(u), -1))
+        row_B1 = jnp.arange(b)[:, None]
         # the pool viewed as one row array (every layer): row ((layer * B) + b) * P + slot
-        hit_ids_BK = jnp.where(in_pool_BK, (layer * rows + jnp.arange(b)[:, None]) * p + res.slot_K, -1)
-        miss_ids_BK = jnp.where(res.miss_K, jnp.arange(b * k, dtype=jnp.int32).reshape(b, k), -1)
+        hit_BU = jnp.where(res.hit_K, (layer * rows + row_B1) * p + res.slot_K, -1)
+        inflight_BU = jnp.where(arrival_BU >= 0, row_B1 * (m + u) + arrival_BU, -1)
+        picked = lambda x_BU: jnp.where(ids_BTK >= 0, jax.vmap(lambda x, f: x[f])(x_BU, first_BTK), -1)  # noqa: E731
 
         def settle(ready: list[RowSource]) -> Tier:
-            """The fetched misses into their slots (the pool read by the ready half first), residency and
-            LRU state, counters, and the new entry staged for the host backup."""
+            """The arrivals into the slots they took (the pool read by the ready half first), residency and LRU
+            state, counters, and the new entries staged for the host backup."""
             with jax.named_scope("pool_update"):
                 pool = ready[0].rows_PW.reshape(self.pool.shape)
-                pool = pool.at[layer, jnp.arange(b)[:, None], jnp.where(res.miss_K, res.slot_K, p)].set(
-                    fetched_BKW, mode="drop")
+                slot_BA = jnp.concatenate([res.new_slot, jnp.where(res.miss_K & (res.slot_K >= 0), res.slot_K, p)],
+                                          axis=1)
+                pool = pool.at[layer, row_B1, slot_BA].set(arrivals_BAW.astype(pool.dtype), mode="drop")
                 located = lambda ids: self._locate(meta.page_table, ids)  # noqa: E731
-                new_page_B1, new_offset_B1 = located(new_id_B[:, None])
-                counts_B4 = jnp.stack([(ids_BK >= 0).sum(-1), in_pool_BK.sum(-1), res.miss_K.sum(-1),
-                                       new_id_B >= 0], axis=-1).astype(jnp.int32)
+                new_page_BM, new_offset_BM = located(new_ids_BM)
+                counts_B4 = jnp.stack([(ids_BU >= 0).sum(-1), (res.hit_K | res.is_new_K).sum(-1), res.miss_K.sum(-1),
+                                       (new_ids_BM >= 0).sum(-1)], axis=-1).astype(jnp.int32)
+                counts_B4 = jnp.where(active_B[:, None], counts_B4, 0)  # a row that does not run looks nothing up
             return dataclasses.replace(
-                self, pool=pool, lru=old.commit(layer, res, ids_BK, new_id_B, evicted_BK1, located),
-                staged=self.staged.at[layer].set(new_row_BW),
-                staged_page=new_page_B1[:, 0],  # the null page where no entry is new
-                staged_offset=new_offset_B1[:, 0], counters=self.counters.at[layer].add(counts_B4))
+                self, pool=pool, lru=old.commit(layer, res, ids_BU, new_ids_BM, evicted_BK1, located),
+                staged=self.staged.at[layer].set(new_rows_BMW.astype(self.staged.dtype)),
+                staged_page=new_page_BM,  # the null page where no entry is new
+                staged_offset=new_offset_BM, counters=self.counters.at[layer].add(counts_B4))
 
-        ready = [RowSource(pool.reshape(-1, w), hit_ids_BK[:, None])]
-        return Sources(ready, [RowSource(fetched_BKW.reshape(b * k, w), miss_ids_BK[:, None])], settle)
+        ready = [RowSource(self.pool.reshape(-1, w), picked(hit_BU))]
+        return Sources(ready, [RowSource(arrivals_BAW.reshape(b * (m + u), w), picked(inflight_BU))], settle)
+
+    def rollback(self, meta: StepMeta, length_B: jax.Array) -> Tier:
+        """Forget the entries past each row's ``length_B`` tokens, written by a verification step's rejected
+        tokens: their slots emptied (first in the recency order), their residency cleared, their rows not backed
+        up, and not counted as staged."""
+        limit_B = length_B // self.rate  # the row's entries: those closed by its first length_B tokens
+        entry_LBP = self.lru.slot_entry
+        drop_LBP = entry_LBP >= limit_B[None, :, None]
+        l, b, p = entry_LBP.shape
+        page_BZ, offset_BZ = self._locate(meta.page_table, jnp.where(drop_LBP, entry_LBP, -1).transpose(1, 0, 2)
+                                          .reshape(b, l * p))
+        lru = self.lru.forget(drop_LBP, page_BZ.reshape(b, l, p).transpose(1, 0, 2),
+                              offset_BZ.reshape(b, l, p).transpose(1, 0, 2))
+        # the staged rows' entries, from their pages' places in the page table
+        per_page = entries_per_page(self.page_size, self.rate)
+        staged_BM = self.staged_page
+        place_BM = jnp.argmax(meta.page_table[:, None, :] == staged_BM[:, :, None], axis=2)
+        entry_BM = place_BM * per_page + self.staged_offset
+        unstage_BM = (staged_BM > 0) & (entry_BM >= limit_B[:, None])
+        counters = self.counters.at[:, :, 3].add(-unstage_BM.sum(-1).astype(jnp.int32)[None, :])
+        return dataclasses.replace(self, lru=lru, staged_page=jnp.where(unstage_BM, 0, staged_BM), counters=counters)
 
     def begin_step(self) -> Tier:
         """Back up the previous step's staged rows (batched over layers) and mark nothing pending.
@@ -136,17 +164,35 @@ class Tier:
         return dataclasses.replace(self, lru=self.lru.release(row, pages_X))
 
 
+def union(ids_TK: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One row's selected ids over its ``T`` queries ``i32[T, K]`` (-1 = none) as distinct ids ``i32[T * K]`` in
+    order of first appearance, repeats -1, and the place of each query's id in it ``i32[T, K]``. One query's
+    top-k ids are distinct already."""
+    t, k = ids_TK.shape
+    flat = ids_TK.reshape(-1)
+    if t == 1:
+        return flat, jnp.arange(k, dtype=jnp.int32)[None]
+    order = jnp.argsort(flat, stable=True)
+    ordered = flat[order]
+    starts = jnp.concatenate([jnp.ones(1, bool), ordered[1:] != ordered[:-1]])
+    first_ordered = order[jax.lax.cummax(jnp.where(starts, jnp.arange(flat.size), 0))]
+    first = jnp.zeros(flat.size, jnp.int32).at[order].set(first_ordered.astype(jnp.int32))
+    return jnp.where(first == jnp.arange(flat.size), flat, -1), first.reshape(t, k)
+
+
 def init_tier(*, layers: int, rows: int, slots: int, pages: int, page_size: int, rate: int, width: int, dtype,
-              fetch: str) -> Tier:
+              fetch: str, new_entries: int = 1) -> Tier:
     """An empty tier: ``slots`` pool slots per (layer, batch row), a host store of ``pages`` pages
-    (allocated directly in pinned host memory for ``inline``, in NumPy for ``split``)."""
+    (allocated directly in pinned host memory for ``inline``, in NumPy for ``split``); ``new_entries``: the
+    entries a decode step writes per row (more than one in a verification step)."""
     per_page = entries_per_page(page_size, rate)
+    staged = (rows, new_entries)
     return Tier(
         pool=jnp.zeros((layers, rows, slots, width), dtype),
         lru=lru.LruPool.empty(layers=layers, rows=rows, slots=slots, pages=pages, per_page=per_page),
-        staged=jnp.zeros((layers, rows, width), dtype),
-        staged_page=jnp.zeros((rows,), jnp.int32),
-        staged_offset=jnp.zeros((rows,), jnp.int32),
+        staged=jnp.zeros((layers, *staged, width), dtype),
+        staged_page=jnp.zeros(staged, jnp.int32),
+        staged_offset=jnp.zeros(staged, jnp.int32),
         counters=jnp.zeros((layers, rows, 4), jnp.int32),
         host=host_store(fetch, (layers, pages, per_page, width), dtype),
         page_size=page_size, rate=rate,

@@ -49,8 +49,9 @@ def pytest_sessionfinish(session, exitstatus):
 
 # The modules that take longest (mostly compiling their engines), scheduled first: ``--dist loadfile`` hands each
 # worker whole modules in collection order, so the short ones fill in at the end instead of a long one trailing.
-LONGEST_FIRST = ("test_mesh.py", "test_online.py", "test_hisparse.py", "test_server.py", "test_server_handlers.py",
-                 "test_engine.py", "test_eval.py", "test_bench.py", "test_tier.py", "test_depth.py", "test_cli.py")
+LONGEST_FIRST = ("test_mesh.py", "test_speculative.py", "test_online.py", "test_lm_eval.py", "test_rings.py",
+                 "test_hisparse.py", "test_server.py", "test_server_handlers.py", "test_engine.py", "test_eval.py",
+                 "test_bench.py", "test_mtp.py", "test_tier.py", "test_depth.py", "test_cli.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -38,6 +38,8 @@ class Metrics:
         self.pages_total = Gauge("ess_jax_kv_pages_total", "Allocatable cache pages", registry=r)
         self.tier: dict[str, Any] = {}  # the last offload_metrics() ("offload") and usage()'s tier keys
         r.register(_TierCollector(self.tier))
+        self.prefix: dict[str, Any] = {}  # usage()'s last "prefix_cache" (the engine's counters since it started)
+        r.register(_PrefixCollector(self.prefix))
 
     def added(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
@@ -60,6 +62,8 @@ class Metrics:
         self.pages_in_use.set(usage["pages_in_use"])
         self.pages_total.set(usage["pages_total"])
         self.tier.update((key, usage[key]) for _, key, _ in TIER_GAUGES if key in usage)
+        if usage.get("prefix_cache"):
+            self.prefix.update(usage["prefix_cache"])
 
     def offload(self, offload: dict) -> None:
         self.tier["offload"] = offload
@@ -82,3 +86,22 @@ class _TierCollector:
             yield family
         for name, key, text in TIER_GAUGES:
             yield GaugeMetricFamily(f"ess_jax_tier_{name}", text, value=self.tier[key])
+
+
+class _PrefixCollector:
+    """The prefix cache's counters from the last ``usage()`` (once an engine with the prefix cache was read):
+    prompt tokens that looked it up, and those found cached per tier the cached pages were read from."""
+
+    def __init__(self, prefix: dict[str, Any]):
+        self.prefix = prefix
+
+    def collect(self):
+        if not self.prefix:
+            return
+        yield CounterMetricFamily("ess_jax_prefix_cache_queries", "Prompt tokens that looked up the prefix cache",
+                                  value=self.prefix["query_tokens"])
+        hits = CounterMetricFamily("ess_jax_prefix_cache_hits", "Prompt tokens found in the prefix cache, by the tier "
+                                   "they were read from", labels=["tier"])
+        for tier, tokens in self.prefix["per_tier"].items():
+            hits.add_metric([tier], tokens)
+        yield hits

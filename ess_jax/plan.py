@@ -111,8 +111,7 @@ def request_bytes(parts: list[Part], context: int, ratio: float, accounting: str
         entries = p.entries(context)
         slots = tier.pool_slots(entries, p.topk, pool_ratio=ratio)
         if accounting == "ess_jax":  # the tier's arrays, its residency map over the request's entries
-            device += tier.device_bytes(layers=p.layers, rows=1, slots=slots, row_bytes=p.row_bytes, pages=entries,
-                                        per_page=1)
+            device += tier.device_bytes(layers=p.layers, rows=1, slots=slots, row_bytes=p.row_bytes, entries=entries)
         else:  # the pools' rows
             device += p.layers * slots * p.row_bytes
         host += p.bytes(context)

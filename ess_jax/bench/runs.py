@@ -44,7 +44,7 @@ def engine_for(model, setting: Setting, batch: int, args):
                           prefill_chunk=args.prefill_chunk, offload=setting.offload,
                           pool_ratio=setting.pool_ratio if setting.pool_ratio is not None else 0.2,
                           fetch=setting.fetch or "inline", kernels=args.kernels, cache_dtype=args.cache_dtype,
-                          mesh=args.mesh)
+                          mesh=args.mesh, prefix_cache=False)  # every repetition prefills its prompts
     return Engine(model, config, record_steps=True)
 
 

@@ -67,7 +67,7 @@ class Tier:
         _, rows, p, w = self.pool.shape
         page_BK, offset_BK = self._locate(meta.page_table, ids_BK)
         with jax.named_scope("resolve"):
-            res, evicted_BK1 = self.lru.lookup(layer, page_BK, offset_BK, ids_BK, new_id_B, active_B)
+            res, evicted_BK1 = self.lru.lookup(layer, ids_BK, new_id_B, active_B)
             # every read of the old maps happens before their in-place updates in settle
             evicted_BK1, old = jax.lax.optimization_barrier((evicted_BK1, self.lru))
         with jax.named_scope("fetch"):
@@ -86,12 +86,11 @@ class Tier:
                 pool = ready[0].rows_PW.reshape(self.pool.shape)
                 pool = pool.at[layer, jnp.arange(b)[:, None], jnp.where(res.miss_K, res.slot_K, p)].set(
                     fetched_BKW, mode="drop")
-                located = lambda ids: self._locate(meta.page_table, ids)  # noqa: E731
-                new_page_B1, new_offset_B1 = located(new_id_B[:, None])
+                new_page_B1, new_offset_B1 = self._locate(meta.page_table, new_id_B[:, None])
                 counts_B4 = jnp.stack([(ids_BK >= 0).sum(-1), in_pool_BK.sum(-1), res.miss_K.sum(-1),
                                        new_id_B >= 0], axis=-1).astype(jnp.int32)
             return dataclasses.replace(
-                self, pool=pool, lru=old.commit(layer, res, ids_BK, new_id_B, evicted_BK1, located),
+                self, pool=pool, lru=old.commit(layer, res, ids_BK, new_id_B, evicted_BK1),
                 staged=self.staged.at[layer].set(new_row_BW),
                 staged_page=new_page_B1[:, 0],  # the null page where no entry is new
                 staged_offset=new_offset_B1[:, 0], counters=self.counters.at[layer].add(counts_B4))
@@ -114,36 +113,40 @@ class Tier:
         ``pages_X`` (whole pages; unused columns copy to the null page)."""
         return dataclasses.replace(self, host=self.host.store_prompt(scratch_pages_LGZW[:, scratch_table_X], pages_X))
 
-    def warm(self, scratch_pages_LGZW, scratch_table_X, pages_X, row, count, ids_LTK) -> Tier:
+    def warm(self, scratch_pages_LGZW, scratch_table_X, row, count, ids_LTK) -> Tier:
         """Fill batch row ``row``'s pools (every layer) from the prefill scratch: ESS LRU-Warmup with the top-k
         ids of the last prompt queries, or all ``count`` entries of the prompt when they fit (a row past the
         last: none)."""
-        capacity = pages_X.shape[0] * entries_per_page(self.page_size, self.rate)
+        capacity = self.lru.resident_slot.shape[2]
         entry_LP, order_LP = jax.vmap(lru.warm_layer, in_axes=(0, None, None, None))(ids_LTK, count, self.lru.slots,
                                                                                     capacity)
         scratch_page_LP, offset_LP = self._locate(scratch_table_X[None], entry_LP.reshape(1, -1))
         scratch_page_LP, offset_LP = scratch_page_LP.reshape(entry_LP.shape), offset_LP.reshape(entry_LP.shape)
         rows_LPW = jax.vmap(lambda pages, g, e: pages[g, e])(scratch_pages_LGZW, scratch_page_LP, offset_LP)
-        page_LP, _ = self._locate(pages_X[None], entry_LP.reshape(1, -1))
         return dataclasses.replace(
             self, pool=self.pool.at[:, row].set(rows_LPW.astype(self.pool.dtype), mode="drop"),
-            lru=self.lru.warm(row, entry_LP, order_LP, page_LP.reshape(entry_LP.shape), offset_LP, pages_X))
+            lru=self.lru.warm(row, entry_LP, order_LP))
 
-    def release(self, row, pages_X) -> Tier:
-        """Empty batch row ``row``'s pools and the residency of the request's host pages ``pages_X`` (0 = none),
-        when the request finishes or is aborted: the tier then holds nothing of it (a row past the last:
-        none)."""
-        return dataclasses.replace(self, lru=self.lru.release(row, pages_X))
+    def load_prefix(self, pages_X) -> jax.Array:
+        """The rows of the host store's pages ``pages_X`` on the device ``[L, X, Z, W]`` (a cached prefix's, for a
+        prefill that continues it)."""
+        return self.host.load(pages_X)
+
+    def release(self, row) -> Tier:
+        """Empty batch row ``row``'s pools and residency when its request finishes or is aborted: the tier then
+        holds nothing of it on the device (a row past the last: none)."""
+        return dataclasses.replace(self, lru=self.lru.release(row))
 
 
 def init_tier(*, layers: int, rows: int, slots: int, pages: int, page_size: int, rate: int, width: int, dtype,
-              fetch: str) -> Tier:
-    """An empty tier: ``slots`` pool slots per (layer, batch row), a host store of ``pages`` pages
-    (allocated directly in pinned host memory for ``inline``, in NumPy for ``split``)."""
+              fetch: str, entries: int) -> Tier:
+    """An empty tier: ``slots`` pool slots per (layer, batch row), a residency map of ``entries`` entry ids per
+    row (a request's most), a host store of ``pages`` pages (allocated directly in pinned host memory for
+    ``inline``, in NumPy for ``split``)."""
     per_page = entries_per_page(page_size, rate)
     return Tier(
         pool=jnp.zeros((layers, rows, slots, width), dtype),
-        lru=lru.LruPool.empty(layers=layers, rows=rows, slots=slots, pages=pages, per_page=per_page),
+        lru=lru.LruPool.empty(layers=layers, rows=rows, slots=slots, entries=entries),
         staged=jnp.zeros((layers, rows, width), dtype),
         staged_page=jnp.zeros((rows,), jnp.int32),
         staged_offset=jnp.zeros((rows,), jnp.int32),
@@ -153,9 +156,9 @@ def init_tier(*, layers: int, rows: int, slots: int, pages: int, page_size: int,
     )
 
 
-def device_bytes(*, layers: int, rows: int, slots: int, row_bytes: int, pages: int, per_page: int) -> int:
+def device_bytes(*, layers: int, rows: int, slots: int, row_bytes: int, entries: int) -> int:
     """Bytes of an ``init_tier`` tier's device arrays (all but the host store), for ``layers`` sparse layers,
-    ``rows`` batch rows of ``slots`` pool slots, rows of ``row_bytes`` and a residency map of ``pages`` pages
-    of ``per_page`` entries: per (layer, row) the pool, its two int32 slot tables, the staged row and four
-    int32 counters; per (layer, page entry) an int32 slot; per row the staged row's int32 page and offset."""
-    return layers * rows * (slots * (row_bytes + 8) + row_bytes + 16) + layers * pages * per_page * 4 + rows * 8
+    ``rows`` batch rows of ``slots`` pool slots, rows of ``row_bytes`` and a residency map of ``entries`` entry
+    ids per row: per (layer, row) the pool, its two int32 slot tables, the staged row, four int32 counters and an
+    int32 slot per entry id; per row the staged row's int32 page and offset."""
+    return layers * rows * (slots * (row_bytes + 8) + row_bytes + 16 + entries * 4) + rows * 8

@@ -160,13 +160,15 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
 
 
 def loglikelihood(model: Model, requests: Sequence[tuple[Sequence[int], Sequence[int]]], *,
-                  engine: EngineConfig = EngineConfig()) -> list[tuple[float, bool]]:
+                  engine: EngineConfig | Engine = EngineConfig()) -> list[tuple[float, bool]]:
     """lm-evaluation-harness's ``loglikelihood`` contract on token ids, without a server: for each ``(context,
     continuation)`` the continuation's log-probability after the context (natural log, summed over its tokens)
     and whether it is the greedy one (each of its tokens the most likely, the lower id first on ties). Scored
     by the engine's prompt log-probabilities (``Engine.add_request(..., prompt_logprobs=0)``: context and
-    continuation as one prompt, prefilled in pieces, nothing generated), every request batched, the engine
-    sized to the workload as ``generate`` sizes it (``engine.offload="ess"`` for the host tier)."""
+    continuation as one prompt, prefilled in pieces, nothing generated), every request batched: on an engine
+    sized to the workload as ``generate`` sizes it (``engine`` an EngineConfig; ``offload="ess"`` for the host
+    tier), or on ``engine`` itself, an idle ``Engine`` of this model (its compiled steps reused from call to
+    call, as ``ess_jax.lm_eval`` does)."""
     pairs = [([int(t) for t in context], [int(t) for t in continuation]) for context, continuation in requests]
     if not pairs:
         raise ValueError("no requests given")
@@ -175,15 +177,22 @@ def loglikelihood(model: Model, requests: Sequence[tuple[Sequence[int], Sequence
             what = "context" if not context else "continuation"
             raise ValueError(f"request {i}: the {what} is empty; a context needs one token at least (lm-eval "
                              "puts the eot token there) and a continuation one to score")
-    longest = max(len(c) + len(x) for c, x in pairs)
-    engine = dataclasses.replace(engine, max_batch=device_mesh.batch_rows(len(pairs), engine.max_batch, engine.mesh),
-                                 max_seq_len=engine.max_seq_len or min(longest, model.cfg.max_position_embeddings))
-    server = Engine(model, engine)
-    for i, (context, continuation) in enumerate(pairs):
+    if isinstance(engine, Engine):
+        if engine.model is not model or engine.has_unfinished():
+            raise ValueError("engine must be an idle Engine of this model (no unfinished requests)")
+        server = engine
+    else:
+        longest = max(len(c) + len(x) for c, x in pairs)
+        server = Engine(model, dataclasses.replace(
+            engine, max_batch=device_mesh.batch_rows(len(pairs), engine.max_batch, engine.mesh),
+            max_seq_len=engine.max_seq_len or min(longest, model.cfg.max_position_embeddings)))
+    for i, (context, continuation) in enumerate(pairs):  # every request checked before any is queued
         try:
-            server.add_request(context + continuation, 0, prompt_logprobs=1)
+            server.check_request(context + continuation, 0, prompt_logprobs=1)
         except ValueError as e:
             raise ValueError(f"request {i}: {e}") from None
+    for context, continuation in pairs:
+        server.add_request(context + continuation, 0, prompt_logprobs=1)
     out = []
     for (context, _), request in zip(pairs, server.run()):
         scored = request.prompt_scores[len(context):]

@@ -162,9 +162,9 @@ class CsaCache:
     ROW_STATE: ClassVar = ("kv_ring", "gate_ring", "index_kv_ring", "index_gate_ring")  # the fields per batch row
 
     kv_ring: jax.Array  # [Lc, B, 2m, 2H] compressor inputs a of the open and the previous window
-    gate_ring: jax.Array  # f32[Lc, B, 2m, 2H] their gate logits + position bias z
+    gate_ring: jax.Array  # [Lc, B, 2m, 2H] their gate projections (the position bias is added when pooling)
     index_kv_ring: jax.Array  # [Lc, B, 2m, 2J] the same for the indexer's compressor
-    index_gate_ring: jax.Array  # f32[Lc, B, 2m, 2J]
+    index_gate_ring: jax.Array  # [Lc, B, 2m, 2J]
     entries: Any  # ResidentPages [Lc, G, Z, W] (kv_norm + RoPE at e*m; W = H or FP8 bytes) | ess_jax.tier.Tier
     index_keys: jax.Array  # [Lc, G, Z, J] the indexer's keys, one per entry; FP4 / FP8 keys u8[Lc, G, Z, key bytes]
     index_format: str = dataclasses.field(metadata=dict(static=True))  # "fp4" | "fp8" | a float dtype's name
@@ -174,14 +174,23 @@ class CsaCache:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class HcaCache:
-    """DeepSeek-V4's HCA layers (Lh of them): the compressor ring per batch row, entries in pages."""
+    """DeepSeek-V4's HCA layers (Lh of them): the compressor ring per batch row, entries in pages. With the rings
+    in the host tier (``host``: ``ess_jax.tier.HostRings``, ``--offload ess``) the device keeps of each ring only
+    its newest position's row (``kv_ring`` / ``gate_ring`` ``[Lh, B, 1, H]``, its slot ``host.slot``)."""
 
     ROW_STATE: ClassVar = ("kv_ring", "gate_ring")
 
-    kv_ring: jax.Array  # [Lh, B, m', H] compressor inputs of the open window
-    gate_ring: jax.Array  # f32[Lh, B, m', H]
+    kv_ring: jax.Array  # [Lh, B, m', H] compressor inputs of the open window (host rings: [Lh, B, 1, H])
+    gate_ring: jax.Array  # [Lh, B, m', H] their gate projections
     entries: jax.Array  # [Lh, G, Z, H] entries (kv_norm + RoPE at e*m'), Z = max(1, page size / m')
     page_size: int = dataclasses.field(metadata=dict(static=True))  # tokens per page (Z)
+    host: Any = None  # ess_jax.tier.HostRings: the whole rings in host memory; None: on the device
+
+    def begin_step(self) -> HcaCache:
+        """Start-of-step work of the host rings (the last step's newest rows into their host slots)."""
+        if self.host is None:
+            return self
+        return dataclasses.replace(self, host=self.host.begin_step(self.kv_ring[:, :, 0], self.gate_ring[:, :, 0]))
 
 
 @jax.tree_util.register_dataclass
@@ -194,5 +203,7 @@ class V4Cache:
     hca: HcaCache
 
     def begin_step(self) -> V4Cache:
-        """Start-of-step work of the CSA entries' store (the tier's backup of the last step's entries)."""
-        return dataclasses.replace(self, csa=dataclasses.replace(self.csa, entries=self.csa.entries.begin_step()))
+        """Start-of-step work of the CSA entries' store (the tier's backup of the last step's entries) and of the
+        HCA host rings."""
+        return dataclasses.replace(self, csa=dataclasses.replace(self.csa, entries=self.csa.entries.begin_step()),
+                                   hca=self.hca.begin_step())

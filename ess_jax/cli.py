@@ -115,6 +115,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     cache.add_argument("--host-cache-mb", action=_EssOnly, type=float, default=None,
                        help="ess: host store budget in MiB per --mesh data shard; sets the page count (default: "
                             "enough for the shard's --max-batch / D requests of --max-seq-len tokens)")
+    cache.add_argument("--rings", action=_EssOnly, choices=["host", "device"], default="host",  # engine.config.RINGS
+                       help="ess: DeepSeek-V4's HCA compressor rings (each request's open 128-token window of "
+                            "projected inputs and gate logits) in host memory, the device keeping each ring's "
+                            "newest row and reading a ring when its window closes ('host', default), or on the "
+                            "device. Same tokens")
     cache.add_argument("--max-batch", type=int, default=8, help="decode batch rows (default 8)")
     cache.add_argument("--page-size", type=int, default=64, help="tokens per cache page (default 64)")
     cache.add_argument("--num-pages", type=int, default=None,
@@ -219,8 +224,9 @@ def flags_config(args: argparse.Namespace, **overrides):
     return EngineConfig(**dict(dict(
         max_batch=args.max_batch, page_size=args.page_size, num_pages=args.num_pages, max_seq_len=args.max_seq_len,
         prefill_chunk=args.prefill_chunk, offload=args.offload, pool_size=args.pool_size, pool_ratio=args.pool_ratio,
-        fetch=args.fetch, host_cache_mb=args.host_cache_mb, kernels=args.kernels, cache_dtype=args.cache_dtype,
-        index_dtype=args.index_dtype, mesh=args.mesh, prefix_cache=args.prefix_cache), **overrides))
+        fetch=args.fetch, host_cache_mb=args.host_cache_mb, rings=args.rings, kernels=args.kernels,
+        cache_dtype=args.cache_dtype, index_dtype=args.index_dtype, mesh=args.mesh, prefix_cache=args.prefix_cache),
+        **overrides))
 
 
 def check_run_flags(args: argparse.Namespace) -> None:

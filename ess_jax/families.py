@@ -60,6 +60,8 @@ class Part:
     row_bytes: int  # bytes of one row (fixed parts: bytes per layer)
     tokens_per_row: int  # tokens one row covers (1 raw, m compressed); 0 for fixed parts
     topk: int = 0  # offloaded parts: entries the indexer selects per step
+    ring: int = 0  # fixed parts that are compressor rings the tier can hold in host memory (``host_rings``): the
+    # positions a ring holds
 
     def entries(self, context: int) -> int:
         """Rows per layer for a context of ``context`` tokens (closed windows only; the open tail is
@@ -88,9 +90,23 @@ class Part:
 
 def resident_bytes(parts: list[Part], size: CacheSize, reserved_pages: int) -> int:
     """Bytes the engine's cache of ``size`` holds without offload for requests that reserved ``reserved_pages``
-    pages in all: their pages of every paged part and every batch row's fixed parts."""
+    pages in all: their pages of every paged part and every batch row's fixed parts (not those in host memory)."""
     paged = reserved_pages * sum(p.page_bytes(size.page_size) for p in parts)
-    return paged + size.rows * sum(p.bytes(0) for p in parts if not p.tokens_per_row)
+    return paged + size.rows * sum(p.bytes(0) for p in parts if not p.tokens_per_row and p.where != "host")
+
+
+def host_rings(parts: list[Part]) -> list[Part]:
+    """``parts`` with each compressor ring part (``Part.ring``) in host memory (where "host", ``ess_jax.tier.rings``)
+    and what the device keeps of it: per layer the newest position's row, per batch row its int32 slot."""
+    out = []
+    for p in parts:
+        if not (p.ring and p.layers):
+            out.append(p)
+            continue
+        out += [dataclasses.replace(p, name=f"{p.name} in host", where="host", ring=0),
+                Part(f"{p.name}: newest row", "fixed", p.layers, p.row_bytes // p.ring, 0),
+                Part("ring slot (int32)", "fixed", 1, 4, 0)]
+    return out
 
 
 def fit_host_budget(size: CacheSize, part: Part, host_cache_mb: float) -> CacheSize:
@@ -117,7 +133,7 @@ class Formats:
     entries: str  # the offloaded part: V3.2 latent rows [c | k_rope], V4 CSA entries
     index: str  # indexer keys
     rows: str  # V4's other rows: HCA entries and the SWA window
-    ring: str  # V4 compressor ring inputs (their gate logits are float32 in every format)
+    ring: str  # V4 compressor rings: the projected inputs and gate projections (DeepSeek's release: float32)
 
 
 
@@ -222,17 +238,26 @@ class Family:
         raise NotImplementedError
 
     def offloaded_cache(self, module, size: CacheSize, part: Part, dtype, *, slots: int, fetch: str,
-                        index: str | None = None):
+                        index: str | None = None, rings: str = "host"):
         """An empty decode cache whose offloaded part is the tier (``slots`` pool slots per sparse layer and
         batch row, a host store of the cache's pages), every other part resident (the indexer keys in
-        ``index``)."""
+        ``index``) but, with ``rings`` "host", the compressor rings ``host_rings`` moves."""
         shapes = jax.eval_shape(lambda: self.resident_cache(module, size, dtype, index))
         pages = self.store_of(shapes).pages
         tiered = tier.init_tier(layers=pages.shape[0], rows=size.rows, slots=slots, pages=size.pages,
                                 page_size=size.page_size, rate=part.tokens_per_row, width=pages.shape[-1], dtype=dtype,
                                 fetch=fetch, entries=part.row_entries(size))
-        resident = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), self.with_store(shapes, None))
+        device = self.with_store(shapes, None)
+        if rings == "host":
+            device = self.rings_to_host(device, fetch)
+        resident = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x,
+                                device)
         return self.with_store(resident, tiered)
+
+    def rings_to_host(self, shapes, fetch: str):
+        """A cache's shapes with its ring parts (``Part.ring``) moved into host stores of the fetch backend
+        ``fetch`` (arrays), the device part left as shapes; a family without such parts: ``shapes``."""
+        return shapes
 
     def handoff(self, cache, scratch, table_X, pages_X, row, entries, ids_LTK, shared):
         """After an offloaded prefill on ``scratch`` (the prompt in its pages ``table_X``): the prompt's resident
@@ -303,7 +328,7 @@ class _DeepseekV4(Family):
         h, r, j = cfg.head_dim, cfg.qk_rope_head_dim, cfg.index_head_dim
         m, m_h = cfg.compress_rate_csa, cfg.compress_rate_hca
         row = _v4_row_bytes(h, r, formats.rows)
-        ring = _ITEMSIZE[formats.ring] + 4  # per value: the ring input and its float32 gate logit
+        ring = 2 * _ITEMSIZE[formats.ring]  # per value: the ring input and its gate projection
         # the rings hold [coff * m, coff * D] values, coff = 2 for CSA (overlapping windows), 1 for HCA
         csa_tail, hca_tail = (2 * m) * (2 * h + 2 * j) * ring, m_h * h * ring
         parts = [Part("CSA main rows", "offloaded", n_csa, _v4_row_bytes(h, r, formats.entries), m, cfg.index_topk),
@@ -311,7 +336,7 @@ class _DeepseekV4(Family):
                  Part("HCA rows", "resident", n_hca, row, m_h),
                  Part("SWA window", "fixed", cfg.num_hidden_layers, cfg.sliding_window * row, 0),
                  Part(f"CSA compressor tails ({_SHORT[formats.ring]})", "fixed", n_csa, csa_tail, 0),
-                 Part(f"HCA compressor tails ({_SHORT[formats.ring]})", "fixed", n_hca, hca_tail, 0)]
+                 Part(f"HCA compressor tails ({_SHORT[formats.ring]})", "fixed", n_hca, hca_tail, 0, ring=m_h)]
         return parts
 
     def stored_formats(self, entries, model, index=None):
@@ -331,6 +356,17 @@ class _DeepseekV4(Family):
     def store_of(self, cache):
         return cache.csa.entries
 
+    def rings_to_host(self, shapes, fetch):
+        """The HCA rings in host stores (``tier.HostRings``); the device keeps each ring's newest row."""
+        hca = shapes.hca
+        lh, b, u, h = hca.kv_ring.shape
+        if not lh:
+            return shapes
+        host = tier.init_host_rings(layers=lh, rows=b, slots=u, width=h, dtype=hca.kv_ring.dtype, fetch=fetch)
+        newest = lambda x: jax.ShapeDtypeStruct((lh, b, 1, h), x.dtype)  # noqa: E731
+        return dataclasses.replace(shapes, hca=dataclasses.replace(hca, kv_ring=newest(hca.kv_ring),
+                                                                   gate_ring=newest(hca.gate_ring), host=host))
+
     def with_store(self, cache, store):
         return dataclasses.replace(cache, csa=dataclasses.replace(cache.csa, entries=store))
 
@@ -344,8 +380,13 @@ class _DeepseekV4(Family):
         csa, hca = cache.csa, cache.hca
         csa = dataclasses.replace(csa, index_keys=put_pages(csa.index_keys, scratch.csa.index_keys),
                                   **{k: put_row(getattr(csa, k), getattr(scratch.csa, k)) for k in csa.ROW_STATE})
-        hca = dataclasses.replace(hca, entries=put_pages(hca.entries, scratch.hca.entries),
-                                  **{k: put_row(getattr(hca, k), getattr(scratch.hca, k)) for k in hca.ROW_STATE})
+        if hca.host is None:
+            rings = {k: put_row(getattr(hca, k), getattr(scratch.hca, k)) for k in hca.ROW_STATE}
+        else:  # the whole rings to the host, their newest row (slot 0) on the device
+            host, kv_LUH, gate_LUH = hca.host.store_prompt(row, scratch.hca.kv_ring[:, 0], scratch.hca.gate_ring[:, 0])
+            rings = dict(host=host, kv_ring=put_row(hca.kv_ring, kv_LUH[:, None, None]),
+                         gate_ring=put_row(hca.gate_ring, gate_LUH[:, None, None]))
+        hca = dataclasses.replace(hca, entries=put_pages(hca.entries, scratch.hca.entries), **rings)
         return dataclasses.replace(cache, window=put_row(cache.window, scratch.window), csa=csa, hca=hca)
 
 

@@ -12,6 +12,8 @@ grow with the context):
                  per HCA layer:        main row per 128 tokens   resident
                  per layer:            SWA window of 128 rows    fixed
                  per CSA / HCA layer:  compressor tails (fp32)   fixed       64 + 16 KiB / 512 KiB
+                                       (offloaded, ``--rings host``: the HCA tails in host memory, the device
+                                       keeping each ring's newest row, 4 KiB a layer, and an int32 slot)
 
 Row formats: FP8 V3.2 latent = C e4m3 + C/128 fp32 scales + R bf16 rope (FlashMLA's 656-byte row);
 FP8 V4 main row = (H - R) e4m3 + R bf16 + (H - R)/64 ue8m0 scales, padded to 8 bytes (584);
@@ -23,7 +25,8 @@ Capacity, for a context of ``S`` tokens and a pool ratio ``r`` (GB = 1e9 bytes t
     offloaded request  = S * i + s + sum over offloaded layers of P * row  [+ overheads, below]
     P                  = min(max(ceil(r * E), min(k, E) + 1), E)   E: entries of the layer, k: index_topk
                          (ess_jax.tier.pool_slots: the top-k hits plus the entry written this step)
-    host bytes         = every offloaded row of every admitted request (the host store)
+    host bytes         = every offloaded row of every admitted request (the host store), and with
+                         ``--rings host`` (the default) their HCA compressor rings (ess_jax.tier.rings)
 
 On a device mesh (``--mesh data=D,expert=E``, ess_jax.mesh; default expert=32, ESS's EP 32, or fewer for
 a model whose routed experts 32 does not divide: the largest divisor of 32 that divides them) the bytes
@@ -61,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import sys
@@ -76,6 +80,7 @@ REAL_PRESETS = ("deepseek-v3.2", "deepseek-v4-flash", "deepseek-v4-pro")
 CACHE_DTYPES = ("bfloat16", "fp8")
 INDEX_DTYPES = ("auto", "bfloat16", "fp8", "fp4")
 ACCOUNTINGS = ("ess_jax", "paper")
+RINGS = ("host", "device")
 
 
 def cache_parts(cfg: ModelConfig, cache_dtype: str, index_dtype: str = "auto") -> list[Part]:
@@ -98,13 +103,18 @@ class RequestBytes:
     pool_slots: int | None  # per offloaded layer
 
 
-def request_bytes(parts: list[Part], context: int, ratio: float, accounting: str = "ess_jax") -> RequestBytes:
-    """Bytes of one request of ``context`` tokens, resident and offloaded at pool ratio ``ratio``."""
+def request_bytes(parts: list[Part], context: int, ratio: float, accounting: str = "ess_jax",
+                  rings: str = "host") -> RequestBytes:
+    """Bytes of one request of ``context`` tokens, resident and offloaded at pool ratio ``ratio``; offloaded, the
+    compressor rings in host memory (``rings`` "host": ``families.host_rings``) or on the device."""
     if accounting not in ACCOUNTINGS:
         raise ValueError(f"--accounting {accounting!r} is not one of {', '.join(ACCOUNTINGS)}")
+    if rings not in RINGS:
+        raise ValueError(f"--rings {rings!r} is not one of {', '.join(RINGS)}")
     resident = sum(p.bytes(context) for p in parts)
-    device = sum(p.bytes(context) for p in parts if p.where != "offloaded")
-    host, slots = 0, None
+    placed = families.host_rings(parts) if rings == "host" else parts
+    device = sum(p.bytes(context) for p in placed if p.where not in ("offloaded", "host"))
+    host, slots = sum(p.bytes(context) for p in placed if p.where == "host"), None
     for p in parts:
         if p.where != "offloaded":
             continue
@@ -188,6 +198,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the device mesh (ess_jax.mesh): routed experts split over expert, batch rows over data, "
                         "everything else on every device (default expert=32, ESS's EP 32, or for a model of fewer "
                         "routed experts the largest expert size under 32 that divides them)")
+    p.add_argument("--rings", action="append", choices=RINGS,
+                   help="with offload, DeepSeek-V4's HCA compressor rings in host memory (the device keeps each "
+                        "ring's newest row) or on the device (repeatable; default: host)")
     p.add_argument("--accounting", choices=ACCOUNTINGS, default="ess_jax",
                    help="ess_jax (default): KV rows + the tier's residency map and slot tables; paper: KV rows only")
     p.add_argument("--json", action="store_true", help='print {"models": [...], "rows": [...]} as one JSON object')
@@ -253,21 +266,21 @@ def plan(args: argparse.Namespace) -> dict:
                             "resident_bytes_per_token": per_token["resident"],
                             "bytes_per_token": total, "offloaded_fraction": per_token["offloaded"] / total,
                             "fixed_bytes_per_request": sum(p.bytes(0) for p in parts if p.where == "fixed")})
-            for context in args.context:
-                for ratio in args.pool_ratio:
-                    req = request_bytes(parts, context, ratio, args.accounting)
-                    resident_batch = max_batch(req.resident, kv_budget, shape.data)
-                    offload_batch = max_batch(req.device, kv_budget, shape.data)
-                    rows.append({
-                        "model": name, "mesh": str(shape), "context": context, "pool_ratio": ratio, "cache_dtype": dtype,
-                        "index_dtype": dtype if args.index_dtype == "auto" else args.index_dtype,
-                        "accounting": args.accounting, "kv_budget_bytes": kv_budget,
-                        "max_batch_resident": resident_batch, "max_batch_offload": offload_batch,
-                        "capacity_gain": offload_batch / resident_batch if resident_batch else None,
-                        "host_bytes_per_device": offload_batch // shape.data * req.host, "pool_slots": req.pool_slots,
-                        "resident_bytes_per_request": req.resident, "device_bytes_per_request": req.device,
-                        "host_bytes_per_request": req.host,
-                    })
+            for context, ratio, rings in itertools.product(args.context, args.pool_ratio, args.rings):
+                req = request_bytes(parts, context, ratio, args.accounting, rings)
+                resident_batch = max_batch(req.resident, kv_budget, shape.data)
+                offload_batch = max_batch(req.device, kv_budget, shape.data)
+                rows.append({
+                    "model": name, "mesh": str(shape), "context": context, "pool_ratio": ratio, "cache_dtype": dtype,
+                    "index_dtype": dtype if args.index_dtype == "auto" else args.index_dtype,
+                    "rings": rings if any(p.ring for p in parts) else None,
+                    "accounting": args.accounting, "kv_budget_bytes": kv_budget,
+                    "max_batch_resident": resident_batch, "max_batch_offload": offload_batch,
+                    "capacity_gain": offload_batch / resident_batch if resident_batch else None,
+                    "host_bytes_per_device": offload_batch // shape.data * req.host, "pool_slots": req.pool_slots,
+                    "resident_bytes_per_request": req.resident, "device_bytes_per_request": req.device,
+                    "host_bytes_per_request": req.host,
+                })
         models.append({"model": name, "family": cfg.family, "mesh": str(shape), "budget": budget, "layouts": layouts})
     return {"models": models, "rows": rows}
 
@@ -292,15 +305,17 @@ def render(result: dict) -> str:
                          "", "", "", f"{lay['bytes_per_token']:,.2f}"])
         out.append(table(["dtype", "part", "where", "layers", "row B", "tokens/row", "B/token"], rows, {3, 4, 5, 6}))
         out.append("")
-    rows = [[r["model"], r["cache_dtype"], r["context"], f"{r['pool_ratio']:g}", r["pool_slots"],
+    rows = [[r["model"], r["cache_dtype"], r["index_dtype"], r["rings"] or "-", r["context"], f"{r['pool_ratio']:g}",
+             r["pool_slots"],
              f"{r['resident_bytes_per_request'] / GB:.3f}", f"{r['device_bytes_per_request'] / GB:.3f}",
              r["max_batch_resident"], r["max_batch_offload"],
              f"{r['capacity_gain']:.2f}x" if r["capacity_gain"] is not None else "-",
              f"{r['host_bytes_per_device'] / GB:.1f}"] for r in result["rows"]]
     accounting = result["rows"][0]["accounting"] if result["rows"] else ""
     out.append(f"Max concurrent requests on each model's mesh ({accounting} accounting; GB = 1e9 bytes)")
-    out.append(table(["model", "dtype", "context", "ratio", "pool slots", "GB/req resident", "GB/req offload",
-                       "batch resident", "batch offload", "gain", "host GB/device"], rows, set(range(2, 11))))
+    out.append(table(["model", "dtype", "index", "rings", "context", "ratio", "pool slots", "GB/req resident",
+                      "GB/req offload", "batch resident", "batch offload", "gain", "host GB/device"], rows,
+                     set(range(4, 13))))
     return "\n".join(out)
 
 
@@ -310,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     args.cache_dtype = args.cache_dtype or list(CACHE_DTYPES)
     args.context = args.context or [32768, 131072]
     args.pool_ratio = args.pool_ratio or [0.5, 0.2, 0.1]
+    args.rings = args.rings or ["host"]
     try:
         _check(args)
         result = plan(args)

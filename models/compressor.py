@@ -16,9 +16,13 @@ Query ``t`` sees entry ``e`` iff ``e < (t + 1) // m`` (the window is closed).
 Two forms over the same parameters:
 - ``__call__(x)``: every complete window of a whole sequence (the training / full-forward form);
 - ``close(x, positions, ring_kv, ring_gate)``: appends ``T`` tokens to a request. The per-request state is
-  a ring of the projected ``(a, z + B)`` of the last ``coff * m`` positions (slot ``s % (coff*m)``: the open
-  window's pending tokens and, for CSA, the previous window's first halves); it returns the entries whose
-  window closes during the step with their ids (the model writes them to its paged cache).
+  a ring of the projections ``(a, W_gate x)`` of the last ``coff * m`` positions (slot ``s % (coff*m)``: the
+  open window's pending tokens and, for CSA, the previous window's first halves), both in x's dtype; it
+  returns the entries whose window closes during the step with their ids (the model writes them to its
+  paged cache). The position bias is added when a window is pooled: ``float32(W_gate x) + B`` is the value
+  DeepSeek's float32 ``score_state`` holds, and ``a`` the value its float32 ``kv_state`` holds (a projection
+  in bfloat16 converts exactly), so the ring keeps the official numerics in x's dtype (half the bytes in
+  bfloat16).
 Both give the same entries for any split of a sequence into steps.
 
 Axis letters: ess_jax.notation (``U`` pooling slots: m or 2m; ``Y`` projection width: coff * D).
@@ -73,11 +77,13 @@ class Compressor(nnx.Module):
         """Positions the step form keeps per request: the open window, plus the previous one for CSA."""
         return (2 if self.overlap else 1) * self.rate
 
-    def project(self, x_BTD: jax.Array, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """``a [B, T, Y]`` (x's dtype) and gate logits plus position bias ``z f32[B, T, Y]``."""
-        kv_BTY = self.kv_proj(x_BTD)
-        gate_BTY = self.gate_proj(x_BTD).astype(jnp.float32) + self.position_bias[...][positions_BT % self.rate]
-        return kv_BTY, gate_BTY
+    def project(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``a [B, T, Y]`` and the gate projection ``W_gate x [B, T, Y]`` (x's dtype): a ring's contents."""
+        return self.kv_proj(x_BTD), self.gate_proj(x_BTD)
+
+    def gate_logits(self, gate_BTY: jax.Array, positions_BT: jax.Array) -> jax.Array:
+        """``z = float32(W_gate x) + B[position % m]`` ``f32[B, T, Y]`` for the positions ``[B, T]``."""
+        return gate_BTY.astype(jnp.float32) + self.position_bias[...][positions_BT % self.rate]
 
     def _slots(self, kv_BMUY: jax.Array, gate_BMUY: jax.Array) -> tuple[jax.Array, jax.Array]:
         """CSA: slots ``[:m]`` take the first halves (previous window), ``[m:]`` the second halves."""
@@ -101,7 +107,8 @@ class Compressor(nnx.Module):
         m, n = self.rate, t // self.rate
         if n == 0:
             return jnp.zeros((b, 0, self.dim), x_BTD.dtype)
-        kv_BTY, gate_BTY = self.project(x_BTD, jnp.broadcast_to(jnp.arange(t), (b, t)))
+        kv_BTY, gate_BTY = self.project(x_BTD)
+        gate_BTY = self.gate_logits(gate_BTY, jnp.broadcast_to(jnp.arange(t), (b, t)))
         kv_BMUY = kv_BTY[:, : n * m].reshape(b, n, m, -1)
         gate_BMUY = gate_BTY[:, : n * m].reshape(b, n, m, -1)
         if self.overlap:  # prepend each window's predecessor; window -1 contributes nothing
@@ -118,7 +125,7 @@ class Compressor(nnx.Module):
         ``closes bool[B, M]`` (whether the window closed in this step; M = ceil(T / m)) and the rings."""
         b, t, _ = x_BTD.shape
         m, ring = self.rate, self.ring_size
-        kv_BTY, gate_BTY = self.project(x_BTD, positions_BT)
+        kv_BTY, gate_BTY = self.project(x_BTD)
         p0_B = positions_BT[:, 0]
         # Entries whose last token lies in [p0, p0 + T): at most ceil(T / m) of them per request.
         entry_BM = p0_B[:, None] // m + jnp.arange(-(-t // m))[None, :]
@@ -132,7 +139,8 @@ class Compressor(nnx.Module):
         kv = jnp.where(from_new[..., None], jnp.take_along_axis(kv_BTY, new_idx, axis=1),
                        jnp.take_along_axis(ring_kv_BUY, ring_idx, axis=1).astype(kv_BTY.dtype))
         gate = jnp.where(from_new[..., None], jnp.take_along_axis(gate_BTY, new_idx, axis=1),
-                         jnp.take_along_axis(ring_gate_BUY, ring_idx, axis=1))
+                         jnp.take_along_axis(ring_gate_BUY, ring_idx, axis=1).astype(gate_BTY.dtype))
+        gate = self.gate_logits(gate, jnp.maximum(flat, 0))
         before_start = (flat < 0)[..., None]  # the window before entry 0
         kv = jnp.where(before_start, jnp.zeros_like(kv), kv).reshape(src_BMU.shape + kv.shape[-1:])
         gate = jnp.where(before_start, -jnp.inf, gate).reshape(src_BMU.shape + gate.shape[-1:])
@@ -141,7 +149,7 @@ class Compressor(nnx.Module):
         batch_B1 = jnp.arange(b)[:, None]
         slot_BT = jnp.where(jnp.arange(t)[None, :] >= t - ring, positions_BT % ring, ring)
         ring_kv_BUY = ring_kv_BUY.at[batch_B1, slot_BT].set(kv_BTY.astype(ring_kv_BUY.dtype), mode="drop")
-        ring_gate_BUY = ring_gate_BUY.at[batch_B1, slot_BT].set(gate_BTY, mode="drop")
+        ring_gate_BUY = ring_gate_BUY.at[batch_B1, slot_BT].set(gate_BTY.astype(ring_gate_BUY.dtype), mode="drop")
         return new_BMD, entry_BM, closes_BM, ring_kv_BUY, ring_gate_BUY
 
 

@@ -156,6 +156,25 @@ class Attention(nnx.Module):
             kl = indexer_kl(probs_BTNS[..., t:].sum(2), scores_BTM, visible_BTS[..., t:])
         return self._output(out_BTNH, cos, sin, x_BTD.dtype), kl
 
+    def _hca_rings(self, record: HcaCache, index, meta: StepMeta):
+        """The HCA compressor's rings ``[B, m', H]`` for this step, and the host rings (None: on the device). With
+        host rings (decode steps of one token) the rows whose window closes now read theirs from the host."""
+        kv_ring, gate_ring = record.kv_ring[index], record.gate_ring[index]
+        if record.host is None:
+            return kv_ring, gate_ring, None
+        if meta.positions.shape[1] != 1:
+            raise ValueError(f"host rings serve decode steps of one token per request, got T={meta.positions.shape[1]}")
+        m = self.compressor.rate
+        closes_B = meta.valid[:, 0] & (meta.positions[:, 0] % m == m - 1)
+        kv_ring, gate_ring = record.host.read(index, closes_B, kv_ring[:, 0], gate_ring[:, 0])
+        return kv_ring, gate_ring, record.host
+
+    def _hca_newest(self, kv_ring_BUH, gate_ring_BUH, meta: StepMeta):
+        """Of the rings after this step's token: its row ``[B, 1, H]``, what the device keeps."""
+        slot_B = meta.positions[:, 0] % self.compressor.rate
+        newest = lambda ring: jnp.take_along_axis(ring, slot_B[:, None, None], axis=1)  # noqa: E731
+        return newest(kv_ring_BUH), newest(gate_ring_BUH)
+
     def step(self, x_BTD, meta: StepMeta, window_BSH, record, index, kernels: str):
         """Cached forward for ``T`` new tokens per request at ``meta.positions``.
 
@@ -221,8 +240,11 @@ class Attention(nnx.Module):
         elif self.layer_type == HCA:
             geometry = dict(page_size=record.page_size, rate=self.compressor.rate)
             with jax.named_scope("compressor"):
+                kv_ring, gate_ring, host = self._hca_rings(record, index, meta)
                 new_BMH, entry_BM, closes_BM, kv_ring, gate_ring = self.compressor.close(
-                    x_BTD, positions_BT, record.kv_ring[index], record.gate_ring[index])
+                    x_BTD, positions_BT, kv_ring, gate_ring)
+                if host is not None:  # the device keeps the newest position's row (its slot: DeepseekV4.step)
+                    kv_ring, gate_ring = self._hca_newest(kv_ring, gate_ring, meta)
                 page_BM, offset_BM = locate(meta.page_table, jnp.where(closes_BM & run_B1, entry_BM, -1), **geometry)
                 entries = record.entries.at[index, page_BM, offset_BM].set(new_BMH.astype(record.entries.dtype))
             count = reach(meta.page_table, record.page_size, self.compressor.rate)
@@ -233,7 +255,7 @@ class Attention(nnx.Module):
             with jax.named_scope("sparse_attention"):
                 out_BTNH, _ = attend(window, [hca], sinks_N)
             record = HcaCache(record.kv_ring.at[index].set(kv_ring), record.gate_ring.at[index].set(gate_ring),
-                              entries, record.page_size)
+                              entries, record.page_size, host)
         if out_BTNH is None:
             with jax.named_scope("sparse_attention"):
                 out_BTNH, _ = attend(window, [], sinks_N)
@@ -350,14 +372,13 @@ class DeepseekV4(nnx.Module):
         csa_width = ops.v4_row_width(h, cfg.qk_rope_head_dim, csa_dtype)
         return V4Cache(
             window=zeros(cfg.num_hidden_layers, rows, cfg.sliding_window, h),
-            csa=CsaCache(kv_ring=zeros(lc, rows, 2 * m, 2 * h), gate_ring=zeros(lc, rows, 2 * m, 2 * h, dt=jnp.float32),
-                         index_kv_ring=zeros(lc, rows, 2 * m, 2 * j),
-                         index_gate_ring=zeros(lc, rows, 2 * m, 2 * j, dt=jnp.float32),
+            csa=CsaCache(kv_ring=zeros(lc, rows, 2 * m, 2 * h), gate_ring=zeros(lc, rows, 2 * m, 2 * h),
+                         index_kv_ring=zeros(lc, rows, 2 * m, 2 * j), index_gate_ring=zeros(lc, rows, 2 * m, 2 * j),
                          entries=ResidentPages(zeros(lc, num_pages, per_csa, csa_width, dt=csa_dtype),
                                                page_size=page_size, rate=m),
                          index_keys=zeros(lc, num_pages, per_csa, key_width, dt=key_dtype),
                          index_format=index_format),
-            hca=HcaCache(kv_ring=zeros(lh, rows, mh, h), gate_ring=zeros(lh, rows, mh, h, dt=jnp.float32),
+            hca=HcaCache(kv_ring=zeros(lh, rows, mh, h), gate_ring=zeros(lh, rows, mh, h),
                          entries=zeros(lh, num_pages, per_hca, h), page_size=page_size))
 
     def step(self, tokens_BT: jax.Array, meta: StepMeta, cache: V4Cache, *, kernels: str = "xla"
@@ -412,6 +433,9 @@ class DeepseekV4(nnx.Module):
 
         carry = (self._embed(tokens_BT), take(cache.window), csa, hca, ids_LBTK)
         (streams_BTOD, window_LBSH, csa, hca, ids_LBTK), _ = scan_runs(self.runs, body, carry)
+        if hca.host is not None:  # every HCA layer's newest row is now this step's token's
+            hca = dataclasses.replace(hca, host=hca.host.appended(meta.positions[:, -1] % self.cfg.compress_rate_hca,
+                                                                  run_B))
         cache = V4Cache(window=put(cache.window, window_LBSH),
                         csa=dataclasses.replace(csa, **jax.tree.map(put, rings(cache.csa), rings(csa))),
                         hca=dataclasses.replace(hca, **jax.tree.map(put, rings(cache.hca), rings(hca))))

@@ -101,6 +101,8 @@ def test_tiny_bench_json_follows_the_schema(checkpoint, tmp_path, capsys):
     (["--ratios", "0.5,2"], "--ratios 2"),
     (["--ratios", "x"], "--ratios"),
     (["--fetch", "inline,uva"], "--fetch"),
+    (["--rings", "host,disk"], "--rings"),
+    (["--index-dtype", "fp2"], "--index-dtype"),
     (["--new-tokens", "3", "--warmup-steps", "2"], "--new-tokens 3"),
     (["--context", "0"], "--context 0"),
     (["--context", "16380", "--new-tokens", "8", "--prefill-chunk", "16384"], "max_position_embeddings"),

@@ -20,8 +20,9 @@ from ess_jax.engine.scheduler import DecodeBatch
 from ess_jax.tokenizer import load_tokenizer
 
 SMALL = ["--offload", "ess", "--kernels", "auto", "--dtype", "bfloat16", "--max-batch", "2", "--max-seq-len", "4096"]
-# family -> (layers, the kernel's name in the lowered module): V4-Flash's first CSA layer is its third
-MODELS = {"deepseek-v3.2": (1, "sparse_mla"), "deepseek-v4-flash": (3, "sparse_v4_attention")}
+# family -> (layers, the kernel's name in the lowered module): V4-Flash's first CSA layer is its third, its first
+# HCA layer (whose compressor rings the host tier holds) its fourth
+MODELS = {"deepseek-v3.2": (1, "sparse_mla"), "deepseek-v4-flash": (4, "sparse_v4_attention")}
 TARGETS = {  # (--platform, --device-kind) -> the kernels auto chooses, their custom call, a mark of their code
     ("tpu", "TPU v6 lite"): ("mosaic_tpu", "tpu_custom_call", "kernel_name = \"{name}\""),
     ("cuda", "NVIDIA H200"): ("mosaic_gpu", "mosaic_gpu_v2", "wgmma.mma_async"),

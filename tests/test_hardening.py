@@ -322,6 +322,7 @@ FLAG_CASES = {
     "--pool-ratio and --fetch with --offload none": (["--offload", "none", "--pool-ratio", "0.5", "--fetch", "split"],
                                                      ["--fetch and --pool-ratio", "--offload ess only"]),
     "--host-cache-mb with --offload none": (["--offload", "none", "--host-cache-mb", "64"], ["--host-cache-mb"]),
+    "--rings with --offload none": (["--offload", "none", "--rings", "device"], ["--rings", "--offload ess only"]),
     "--num-pages 100000000": (["--num-pages", "100000000"], ["100000000 pages", "GiB"]),
     "--page-size 100000000": (["--page-size", "100000000"], ["of 100000000 tokens", "GiB"]),
     "--num-pages 100000000 --offload none": (["--offload", "none", "--num-pages", "100000000"], ["GiB"]),

@@ -75,13 +75,16 @@ def test_offloaded_equals_resident_and_counts_add_up(model, resident, pool, fetc
         assert metrics["misses"] == 0
 
     # the CSA entries left the device: host = the cache's pages (17 per row and the null page) of 16 entries,
-    # device = resident - the entries' pages + pool
+    # device = resident - the entries' pages + pool; and the HCA layer's rings (--rings host: 128 float32 inputs
+    # and gate logits of head_dim per batch row), but for each ring's newest row and its int32 slot
     got_bytes, ref_bytes = engine.cache_bytes(), ref_engine.cache_bytes()
     lc, b, pages, per_page = len(CSA_LAYERS), 2, 2 * 17 + 1, 64 // 4
-    assert got_bytes["host_bytes"] == lc * pages * per_page * row_bytes
+    rings, kept = b * 128 * cfg.head_dim * 8, b * (cfg.head_dim * 8 + 4)
+    assert got_bytes["host_bytes"] == lc * pages * per_page * row_bytes + rings
     assert got_bytes["resident_device_bytes"] == ref_bytes["device_bytes"]  # the three requests reserve every page
     tier_device = tier.device_bytes(layers=lc, rows=b, slots=slots, row_bytes=row_bytes, entries=17 * per_page)
-    assert got_bytes["device_bytes"] == ref_bytes["device_bytes"] - lc * pages * per_page * row_bytes + tier_device
+    assert got_bytes["device_bytes"] == (ref_bytes["device_bytes"] - lc * pages * per_page * row_bytes + tier_device
+                                         - rings + kept)
 
 
 def test_bad_pool_and_host_budget_are_named(model):

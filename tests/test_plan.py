@@ -144,7 +144,7 @@ def test_text_output_names_the_budget_and_the_batches(capsys):
     assert plan.main(ESS + ["--context", "32768", "--pool-ratio", "0.21"]) == 0
     out = capsys.readouterr().out
     assert "KV budget 82.00 GB" in out and "48,068.00" in out and "83.25 %" in out
-    assert out.rstrip().splitlines()[-1].split()[7:9] == ["52", "152"]
+    assert out.rstrip().splitlines()[-1].split()[9:11] == ["52", "152"]
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -219,10 +219,12 @@ def test_bytes_per_device_equal_the_sharded_engine_cache(preset, cache_dtype, in
     shardings = mesh.cache_shardings(cache, axes, abstract)
     on_device = lambda x, s: math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize  # noqa: E731
     total = sum(jax.tree.leaves(jax.tree.map(on_device, cache, shardings)))
-    store = family.store_of(cache)
-    host = 0
-    if offload == "ess":
-        host = sum(jax.tree.leaves(jax.tree.map(on_device, store.host, family.store_of(shardings).host)))
+    # the host stores: the tier's and (V4, --rings host by default) the HCA rings'
+    is_store = lambda x: isinstance(x, tier.HOST_STORES)  # noqa: E731
+    stores = [x for x in jax.tree.leaves(cache, is_leaf=is_store) if is_store(x)]
+    store_shardings = [x for x in jax.tree.leaves(shardings, is_leaf=is_store) if is_store(x)]
+    host = sum(jax.tree.leaves(jax.tree.map(on_device, stores, store_shardings)))
+    assert len(stores) == (0 if offload == "none" else 3 if cfg.family == "deepseek_v4" else 1)
     request = plan.request_bytes(layout.parts, context, 0.2)
     # page 0 of each shard, its null page, is in every paged array: a page of each resident paged part and
     # (offloaded) of the host store
@@ -231,6 +233,7 @@ def test_bytes_per_device_equal_the_sharded_engine_cache(preset, cache_dtype, in
     null = sum(p.page_bytes(page) for p in paged if offload == "none" or p is not part)
     if offload == "ess":
         assert host == batch // shape.data * request.host + part.page_bytes(page)
+        assert layout.host_bytes == shape.data * host  # every data shard's store
         assert total - host == plan.bytes_per_device(request.device, batch, shape.data) + null
     else:
         assert total == plan.bytes_per_device(request.resident, batch, shape.data) + null

@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# Creates .venv with a Python >= 3.12 (found on PATH or through pyenv) and installs ess_jax[test].
+# Creates .venv with a Python >= 3.12 (found on PATH or through pyenv) and installs ess_jax[test] (ess_jax[eval]
+# included: lm-evaluation-harness and transformers' tokenizers, no torch). A .venv that has ess_jax but not the
+# eval extra gets it added.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ -x .venv/bin/python ] && .venv/bin/python -c 'import ess_jax' 2>/dev/null && exit 0
+if [ -x .venv/bin/python ] && .venv/bin/python -c 'import ess_jax' 2>/dev/null; then
+  .venv/bin/python -c 'import lm_eval, transformers' 2>/dev/null || .venv/bin/python -m pip install --quiet -e '.[test]'
+  exit 0
+fi
 
 ok() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; }
 python=""

@@ -32,7 +32,8 @@ def bench(args, log) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = load_model(args.model, args.dtype, seed=args.weights_seed, mesh=args.mesh)
-    settings = [runs.Setting("none")] + [runs.Setting("ess", r, f) for r in args.ratios for f in args.fetch]
+    settings = [runs.Setting("none")] + [runs.Setting("ess", r, f, rings) for r in args.ratios for f in args.fetch
+                                         for rings in args.rings]
     run_results = runs.run_settings(model, settings, engine_prompts, args, log)
     stall_result = stall.prefill_stall(model, engine_prompts, args, log) if args.stall_steps else None
     result = {

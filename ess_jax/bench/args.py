@@ -156,6 +156,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="attention kernels of every engine (default xla; pallas runs interpreted on CPU)")
     p.add_argument("--cache-dtype", choices=["bfloat16", "float32", "fp8"], default=None,
                    help="latent cache / tier row format (default: --dtype)")
+    p.add_argument("--index-dtype", choices=["fp4", "fp8", "bfloat16"], default=None,  # engine.config.INDEX_DTYPES
+                   help="indexer key format of every engine (fp4: DeepSeek-V4's QAT keys; default as the engine's "
+                        "--index-dtype)")
+    p.add_argument("--rings", type=_names, default=["host"],
+                   help="ESS settings' placements of DeepSeek-V4's HCA compressor rings, comma-separated subset of "
+                        "host,device: each ESS setting runs with each (default host)")
     p.add_argument("--weights-seed", type=int, default=0, help="seed of a preset's random weights (default 0)")
     p.add_argument("--mesh", default=None, metavar="data=D,expert=E",
                    help="run every engine on a device mesh over every device jax sees (ess_jax.mesh; --batch a "
@@ -247,6 +253,11 @@ def check_args(args: argparse.Namespace) -> None:
         for r in ratios:
             if not 0 < r <= 1:
                 raise ValueError(f"{flag} {r} must be in (0, 1]")
+    from ess_jax.engine.config import RINGS
+
+    bad = [r for r in args.rings if r not in RINGS]
+    if bad or not args.rings:
+        raise ValueError(f"--rings {','.join(args.rings)!r} must be a subset of {','.join(RINGS)}")
     bad = [f for f in args.fetch if f not in FETCH_BACKENDS]
     if bad or not args.fetch:
         raise ValueError(f"--fetch {','.join(args.fetch)!r} must be a subset of {','.join(FETCH_BACKENDS)}")

@@ -32,7 +32,8 @@ def depth_row(model, prompts: list[list[int]], layers: int, offload: str, args) 
 
     config = EngineConfig(max_batch=len(prompts), max_seq_len=args.context + args.new_tokens,
                           prefill_chunk=args.prefill_chunk, offload=offload, pool_ratio=args.ratios[0],
-                          fetch=args.fetch[0], kernels=args.kernels, cache_dtype=args.cache_dtype, mesh=args.mesh)
+                          fetch=args.fetch[0], kernels=args.kernels, cache_dtype=args.cache_dtype,
+                          index_dtype=args.index_dtype, mesh=args.mesh)
     engine = Engine(model, config, record_steps=True)
     engine.runner.compile_decode()
     for prompt in prompts:

@@ -19,7 +19,8 @@ def machine() -> str:
 
 def run_row(r: dict) -> list[str]:
     mib = 2**20
-    label = "resident" if r["offload"] == "none" else f"ess {r['pool_ratio']:g} {r['fetch']}"
+    label = "resident" if r["offload"] == "none" else f"ess {r['pool_ratio']:g} {r['fetch']}" + (
+        "" if r.get("rings", "host") == "host" else f" rings {r['rings']}")
     return [label, f"{r['decode_tokens_per_s']:.1f}",
             f"{r['relative_to_resident']:.2f}" if r["relative_to_resident"] is not None else "-",
             f"{r['step_ms_p50']:.2f}", f"{r['step_ms_p99']:.2f}",

@@ -15,10 +15,13 @@ class Setting:
     offload: str  # "none" | "ess"
     pool_ratio: float | None = None
     fetch: str | None = None
+    rings: str = "host"  # ess: where DeepSeek-V4's HCA compressor rings live
 
     @property
     def label(self) -> str:
-        return "resident" if self.offload == "none" else f"ess r={self.pool_ratio:g} {self.fetch}"
+        if self.offload == "none":
+            return "resident"
+        return f"ess r={self.pool_ratio:g} {self.fetch}" + ("" if self.rings == "host" else f" rings {self.rings}")
 
 
 @dataclasses.dataclass
@@ -44,7 +47,8 @@ def engine_for(model, setting: Setting, batch: int, args):
                           prefill_chunk=args.prefill_chunk, offload=setting.offload,
                           pool_ratio=setting.pool_ratio if setting.pool_ratio is not None else 0.2,
                           fetch=setting.fetch or "inline", kernels=args.kernels, cache_dtype=args.cache_dtype,
-                          mesh=args.mesh, prefix_cache=False)  # every repetition prefills its prompts
+                          index_dtype=args.index_dtype, rings=setting.rings, mesh=args.mesh,
+                          prefix_cache=False)  # every repetition prefills its prompts
     return Engine(model, config, record_steps=True)
 
 
@@ -74,6 +78,7 @@ def summary(setting: Setting, engine, samples: Samples, batch: int, first: Sampl
     metrics = engine.offload_metrics()
     return {
         "offload": setting.offload, "pool_ratio": setting.pool_ratio, "fetch": setting.fetch,
+        "rings": setting.rings if setting.offload == "ess" else None,
         "pool_slots": engine.layout.pool_slots,
         "decode_tokens_per_s": statistics.median(rates), "decode_tokens_per_s_runs": rates,
         "relative_to_resident": statistics.median(rates) / resident_tok_s if resident_tok_s else None,

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from ess_jax import mesh, ops, tier
 
 CACHE_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "fp8": jnp.uint8}  # fp8: 656-byte-style rows
+RINGS = ("host", "device")  # ess: where DeepSeek-V4's HCA compressor rings live (ess_jax.tier.rings)
 INDEX_DTYPES = ("fp4", "fp8", "bfloat16")  # indexer keys: 68 / 132 / 256 bytes at J = 128 (ops.index_key_storage)
 
 
@@ -42,6 +43,7 @@ class EngineConfig:
     pool_ratio: float = 0.2  # ess: pool slots as a fraction of the longest request's entries
     fetch: Fetch = Fetch.INLINE  # ess: how misses reach the device (ess_jax.tier)
     host_cache_mb: float | None = None  # ess: host store budget per data shard; sets the page count when given
+    rings: str = "host"  # ess: DeepSeek-V4's HCA compressor rings in host memory ("host") or on the device
     keep_logits: bool = False  # keep each output token's float32 logits in Request.logits
     kernels: str = "xla"  # attention kernels: "xla", "pallas", "auto" (Pallas on GPU, XLA elsewhere)
     cache_dtype: str | None = None  # offloaded part's rows: None = the model's dtype, or a CACHE_DTYPES key
@@ -79,6 +81,8 @@ class EngineConfig:
         if self.index_dtype not in (None, *INDEX_DTYPES):
             raise ValueError(f"--index-dtype {self.index_dtype!r} is not an indexer key format; use one of "
                              f"{', '.join(INDEX_DTYPES)}")
+        if self.rings not in RINGS:
+            raise ValueError(f"--rings {self.rings!r} is not a ring placement; use one of {', '.join(RINGS)}")
         if self.fetch not in tuple(Fetch):
             raise ValueError(f"--fetch {self.fetch!r} is not a fetch backend; use one of {', '.join(Fetch)}")
         object.__setattr__(self, "offload", Offload(self.offload))

@@ -32,6 +32,7 @@ class CacheLayout:
     # data shard's together (a shard's devices each hold 1 / shards of it)
     host_bytes: int  # ess: the host store, every data shard's together
     logits_bytes: int  # one decode step's float32 logits [max_batch, vocab]
+    placed: list  # the parts where the mode places them (ess: ``families.host_rings`` with --rings host)
 
 
 def cache_layout(cfg, config: EngineConfig, model_format: str, *, lower_bound: bool = False) -> CacheLayout:
@@ -56,7 +57,7 @@ def cache_layout(cfg, config: EngineConfig, model_format: str, *, lower_bound: b
     part = next(p for p in parts if p.where == "offloaded")
     sized = offload.MODES[config.offload].sizes(cfg, config, size, parts, lower_bound=lower_bound)
     return CacheLayout(max_seq_len, pages_per_row, sized.size, parts, part, sized.pool_slots, int(sized.device_bytes),
-                       int(sized.host_bytes), 4 * config.max_batch * cfg.vocab_size)
+                       int(sized.host_bytes), 4 * config.max_batch * cfg.vocab_size, sized.parts or parts)
 
 
 def memory_limits() -> tuple[int | None, int]:

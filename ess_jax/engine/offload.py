@@ -41,6 +41,7 @@ class Sizes:
     pool_slots: int | None  # device pool slots per (layer, request)
     device_bytes: int
     host_bytes: int
+    parts: list | None = None  # the parts as the mode places them (``families.host_rings``); None: as given
 
 
 class Mode(Protocol):
@@ -129,13 +130,15 @@ class Ess:
         slots = tier.pool_slots(entries, part.topk, pool_size=config.pool_size, pool_ratio=config.pool_ratio)
         if config.host_cache_mb is not None:
             size = families.fit_host_budget(size, part, config.host_cache_mb)
-        host = size.pages * part.page_bytes(size.page_size)
+        placed = families.host_rings(parts) if config.rings == "host" else parts
+        pages_host = size.pages * part.page_bytes(size.page_size)
+        rings_host = size.rows * sum(p.bytes(0) for p in placed if p.where == "host")
         scratch = Ess.scratch_size(size)
         pool = tier.device_bytes(layers=part.layers, rows=size.rows, slots=slots, row_bytes=part.row_bytes,
                                  entries=part.row_entries(size))
-        device = (families.resident_bytes(parts, size, size.pages) - host + pool
-                  + families.resident_bytes(parts, scratch, scratch.pages))
-        return Sizes(size, slots, device, host)
+        device = (families.resident_bytes(placed, size, size.pages) - pages_host + pool
+                  + families.resident_bytes(parts, scratch, scratch.pages))  # the scratch: every part resident
+        return Sizes(size, slots, device, pages_host + rings_host, placed)
 
     @staticmethod
     def scratch_size(size: families.CacheSize) -> families.CacheSize:
@@ -160,7 +163,7 @@ class Ess:
     def decode_cache(module, size: families.CacheSize, config: EngineConfig, layout: CacheLayout):
         return families.get(module.cfg.family).offloaded_cache(
             module, size, layout.offloaded, entry_dtype(module, config), slots=layout.pool_slots, fetch=config.fetch,
-            index=config.index_dtype)
+            index=config.index_dtype, rings=config.rings)
 
     def __init__(self, runner: Runner, layout: CacheLayout, stats: EngineStats):
         self.runner, self.layout, self.stats = runner, layout, stats
@@ -237,14 +240,17 @@ class Ess:
         return self.family.store_of(self.runner.cache)
 
     def usage(self, scheduled: dict) -> dict:
-        """Device pool slots in use (read from the device) and the host store's pages and bytes (the host store
-        has the cache's pages, each shard's null page included in its bytes)."""
+        """Device pool slots in use (read from the device) and the host stores' pages and bytes (the host store
+        has the cache's pages, each shard's null page included in its bytes; the host rings a ring per batch
+        row, in use where a request holds the row)."""
         page_bytes = self.layout.offloaded.page_bytes(self.layout.size.page_size)
+        ring_bytes = sum(p.bytes(0) for p in self.layout.placed if p.where == "host")  # per batch row
         return {"pool_slots_in_use": int((mesh.host_array(self._store().lru.slot_entry) >= 0).sum()),
                 "pool_slots_total": self.layout.pool_slots * self.layout.size.rows * self.layout.offloaded.layers,
                 "host_pages_in_use": scheduled["pages_in_use"], "host_pages_total": scheduled["pages_total"],
-                "host_bytes_in_use": scheduled["pages_in_use"] * page_bytes,
-                "host_bytes_total": (scheduled["pages_total"] + self.layout.size.shards) * page_bytes}
+                "host_bytes_in_use": scheduled["pages_in_use"] * page_bytes + scheduled["rows_in_use"] * ring_bytes,
+                "host_bytes_total": ((scheduled["pages_total"] + self.layout.size.shards) * page_bytes
+                                     + scheduled["rows_total"] * ring_bytes)}
 
     def metrics(self) -> dict:
         """Tier counters (read from the device once) as the ``--json`` ``metrics.offload`` object."""
@@ -267,10 +273,12 @@ class Ess:
                               for d, c in enumerate(per_shard)]}
 
     def cache_bytes(self) -> dict[str, int]:
-        host = self._store().host
-        stored = jax.tree.leaves(host)
+        """Bytes of the decode cache's arrays: its host stores (the tier's, the HCA rings') and the rest."""
+        is_store = lambda x: isinstance(x, tier.HOST_STORES)  # noqa: E731
+        hosts = [x for x in jax.tree.leaves(self.runner.cache, is_leaf=is_store) if is_store(x)]
+        stored = jax.tree.leaves(hosts)
         device = [x for x in jax.tree.leaves(self.runner.cache) if all(x is not y for y in stored)]
-        return {"device_bytes": int(sum(x.nbytes for x in device)), "host_bytes": int(host.nbytes),
+        return {"device_bytes": int(sum(x.nbytes for x in device)), "host_bytes": int(sum(x.nbytes for x in hosts)),
                 "prefill_scratch_bytes": int(sum(x.nbytes for x in jax.tree.leaves(self.scratch)))}
 
 

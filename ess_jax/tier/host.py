@@ -132,6 +132,9 @@ class NumpyHostStore:
 jax.tree_util.register_pytree_node(NumpyHostStore, lambda s: ((), s), lambda s, _: s)
 
 
+HOST_STORES = (PinnedHostStore, NumpyHostStore)
+
+
 def host_store(fetch: str, shape: tuple[int, ...], dtype) -> PinnedHostStore | NumpyHostStore:
     """An empty host store of ``shape`` for the fetch backend ``fetch``."""
     if fetch not in FETCH_BACKENDS:

@@ -28,15 +28,20 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _drop_compiled_code():
-    """XLA:CPU maps every executable's code into memory regions of its own, so a suite that keeps all its
-    compiled steps alive passes the kernel's vm.max_map_count (65530 by default) and the compiler then
-    crashes. When a test module ends with the process past half of that, the compiled code of the
-    modules so far is dropped (the next modules read what they need back from the compilation cache)."""
-    yield
+MAX_MAP_COUNT = int(Path("/proc/sys/vm/max_map_count").read_text()) if Path("/proc/sys/vm/max_map_count").exists() \
+    else 65530
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """XLA:CPU maps every executable's code into memory regions of its own, so a process that keeps all its
+    compiled steps alive passes the kernel's vm.max_map_count (65530 by default) and segfaults in the compiler
+    (and pytest-xdist then waits forever on the dead worker). Before each test (its fixtures included) in a
+    process past a third of that, every compiled executable is dropped: what is needed again is read back from
+    the compilation cache. One module's engines can add tens of thousands of regions, so the check is per test,
+    not per module."""
     maps = Path("/proc/self/maps")
-    if maps.exists() and len(maps.read_text().splitlines()) > 65530 // 2:
+    if maps.exists() and len(maps.read_text().splitlines()) > MAX_MAP_COUNT // 3:
         gc.collect()
         jax.clear_caches()
         gc.collect()

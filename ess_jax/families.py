@@ -175,6 +175,8 @@ class Family:
 
     model_type: str
     architecture: str  # config.json's "architectures" entry (transformers' class)
+    prefix_pages: bool  # a prompt prefix's whole cache state lives in its pages (the prefix cache can share them);
+    # False: it also has per-row state (V4's window and compressor rings)
     module: str  # "package.module:Class" of the NNX module
     rename: str | None  # "package.module:function": (a checkpoint's tensor name, layers=num_hidden_layers) ->
     # transformers' name (the MTP block as layer num_hidden_layers); None: unchanged
@@ -389,9 +391,9 @@ class _DeepseekV4(Family):
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    _DeepseekV32(model_type="deepseek_v32", architecture="DeepseekV32ForCausalLM",
+    _DeepseekV32(model_type="deepseek_v32", architecture="DeepseekV32ForCausalLM", prefix_pages=True,
                  module="ess_jax.models.deepseek_v32:DeepseekV32", rename=None),
-    _DeepseekV4(model_type="deepseek_v4", architecture="DeepseekV4ForCausalLM",
+    _DeepseekV4(model_type="deepseek_v4", architecture="DeepseekV4ForCausalLM", prefix_pages=False,
                 module="ess_jax.models.deepseek_v4:DeepseekV4", rename="ess_jax.checkpoint:release_to_hf_name"),
 )}
 

@@ -48,6 +48,8 @@ class Sizes:
 class Mode(Protocol):
     """What the engine asks of its offload mode (``Resident`` or ``Ess``)."""
 
+    shares_pages: bool  # the prefix cache's pages can be shared between requests
+
     def prefill(self, group: PrefillGroup) -> PrefillResult: ...
     def release(self, released: list[Released]) -> None: ...
     def flush(self) -> None: ...
@@ -64,6 +66,7 @@ class Resident:
         return Sizes(size, None, families.resident_bytes(parts, size, size.pages), 0)
 
     steps: tuple[str, ...] = ()  # the mode's own jitted steps (``ess_jax.engine.steps``) beside prefill and decode
+    shares_pages = True  # a prompt prefills in the decode cache's pages: cached pages are read where they are
 
     @staticmethod
     def decode_cache(module, size: families.CacheSize, config: EngineConfig, layout: CacheLayout):
@@ -141,6 +144,7 @@ class Ess:
         return dataclasses.replace(size, rows=size.shards, pages=size.shards * (pages_per_row + 1))
 
     steps: tuple[str, ...] = ("handoff", "release", "flush")
+    shares_pages = False  # the host store's pages and the pools' residency are per request
 
     @staticmethod
     def prefill_cache(module, config: EngineConfig, layout: CacheLayout):

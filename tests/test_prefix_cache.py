@@ -1,0 +1,283 @@
+"""The prefix cache (ess_jax.allocator): page keys, shared reference-counted pages, least-recently-used eviction,
+routing to the data shard holding a prompt's longest cached prefix; and on the engine, every output with prefix
+hits equal to the output without the prefix cache, token for token, with requests joining, finishing and
+aborting while they share pages."""
+
+import collections
+import dataclasses
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ess_jax
+from ess_jax.allocator import NULL_PAGE, Admission, PageAllocator, page_keys
+from ess_jax.engine import Engine
+from helpers import ENGINE
+
+FIXTURE = Path(__file__).parent / "fixtures" / "hf-v32-a"
+SALT = b"test"
+
+# ---- keys, sharing and eviction, host only ---------------------------------------------------------------
+
+
+def test_page_keys_chain_every_earlier_token_and_the_salt():
+    tokens = list(range(20))
+    keys = page_keys(tokens, 4, SALT)
+    assert len(keys) == 5 and len(set(keys)) == 5
+    # an independent chain: blake2b over the parent key and the page's int64 token bytes
+    parent = hashlib.blake2b(SALT, digest_size=16).digest()
+    for i, key in enumerate(keys):
+        parent = hashlib.blake2b(parent + np.asarray(tokens[4 * i:4 * i + 4], np.int64).tobytes(),
+                                 digest_size=16).digest()
+        assert key == parent
+    assert page_keys(tokens[:11], 4, SALT) == keys[:2]  # a partial page has no key
+    changed = page_keys([99] + tokens[1:], 4, SALT)
+    assert not set(changed) & set(keys)  # a change in the first page changes every later key
+    assert not set(page_keys(tokens, 4, b"other")) & set(keys)  # so does the salt
+
+
+def test_shared_pages_are_counted_once_and_stay_cached_until_evicted_lru():
+    pool = PageAllocator(num_pages=7, page_size=2)  # 6 pages
+    a = pool.allocate(3)
+    keys = [b"k0", b"k1", b"k2"]
+    for page, key in zip(a, keys):
+        pool.cache(int(page), key)
+    assert pool.match(keys + [b"k3"]).tolist() == a.tolist()
+    assert pool.cost(pool.match(keys[:2]), 4) == 2  # held pages cost nothing more: 2 own pages
+    pool.share(a[:2])
+    assert pool.num_free == 3
+    pool.free(a)  # the first request ends: pages 1, 2 still shared, page 3 evictable
+    assert pool.num_free == 4 and pool.num_cached == 1
+    assert pool.cost(pool.match(keys), 4) == 1 + 1  # one own page, and page 3 leaves the evictable ones
+    pool.free(a[:2])  # the second ends: all three cached, released in the order a[2], a[0], a[1]
+    assert pool.num_cached == 3 and pool.num_free == 6 and pool.num_held == 0
+    taken = pool.allocate(4)  # 3 free pages first, then the least recently released cached page
+    assert int(a[2]) in taken.tolist() and pool.match(keys).tolist() == a[:2].tolist()
+    assert pool.match(keys[2:]).size == 0
+    pool.free(taken)
+    with pytest.raises(ValueError, match="double free"):
+        pool.free(taken[:1])
+    with pytest.raises(ValueError, match="not cached"):
+        pool.share(taken[:1])
+
+
+def test_eviction_never_takes_a_page_a_running_request_reads():
+    """Requests whose prompts share prefixes, on a pool filled past its size many times over: every page a
+    running request holds is its own or a cached page of its own prompt, and no page is in two requests
+    unless both share it under one key; after all finish, no page is held."""
+    rng = np.random.default_rng(0)
+    size = 4
+    admission = Admission([PageAllocator(13, size)], max_batch=3, max_position_embeddings=48)
+    pool = admission.allocators[0]
+    stems = [rng.integers(0, 4, 40).tolist() for _ in range(3)]
+    keys, prompts, evictions = {}, {}, 0
+    for i in range(150):
+        prompt = stems[rng.integers(3)][:rng.integers(1, 40)]
+        prompts[i], keys[i] = prompt, page_keys(prompt, size, SALT)
+        admission.submit(i, len(prompt), int(rng.integers(1, 8)), keys[i][:(len(prompt) - 1) // size])
+        keys_before = len(pool._page_of)
+        admitted = admission.admit(2)
+        evictions += keys_before - len(pool._page_of)  # keys forgotten: their pages taken by allocate
+        for entry in admitted:
+            admission.cache_pages(entry.request_id, keys[entry.request_id])  # as if prefilled at once
+        running = admission.running
+        owner = collections.defaultdict(set)
+        for rid, entry in running.items():
+            assert (pool._refs[entry.pages] > 0).all()
+            assert entry.shared <= len(keys[rid])
+            for j, page in enumerate(entry.pages.tolist()):
+                owner[page].add((rid, j))
+        for page, holders in owner.items():
+            assert page != NULL_PAGE
+            if len(holders) > 1:  # a shared page: the same cached prompt page of each holder
+                assert len({keys[rid][j] for rid, j in holders}) == 1
+                assert pool._refs[page] == len(holders)
+        for rid in list(running)[: int(rng.integers(0, len(running) + 1))]:
+            admission.finish(rid)
+    for rid in list(admission.running):
+        admission.finish(rid)
+    while admission.waiting:
+        for entry in admission.admit(3):
+            admission.cache_pages(entry.request_id, keys[entry.request_id])
+            admission.finish(entry.request_id)
+    assert pool.num_held == 0 and pool.num_free == pool.capacity and pool.num_cached > 0
+    assert evictions > 0  # the workload did evict
+
+
+def test_admission_routes_to_the_shard_with_the_longest_cached_prefix():
+    admission = Admission([PageAllocator(9, 4), PageAllocator(9, 4)], max_batch=4, max_position_embeddings=32)
+    prompt = list(range(12))
+    keys = page_keys(prompt, 4, SALT)
+    admission.submit("first", 12, 4, keys[:2])
+    (first,) = admission.admit(1)
+    assert admission.shard_of(first.row) == 0 and first.shared == 0
+    admission.cache_pages("first", keys)
+    admission.submit("other", 8, 4)  # no prefix: to the least loaded shard
+    admission.submit("again", 12, 4, keys[:2])  # shard 0 is more loaded but holds its prefix
+    other, again = admission.admit(2)
+    assert admission.shard_of(other.row) == 1
+    assert admission.shard_of(again.row) == 0 and again.shared == 2
+    assert again.pages[:2].tolist() == first.pages[:2].tolist()
+    assert admission.allocators[0].num_free == 8 - 4 - 2  # the shared pages counted once
+
+
+def test_a_request_must_leave_its_last_prompt_token_to_compute():
+    admission = Admission([PageAllocator(9, 4)], max_batch=1, max_position_embeddings=32)
+    with pytest.raises(ValueError, match="no prompt token to compute"):
+        admission.submit(0, 8, 1, page_keys(list(range(8)), 4, SALT))
+
+
+# ---- the engine: outputs with and without the prefix cache ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ess_jax.load_model(FIXTURE)
+
+
+@pytest.fixture(scope="module")
+def engines(model):
+    """The same engine shape with the prefix cache on and off (one set of compiled steps)."""
+    return {on: Engine(model, dataclasses.replace(ENGINE, prefix_cache=on)) for on in (True, False)}
+
+
+_REFERENCE: dict[tuple, list[int]] = {}
+
+
+def reference(engines, requests: list[tuple[list[int], int]]) -> list[list[int]]:
+    """Each request's greedy tokens without the prefix cache (requests are batch-invariant: run together)."""
+    missing = [(p, n) for p, n in requests if (tuple(p), n) not in _REFERENCE]
+    off = engines[False]
+    ids = [off.add_request(p, n) for p, n in missing]
+    done = {r_id: r.output_ids for r_id, r in zip(sorted(ids), off.run())}
+    for (p, n), r_id in zip(missing, ids):
+        _REFERENCE[tuple(p), n] = done[r_id]
+    assert off.scheduler.allocators[0].num_cached == 0 and off.usage()["pages_in_use"] == 0
+    return [_REFERENCE[tuple(p), n] for p, n in requests]
+
+
+def drive(engine, arrivals: dict[int, list], aborts: dict[int, list]) -> dict:
+    """Add ``arrivals[step]`` (key, prompt, new) and abort ``aborts[step]`` (keys) before each step until idle;
+    each key's tokens."""
+    ids, tokens = {}, collections.defaultdict(list)
+    for step in range(200):
+        for key, prompt, new in arrivals.get(step, []):
+            ids[key] = engine.add_request(prompt, new)
+        for key in aborts.get(step, []):
+            engine.abort(ids[key])
+        if step > max(arrivals) and not engine.has_unfinished():
+            return {k: tokens[i] for k, i in ids.items()}
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    raise AssertionError("not idle after 200 steps")
+
+
+def assert_idle_holds_only_cached_pages(engine) -> None:
+    for pool in engine.scheduler.allocators:
+        assert pool.num_held == 0 and pool.num_free == pool.capacity
+    usage = engine.usage()
+    assert usage["pages_in_use"] == 0 and usage["prefix_cache_pages"] == engine.scheduler.allocators[0].num_cached
+
+
+REQUEST = st.tuples(st.integers(0, 24), st.integers(1, 8), st.integers(0, 5), st.sampled_from([None, 0, 1, 3]))
+# (suffix length, new tokens, arrival step, abort this many steps after arriving or None)
+
+
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(prefix=st.integers(0, 30), seed=st.integers(0, 3), requests=st.lists(REQUEST, min_size=2, max_size=5))
+def test_shared_prefix_workloads_give_the_tokens_of_no_prefix_cache(engines, prefix, seed, requests):
+    """Requests sharing a prefix (one of a few, so examples share cached pages too) with distinct suffixes, joining
+    at arbitrary steps of three batch rows (some wait, some join while others prefill or decode), some aborted:
+    each finished request's tokens equal its tokens without the prefix cache, an aborted one's a prefix of them."""
+    rng = np.random.default_rng(seed)
+    stem = rng.integers(0, 256, prefix).tolist()
+    arrivals, aborts, expected = collections.defaultdict(list), collections.defaultdict(list), {}
+    for key, (suffix, new, step, abort) in enumerate(requests):
+        prompt = stem + rng.integers(0, 256, max(suffix, 1 - prefix)).tolist()
+        arrivals[step].append((key, prompt, new))
+        if abort is not None:
+            aborts[step + abort].append(key)
+        expected[key] = (prompt, new)
+    on = engines[True]
+    hits_before = on.prefix_cache_metrics()["hit_tokens"]
+    got = drive(on, arrivals, aborts)
+    want = dict(zip(expected, reference(engines, list(expected.values()))))
+    for key, tokens in got.items():
+        if any(key in keys for keys in aborts.values()):
+            assert tokens == want[key][:len(tokens)]
+        else:
+            assert tokens == want[key]
+    assert_idle_holds_only_cached_pages(on)
+    metrics = on.prefix_cache_metrics()
+    assert metrics["per_tier"]["device"] == metrics["hit_tokens"] >= hits_before
+
+
+def test_identical_resent_request_hits_all_but_its_last_token(engines):
+    on = engines[True]
+    for length in (40, 37):  # a prompt of whole pages (page size 8) and one with a partial page
+        prompt = np.random.default_rng(length).integers(0, 256, length).tolist()
+        (want,) = reference(engines, [(prompt, 6)])
+        queries, hits, prefilled = (sum(on.stats.prefix_queries.values()), sum(on.stats.prefix_hits.values()),
+                                    on.stats.prefill_tokens)
+        outputs = []
+        for _ in range(2):
+            on.add_request(prompt, 6)
+            outputs.append(on.run()[0].output_ids)
+        assert outputs == [want, want]
+        assert sum(on.stats.prefix_queries.values()) - queries == 2 * length
+        assert sum(on.stats.prefix_hits.values()) - hits == 32  # the re-sent one: 4 pages; its last page recomputed
+        assert on.stats.prefill_tokens - prefilled == length + (length - 32)
+    assert_idle_holds_only_cached_pages(on)
+
+
+def test_prompt_logprobs_requests_read_no_cached_pages(engines):
+    """A request scoring its prompt computes every position (no hit counted) and scores it as without the cache;
+    the pages it writes are cached for others."""
+    prompt = np.random.default_rng(7).integers(0, 256, 16).tolist()  # one piece
+    scores = {}
+    for on in (True, False):
+        engine = engines[on]
+        engine.add_request(prompt, 2)
+        engine.run()
+        before = engine.prefix_cache_metrics()
+        engine.add_request(prompt, 2, prompt_logprobs=2)
+        (request,) = engine.run()
+        scores[on] = (request.output_ids, request.prompt_scores)
+        if on:
+            assert engine.prefix_cache_metrics() == before
+        else:
+            assert before is None
+    assert scores[True] == scores[False]
+
+
+def test_pool_filled_past_its_size_evicts_only_pages_no_running_request_reads(engines):
+    """A long request shares a cached prefix while distinct prompts fill the 24-page pool several times over:
+    cached pages are evicted for them, never the ones the long request reads, and every output is exact."""
+    on = engines[True]
+    rng = np.random.default_rng(11)
+    stem = rng.integers(0, 256, 32).tolist()
+    on.add_request(stem + [1], 2)
+    on.run()
+    pool = on.scheduler.allocators[0]
+    keys = page_keys(stem, 8, on.scheduler.prefix_salt)
+    shared = pool.match(keys)
+    assert shared.size == 4
+    seen = set(pool._page_of)  # every key cached so far
+    requests = [(stem + rng.integers(0, 256, 4).tolist(), 24)]  # 4 shared pages, 3 own
+    requests += [(rng.integers(0, 256, 40).tolist(), 1) for _ in range(16)]  # 6 pages each, 96 in all
+    ids = [on.add_request(prompt, new) for prompt, new in requests]
+    tokens, evicted = collections.defaultdict(list), set()
+    while on.has_unfinished():
+        for out in on.step():
+            tokens[out.request_id] += out.new_token_ids
+        if ids[0] in on.requests:  # while the long request runs: its shared pages stay, others go
+            assert pool.match(keys).tolist() == shared.tolist()
+            evicted |= seen - set(pool._page_of)
+        seen |= set(pool._page_of)
+    assert evicted
+    assert [tokens[i] for i in ids] == reference(engines, requests)
+    assert_idle_holds_only_cached_pages(on)

@@ -139,10 +139,23 @@ def model():
     return ess_jax.load_model(FIXTURE)
 
 
+MODES = {"resident": {}, "ess inline": dict(offload="ess", fetch="inline", pool_size=20),
+         "ess split": dict(offload="ess", fetch="split", pool_size=20)}  # ESS pools smaller than a request
+
+
 @pytest.fixture(scope="module")
 def engines(model):
-    """The same engine shape with the prefix cache on and off (one set of compiled steps)."""
-    return {on: Engine(model, dataclasses.replace(ENGINE, prefix_cache=on)) for on in (True, False)}
+    """One engine per mode with the prefix cache (built when first asked for), and the resident engine without it
+    (``False``): the reference (ESS gives the resident tokens)."""
+    built = {False: Engine(model, dataclasses.replace(ENGINE, prefix_cache=False))}
+
+    class Engines(dict):
+        def __missing__(self, mode):
+            mode = "resident" if mode is True else mode
+            if mode not in built:
+                built[mode] = Engine(model, dataclasses.replace(ENGINE, **MODES[mode]))
+            return built[mode]
+    return Engines()
 
 
 _REFERENCE: dict[tuple, list[int]] = {}
@@ -181,18 +194,22 @@ def assert_idle_holds_only_cached_pages(engine) -> None:
         assert pool.num_held == 0 and pool.num_free == pool.capacity
     usage = engine.usage()
     assert usage["pages_in_use"] == 0 and usage["prefix_cache_pages"] == engine.scheduler.allocators[0].num_cached
+    assert usage.get("pool_slots_in_use", 0) == 0
 
 
-REQUEST = st.tuples(st.integers(0, 24), st.integers(1, 8), st.integers(0, 5), st.sampled_from([None, 0, 1, 3]))
+REQUEST = st.tuples(st.integers(0, 16), st.integers(1, 8), st.integers(0, 5), st.sampled_from([None, 0, 1, 3]))
 # (suffix length, new tokens, arrival step, abort this many steps after arriving or None)
 
 
-@settings(max_examples=4, deadline=None, derandomize=True)
-@given(prefix=st.integers(0, 30), seed=st.integers(0, 3), requests=st.lists(REQUEST, min_size=2, max_size=5))
-def test_shared_prefix_workloads_give_the_tokens_of_no_prefix_cache(engines, prefix, seed, requests):
+@pytest.mark.parametrize("mode", MODES)
+@settings(max_examples=3, deadline=None, derandomize=True)
+@given(prefix=st.integers(0, 40), seed=st.integers(0, 3), requests=st.lists(REQUEST, min_size=2, max_size=5))
+def test_shared_prefix_workloads_give_the_tokens_of_no_prefix_cache(engines, mode, prefix, seed, requests):
     """Requests sharing a prefix (one of a few, so examples share cached pages too) with distinct suffixes, joining
     at arbitrary steps of three batch rows (some wait, some join while others prefill or decode), some aborted:
-    each finished request's tokens equal its tokens without the prefix cache, an aborted one's a prefix of them."""
+    each finished request's tokens equal its tokens without the prefix cache, an aborted one's a prefix of them.
+    Resident, and ESS with either fetch backend (its hits read the host store; the last 32 prompt tokens are
+    always prefilled, so the pool warms as without the cache)."""
     rng = np.random.default_rng(seed)
     stem = rng.integers(0, 256, prefix).tolist()
     arrivals, aborts, expected = collections.defaultdict(list), collections.defaultdict(list), {}
@@ -202,7 +219,7 @@ def test_shared_prefix_workloads_give_the_tokens_of_no_prefix_cache(engines, pre
         if abort is not None:
             aborts[step + abort].append(key)
         expected[key] = (prompt, new)
-    on = engines[True]
+    on = engines[mode]
     hits_before = on.prefix_cache_metrics()["hit_tokens"]
     got = drive(on, arrivals, aborts)
     want = dict(zip(expected, reference(engines, list(expected.values()))))
@@ -213,11 +230,15 @@ def test_shared_prefix_workloads_give_the_tokens_of_no_prefix_cache(engines, pre
             assert tokens == want[key]
     assert_idle_holds_only_cached_pages(on)
     metrics = on.prefix_cache_metrics()
-    assert metrics["per_tier"]["device"] == metrics["hit_tokens"] >= hits_before
+    tier = "device" if mode == "resident" else "host"
+    assert metrics["per_tier"][tier] == metrics["hit_tokens"] >= hits_before
 
 
-def test_identical_resent_request_hits_all_but_its_last_token(engines):
-    on = engines[True]
+@pytest.mark.parametrize("mode, tail", [("resident", 1), ("ess inline", 32)])
+def test_identical_resent_request_hits_all_but_its_last_tokens(engines, mode, tail):
+    """Re-sent, a prompt reads its whole pages from the cache but those holding its last ``tail`` tokens (the last
+    one's logits give the first token; ESS: the last 32 queries' top-k warm the pool)."""
+    on = engines[mode]
     for length in (40, 37):  # a prompt of whole pages (page size 8) and one with a partial page
         prompt = np.random.default_rng(length).integers(0, 256, length).tolist()
         (want,) = reference(engines, [(prompt, 6)])
@@ -228,9 +249,10 @@ def test_identical_resent_request_hits_all_but_its_last_token(engines):
             on.add_request(prompt, 6)
             outputs.append(on.run()[0].output_ids)
         assert outputs == [want, want]
+        hit = (length - tail) // 8 * 8
         assert sum(on.stats.prefix_queries.values()) - queries == 2 * length
-        assert sum(on.stats.prefix_hits.values()) - hits == 32  # the re-sent one: 4 pages; its last page recomputed
-        assert on.stats.prefill_tokens - prefilled == length + (length - 32)
+        assert sum(on.stats.prefix_hits.values()) - hits == hit
+        assert on.stats.prefill_tokens - prefilled == length + (length - hit)
     assert_idle_holds_only_cached_pages(on)
 
 
@@ -281,3 +303,78 @@ def test_pool_filled_past_its_size_evicts_only_pages_no_running_request_reads(en
     assert evicted
     assert [tokens[i] for i in ids] == reference(engines, requests)
     assert_idle_holds_only_cached_pages(on)
+
+
+# Runs with 2 simulated CPU devices: argv = checkpoint, then the prompts as JSON. Per mode, a data=2 mesh of one
+# batch row per shard: the first two prompts together (one on each shard), then the other two together; prints
+# every request's tokens and shard, and the prefix cache's counters per shard.
+MESH_SCRIPT = r"""
+import dataclasses, json, sys
+import ess_jax
+from ess_jax.engine import Engine, EngineConfig
+
+model = ess_jax.load_model(sys.argv[1])
+prompts = json.loads(sys.argv[2])
+base = EngineConfig(max_batch=2, page_size=8, num_pages=17, prefill_chunk=32, max_seq_len=64, mesh="data=2")
+out = {}
+for mode, extra in (("resident", {}), ("ess", dict(offload="ess", pool_size=20))):
+    engine = Engine(model, dataclasses.replace(base, **extra))
+    tokens, shards = [], []
+    for pair in (prompts[:2], prompts[2:]):
+        ids = [engine.add_request(p, 6) for p in pair]
+        engine.step()  # admits both
+        running = engine.scheduler.admission.running
+        shards += [engine.scheduler.admission.shard_of(running[i].row) for i in ids]
+        tokens += [r.output_ids for r in engine.run()]
+    out[mode] = {"tokens": tokens, "shards": shards, "prefix": engine.prefix_cache_metrics()}
+print(json.dumps(out))
+"""
+
+
+def test_data_shards_route_to_the_shard_holding_the_prefix_and_give_the_same_tokens(engines):
+    """Two prompts served on a data=2 mesh, one per shard; then a prompt sharing the second's prefix and one sharing
+    the first's, sent in that order: each goes to the shard holding its prefix (not the lowest idle one), reads it
+    from there, and every output equals the single-device output without the prefix cache."""
+    import json
+    import sys
+
+    from helpers import outputs, spawn
+
+    rng = np.random.default_rng(5)
+    a, b = rng.integers(0, 256, 48).tolist(), rng.integers(0, 256, 48).tolist()
+    prompts = [a + [1, 2], b + [3], b + [4, 5, 6], a + [7]]
+    (out,) = outputs(spawn([[sys.executable, "-c", MESH_SCRIPT, str(FIXTURE), json.dumps(prompts)]], devices=2),
+                     timeout=900)
+    want = reference(engines, [(p, 6) for p in prompts])
+    for mode, tail in (("resident", 1), ("ess", 32)):
+        got = json.loads(out.splitlines()[-1])[mode]
+        assert got["tokens"] == want
+        assert got["shards"] == [0, 1, 1, 0]
+        per_shard = {s["shard"]: s for s in got["prefix"]["per_shard"]}
+        for shard, (first, again) in ((0, (prompts[0], prompts[3])), (1, (prompts[1], prompts[2]))):
+            assert per_shard[shard]["query_tokens"] == len(first) + len(again)
+            assert per_shard[shard]["hit_tokens"] == (len(again) - tail) // 8 * 8 > 0
+
+
+def test_metrics_export_the_prefix_cache_counters(engines):
+    """The server's /metrics registry fed an engine's ``usage()``: queries and hits per tier, as the engine counts."""
+    from prometheus_client import generate_latest
+
+    from ess_jax.server.metrics import Metrics
+
+    on = engines["resident"]
+    prompt = np.random.default_rng(3).integers(0, 256, 30).tolist()
+    for _ in range(2):
+        on.add_request(prompt, 1)
+        on.run()
+    metrics = Metrics()
+    metrics.usage(on.usage())
+    text = generate_latest(metrics.registry).decode()
+    counts = on.prefix_cache_metrics()
+    assert counts["hit_tokens"] >= 24
+    assert f"ess_jax_prefix_cache_queries_total {float(counts['query_tokens'])}" in text
+    assert f'ess_jax_prefix_cache_hits_total{{tier="device"}} {float(counts["hit_tokens"])}' in text
+    assert 'ess_jax_prefix_cache_hits_total{tier="host"} 0.0' in text
+    off = Metrics()
+    off.usage(engines[False].usage())
+    assert "prefix_cache" not in generate_latest(off.registry).decode()

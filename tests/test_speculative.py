@@ -89,9 +89,7 @@ def tier_invariants(engine: Engine) -> None:
         held = entry_LBP[:, row]
         assert (held < limit).all(), (row, limit, held.max())
         for layer, slot in zip(*np.nonzero(held >= 0)):
-            e = held[layer, slot]
-            page = table[row, e * part.tokens_per_row // page_size]
-            assert resident[layer, page, e % per_page] == slot
+            assert resident[layer, row, held[layer, slot]] == slot
     assert (resident >= 0).sum() == (entry_LBP >= 0).sum()  # no residency without its slot
     staged_page, staged_offset = np.asarray(store.staged_page), np.asarray(store.staged_offset)
     for row, m in zip(*np.nonzero(staged_page > 0)):

@@ -95,7 +95,8 @@ class Engine:
         self.scheduler = Scheduler(config, shards=size.shards, pages=size.pages // size.shards,
                                    pages_per_row=self.layout.pages_per_row, max_seq_len=self.max_seq_len,
                                    stats=self.stats, drafter=drafter and self._checked(drafter),
-                                   prefix_salt=self._prefix_salt() if self.prefix_cache else None)
+                                   prefix_salt=self._prefix_salt() if self.prefix_cache else None,
+                                   prefix_tail=mode.computed_tail)
         self._step_lock = threading.Lock()  # held while the engine's state changes (step, abort)
 
     def _checked(self, drafter: Drafter) -> Drafter:
@@ -219,7 +220,8 @@ class Engine:
     def warm_up(self) -> None:
         """Compile ahead on the calling thread: the decode step, every prefill piece size (with and without prompt
         log-probabilities) and the offload mode's steps, through two requests of ``2 x prefill_chunk - 1`` tokens
-        (one piece of each size): one served to the end, one scoring its prompt and ending after its prefill.
+        (one piece of each size): one served to the end, one scoring its prompt and ending after its prefill; with
+        the prefix cache the first again, which reads its prompt's cached pages (ESS: ``load_prefix``).
         Every step's arguments are placed as in serving (``Runner``), so nothing compiles afterwards. Call it on
         an idle engine, before serving."""
         if self.has_unfinished():
@@ -230,6 +232,9 @@ class Engine:
         self.add_request(prompt, 1, ignore_eos=True)
         self.add_request(prompt, 0, prompt_logprobs=0)
         self.run()
+        if self.prefix_cache:
+            self.add_request(prompt, 1, ignore_eos=True)
+            self.run()
         self.stats.peak_reserved_pages = self.stats.reserved_pages  # the warm-up request is no workload
         self.stats.prefix_queries.clear()
         self.stats.prefix_hits.clear()
@@ -269,7 +274,7 @@ class Engine:
         shards = range(self.layout.size.shards)
         queries, hits = (sum(d.values()) for d in (self.stats.prefix_queries, self.stats.prefix_hits))
         return {"query_tokens": queries, "hit_tokens": hits, "hit_rate": hits / queries if queries else 0.0,
-                "per_tier": {"device": hits, "host": 0, "disk": 0},
+                "per_tier": {"device": 0, "host": 0, "disk": 0, self.offload.prefix_tier: hits},
                 "per_shard": [{"shard": d, "query_tokens": self.stats.prefix_queries.get(d, 0),
                                "hit_tokens": self.stats.prefix_hits.get(d, 0)} for d in shards]}
 

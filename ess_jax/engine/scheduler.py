@@ -95,6 +95,8 @@ class PrefillSlice:
     wants_logits: bool  # its first output token's logits are read back (logprobs or kept logits)
     targets: tuple[int, ...]  # the prompt token after each of its positions (the last piece: one fewer)
     prompt_logprobs: int | None  # the top-N of each target's log-probability to report (None: not scored)
+    cached: int = 0  # the prompt's first tokens read from the prefix cache (its first pages, shared); the first
+    # piece starts there
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,10 +158,9 @@ class DecodeResult:
 
 @dataclasses.dataclass(frozen=True)
 class Released:
-    """What an ended request held: its batch row and page table, for the offload mode to empty."""
+    """What an ended request held: its batch row, for the offload mode to empty."""
 
     row: int
-    pages_X: np.ndarray  # i32[pages_per_row]
 
 
 class Inbox:
@@ -222,12 +223,14 @@ Drafter = Callable[[Request], Sequence[int]]  # a request -> the K tokens it dra
 
 class Scheduler:
     def __init__(self, config: EngineConfig, *, shards: int, pages: int, pages_per_row: int, max_seq_len: int,
-                 stats: EngineStats, drafter: Drafter | None = None, prefix_salt: bytes | None = None):
+                 stats: EngineStats, drafter: Drafter | None = None, prefix_salt: bytes | None = None,
+                 prefix_tail: int = 1):
         """``pages``: each data shard's pool, its null page included. With speculative decoding each decode step
         verifies ``config.num_speculative_tokens`` drafts per request: ``drafter``'s (a caller's, on the host),
         else those the last decode step drafted (the MTP module's); a request reserves room for them.
         ``prefix_salt``: the prefix cache is on, its page keys salted with it (``allocator.page_keys``: what else
-        changes a page's bytes); None: off."""
+        changes a page's bytes); None: off. ``prefix_tail``: a prompt's last tokens always prefilled (the offload
+        mode's ``computed_tail``)."""
         self.config, self.stats, self.pages_per_row = config, stats, pages_per_row
         self.drafts, self.drafter = config.num_speculative_tokens, drafter
         # positions past its last token a request's steps may write: a verification step's K drafts, then the MTP
@@ -236,7 +239,7 @@ class Scheduler:
         if self.drafts:
             stats.speculative = SpecStats(accepted_per_position=[0] * self.drafts)
         self._drafted = np.zeros((config.max_batch, self.drafts), np.int32)  # each row's drafts for its next step
-        self.prefix_salt = prefix_salt
+        self.prefix_salt, self.prefix_tail = prefix_salt, prefix_tail
         self._keys: dict[int, list[bytes]] = {}  # with the prefix cache, the keys of each request's full prompt pages
         self.allocators = [PageAllocator(pages, config.page_size) for _ in range(shards)]
         self.admission = Admission(self.allocators, max_batch=config.max_batch, max_position_embeddings=max_seq_len)
@@ -270,15 +273,15 @@ class Scheduler:
 
     def _lookup_keys(self, request_id: int, request: Request) -> list[bytes]:
         """With the prefix cache, keep the keys of the request's full prompt pages; the keys of those it may share:
-        the full pages before its last prompt token (always computed: its logits give the first output token),
-        none for a request that scores its prompt (each prompt position's logits are computed)."""
+        the full pages before its last ``prefix_tail`` prompt tokens (always computed: the last one's logits give
+        the first output token), none for a request that scores its prompt (each position's logits are computed)."""
         if self.prefix_salt is None:
             return []
         prompt = request.prompt_ids
         self._keys[request_id] = page_keys(prompt, self.config.page_size, self.prefix_salt)
         if request.prompt_logprobs is not None:
             return []
-        return self._keys[request_id][:(len(prompt) - 1) // self.config.page_size]
+        return self._keys[request_id][:max(len(prompt) - self.prefix_tail, 0) // self.config.page_size]
 
     def _admit(self) -> None:
         """Admit what fits; a request sharing cached pages starts its prefill past them."""
@@ -324,7 +327,7 @@ class Scheduler:
         return PrefillSlice(entry.request_id, entry.row, start, tuple(request.prompt_ids[start:start + size]),
                             self.page_table(entry.pages), length, start + size == length, request.sampling,
                             self._wants_logits(request), tuple(request.prompt_ids[start + 1:start + size + 1]),
-                            request.prompt_logprobs)
+                            request.prompt_logprobs, entry.shared * self.config.page_size)
 
     def update_prefill(self, group: PrefillGroup, result: PrefillResult) -> list[Released]:
         """Record a prefill call: its prompt log-probabilities; the prompts it finished join the decode with
@@ -418,8 +421,8 @@ class Scheduler:
         if request_id in self.admission.waiting:
             self.admission.cancel(request_id)
         elif request_id in self.admission.running:
-            row, pages = self.admission.running[request_id][1:3]
-            released.append(Released(row, self.page_table(pages)))
+            row = self.admission.running[request_id].row
+            released.append(Released(row))
             self.admission.finish(request_id)
             self._decoding.pop(request_id, None)
             self._prefilling = deque(e for e in self._prefilling if e.request_id != request_id)

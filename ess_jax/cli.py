@@ -131,8 +131,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     cache.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                        help="share the cached pages of prompt prefixes between requests and keep them after their "
                             "requests finish (evictable, least recently used first), so a prompt that starts like an "
-                            "earlier one skips that part's prefill; same tokens either way. DeepSeek-V3.2 with "
-                            "--offload none (default on; --no-prefix-cache turns it off)")
+                            "earlier one skips that part's prefill; same tokens either way. DeepSeek-V3.2, resident "
+                            "and ESS; DeepSeek-V4 runs without it (default on; --no-prefix-cache turns it off)")
     cache.add_argument("--prefill-chunk", type=int, default=256,
                        help="longest prefill piece in tokens; a shorter remainder runs as power-of-two pieces "
                             "(default 256)")

@@ -256,6 +256,24 @@ def test_identical_resent_request_hits_all_but_its_last_tokens(engines, mode, ta
     assert_idle_holds_only_cached_pages(on)
 
 
+@pytest.mark.parametrize("mode", ["resident", "ess inline"])
+def test_a_prompt_aborted_mid_prefill_leaves_nothing_cached(engines, mode):
+    """Pages are cached when their prompt is all prefilled (with ESS: handed off to the host store): a prompt
+    aborted after its first piece leaves none, and the same prompt sent again prefills whole and is exact."""
+    on = engines[mode]
+    prompt = np.random.default_rng(17).integers(0, 256, 60).tolist()  # pieces 32 | 16 + 8 + 4: two steps
+    victim = on.add_request(prompt, 4)
+    on.step()
+    assert on.requests[victim].prefilled == 32
+    on.abort(victim)
+    on.step()
+    hits = on.prefix_cache_metrics()["hit_tokens"]
+    on.add_request(prompt, 4)
+    assert on.run()[0].output_ids == reference(engines, [(prompt, 4)])[0]
+    assert on.prefix_cache_metrics()["hit_tokens"] == hits
+    assert_idle_holds_only_cached_pages(on)
+
+
 def test_prompt_logprobs_requests_read_no_cached_pages(engines):
     """A request scoring its prompt computes every position (no hit counted) and scores it as without the cache;
     the pages it writes are cached for others."""

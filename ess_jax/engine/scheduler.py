@@ -337,8 +337,9 @@ class Scheduler:
             request = self._requests[piece.request_id]
             request.prefilled += group.size
             self.stats.prefill_tokens += group.size
-            if keys := self._keys.get(piece.request_id):  # its prompt pages written so far, for others to share
-                self.admission.cache_pages(piece.request_id, keys[:request.prefilled // self.config.page_size])
+            if piece.last and (keys := self._keys.get(piece.request_id)):
+                # its prompt pages, for others to share: all written now (ESS: handed off to the host store)
+                self.admission.cache_pages(piece.request_id, keys)
             if piece.prompt_logprobs is not None:
                 request.prompt_scores += prompt_token_logprobs(piece.targets, *result.scores[shard],
                                                                piece.prompt_logprobs)

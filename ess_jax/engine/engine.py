@@ -91,7 +91,7 @@ class Engine:
         self.offload: offload.Mode = mode(self.runner, self.layout, self.stats)
         size = self.layout.size
         # the prefix cache where a prefix's cache state is all in pages the requests can share
-        self.prefix_cache = config.prefix_cache and families.get(model.cfg.family).prefix_pages and mode.shares_pages
+        self.prefix_cache = config.prefix_cache and families.get(model.cfg.family).prefix_pages
         self.scheduler = Scheduler(config, shards=size.shards, pages=size.pages // size.shards,
                                    pages_per_row=self.layout.pages_per_row, max_seq_len=self.max_seq_len,
                                    stats=self.stats, drafter=drafter and self._checked(drafter),

@@ -47,7 +47,6 @@ class Sizes:
 class Mode(Protocol):
     """What the engine asks of its offload mode (``Resident`` or ``Ess``)."""
 
-    shares_pages: bool  # the prefix cache's pages can be shared between requests
     computed_tail: int  # a prompt's last tokens always prefilled, never read from the prefix cache
     prefix_tier: str  # where a cached prefix is read from: "device" | "host"
 
@@ -67,7 +66,6 @@ class Resident:
         return Sizes(size, None, families.resident_bytes(parts, size, size.pages), 0)
 
     steps: tuple[str, ...] = ()  # the mode's own jitted steps (``ess_jax.engine.steps``) beside prefill and decode
-    shares_pages = True  # a prompt prefills in the decode cache's pages: cached pages are read where they are
     computed_tail = 1  # prompt tokens always prefilled: the last (its logits give the first output token)
     prefix_tier = "device"  # where a cached prefix is read from
 
@@ -147,7 +145,6 @@ class Ess:
         return dataclasses.replace(size, rows=size.shards, pages=size.shards * (pages_per_row + 1))
 
     steps: tuple[str, ...] = ("handoff", "release", "flush", "load_prefix")
-    shares_pages = True  # a cached prefix's host and device pages are shared; each row's pools and residency its own
     computed_tail = tier.WARMUP_QUERIES  # prompt tokens always prefilled: the queries whose top-k warm the pool
     prefix_tier = "host"  # where a cached prefix is read from: its rows from the host store (its indexer keys on
     # the device)

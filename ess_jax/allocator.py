@@ -12,13 +12,13 @@ page, page ids local to the shard: the devices of shard ``d`` hold its pages and
 ``max_batch / D`` batch rows: rows ``d * R .. (d + 1) * R - 1`` read only shard ``d``'s pages.
 
 Prefix cache. A full page of prompt tokens is named by a key chained over the prompt (``page_keys``: the
-previous page's key, the page's token ids; the first page's parent is a salt naming everything else that
-changes the page's bytes: model, cache formats). Once written, such a page may be *shared*: every request whose
-prompt starts with the same pages reads them (read only; its partial last page, and every page it writes,
-are its own). Pages are reference-counted; a page no request holds any more stays cached under its key,
-evictable least-recently-used: ``allocate`` takes free pages first, then the least recently released cached
-ones. A cached page counts as free (``num_free``), so admission counts a shared page once: a request that
-shares pages another running request holds costs only its own pages.
+previous page's key, the page's token ids and any tokens past it that its rows depend on; the first page's
+parent is a salt naming everything else that changes the page's bytes: model, cache formats). Once written,
+such a page may be *shared*: every request whose prompt starts with the same pages reads them (read only; its
+partial last page, and every page it writes, are its own). Pages are reference-counted; a page no request holds
+any more stays cached under its key, evictable least-recently-used: ``allocate`` takes free pages first, then
+the least recently released cached ones. A cached page counts as free (``num_free``), so admission counts a
+shared page once: a request that shares pages another running request holds costs only its own pages.
 
 Admission. A request reserves ``pages_for(prompt_len + max_new_tokens)`` pages of one shard when it is
 admitted (its leading cached pages shared, the rest taken), so a running request never runs out mid-decode,
@@ -43,13 +43,15 @@ class OutOfPages(RuntimeError):
     """``PageAllocator.allocate`` was asked for more pages than are free."""
 
 
-def page_keys(token_ids: Sequence[int], page_size: int, salt: bytes) -> list[bytes]:
-    """The keys of the full pages of ``token_ids``: page ``i``'s key hashes page ``i - 1``'s key (``salt`` for
-    the first) and the page's token ids, so a key names the whole prefix up to its page's end."""
+def page_keys(token_ids: Sequence[int], page_size: int, salt: bytes, lookahead: int = 0) -> list[bytes]:
+    """The keys of the full pages of ``token_ids`` that ``lookahead`` more tokens follow: page ``i``'s key hashes
+    page ``i - 1``'s key (``salt`` for the first), the page's token ids and the ``lookahead`` after them, so a key
+    names the whole prefix up to its page's end and the tokens past it that the page's bytes depend on."""
     keys, parent = [], hashlib.blake2b(salt, digest_size=16).digest()
     tokens = np.asarray(token_ids, np.int64)
-    for i in range(len(tokens) // page_size):
-        parent = hashlib.blake2b(parent + tokens[i * page_size:(i + 1) * page_size].tobytes(), digest_size=16).digest()
+    for i in range((len(tokens) - lookahead) // page_size):
+        page = tokens[i * page_size:(i + 1) * page_size + lookahead]
+        parent = hashlib.blake2b(parent + page.tobytes(), digest_size=16).digest()
         keys.append(parent)
     return keys
 

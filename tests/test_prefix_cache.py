@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import ess_jax
 from ess_jax.allocator import NULL_PAGE, Admission, PageAllocator, page_keys
 from ess_jax.engine import Engine
-from helpers import ENGINE
+from helpers import ENGINE, MTP_ENGINE, mtp_v32
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf-v32-a"
 SALT = b"test"
@@ -38,6 +38,11 @@ def test_page_keys_chain_every_earlier_token_and_the_salt():
     changed = page_keys([99] + tokens[1:], 4, SALT)
     assert not set(changed) & set(keys)  # a change in the first page changes every later key
     assert not set(page_keys(tokens, 4, b"other")) & set(keys)  # so does the salt
+    # with a lookahead a page's key names the token after it too: only pages some token follows have one
+    ahead = page_keys(tokens, 4, SALT, lookahead=1)
+    assert len(ahead) == 4 and not set(ahead) & set(keys)
+    moved = page_keys(tokens[:8] + [99] + tokens[9:], 4, SALT, lookahead=1)
+    assert moved[0] == ahead[0] and moved[1] != ahead[1]
 
 
 def test_shared_pages_are_counted_once_and_stay_cached_until_evicted_lru():
@@ -396,3 +401,49 @@ def test_metrics_export_the_prefix_cache_counters(engines):
     off = Metrics()
     off.usage(engines[False].usage())
     assert "prefix_cache" not in generate_latest(off.registry).decode()
+
+
+# ---- with speculative decoding ----------------------------------------------------------------------------------
+
+
+def serve_alone(engine, prompt: list[int], new: int) -> tuple[list[int], list[list[int]]]:
+    """One request served alone to its end: its tokens and the drafts its row holds after each decode step."""
+    request_id, tokens, drafts = engine.add_request(prompt, new), [], []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.new_token_ids
+        if (row := engine.scheduler._decoding.get(request_id)) is not None:
+            drafts.append(engine.scheduler._drafted[row].tolist())
+    return tokens, drafts
+
+
+@pytest.fixture(scope="module")
+def mtp_model():
+    return mtp_v32()
+
+
+@pytest.mark.parametrize("offload, k, shared", [("none", 2, (8, 40)), ("ess", 3, (8, 16))])
+def test_prefix_hits_decode_with_mtp_speculation_as_without_either(mtp_model, offload, k, shared):
+    """The MTP module drafting (test_speculative's engine shapes): its cache is in the request's pages, its row at a
+    position made of the token after it, so a page is shared only with the token past it (``page_keys``'
+    lookahead). A prompt sharing a cached prefix but not the token after it, then the first prompt sent again:
+    the greedy tokens of decoding without speculation or the prefix cache, every step's drafts those of the same
+    engine without the prefix cache, and the hits ``shared`` (resident: the pages before the last token; ESS:
+    before the last 32)."""
+    rng = np.random.default_rng(9)
+    stem = rng.integers(0, 256, 16).tolist()
+    first, second = (stem + rng.integers(0, 256, 32).tolist() for _ in range(2))
+    assert first[16] != second[16]
+    prompts = [first, second, first]
+    plain = Engine(mtp_model, dataclasses.replace(MTP_ENGINE, prefix_cache=False))
+    want = [serve_alone(plain, p, 8)[0] for p in prompts]
+    extra = dict(offload="ess", pool_size=9) if offload == "ess" else {}
+    spec = dataclasses.replace(MTP_ENGINE, speculative="mtp", num_speculative_tokens=k, **extra)
+    runs = {}
+    for cached in (False, True):
+        engine = Engine(mtp_model, dataclasses.replace(spec, prefix_cache=cached))
+        runs[cached] = [serve_alone(engine, p, 8) for p in prompts]
+    assert [tokens for tokens, _ in runs[True]] == want
+    assert runs[True] == runs[False]
+    assert engine.prefix_cache_metrics()["hit_tokens"] == sum(shared)
+    assert_idle_holds_only_cached_pages(engine)

@@ -240,6 +240,9 @@ class Scheduler:
             stats.speculative = SpecStats(accepted_per_position=[0] * self.drafts)
         self._drafted = np.zeros((config.max_batch, self.drafts), np.int32)  # each row's drafts for its next step
         self.prefix_salt, self.prefix_tail = prefix_salt, prefix_tail
+        # the MTP module's cache (drafts without a caller's drafter) is in the request's pages, its row at a position
+        # made of the token after it: a cached page's key names the token past the page too
+        self.prefix_lookahead = 1 if self.drafts and drafter is None else 0
         self._keys: dict[int, list[bytes]] = {}  # with the prefix cache, the keys of each request's full prompt pages
         self.allocators = [PageAllocator(pages, config.page_size) for _ in range(shards)]
         self.admission = Admission(self.allocators, max_batch=config.max_batch, max_position_embeddings=max_seq_len)
@@ -272,13 +275,14 @@ class Scheduler:
         return released
 
     def _lookup_keys(self, request_id: int, request: Request) -> list[bytes]:
-        """With the prefix cache, keep the keys of the request's full prompt pages; the keys of those it may share:
-        the full pages before its last ``prefix_tail`` prompt tokens (always computed: the last one's logits give
-        the first output token), none for a request that scores its prompt (each position's logits are computed)."""
+        """With the prefix cache, keep the keys of the request's full prompt pages (those ``prefix_lookahead``
+        prompt tokens follow); the keys of those it may share: the full pages before its last ``prefix_tail`` prompt
+        tokens (always computed: the last one's logits give the first output token), none for a request that scores
+        its prompt (each position's logits are computed)."""
         if self.prefix_salt is None:
             return []
         prompt = request.prompt_ids
-        self._keys[request_id] = page_keys(prompt, self.config.page_size, self.prefix_salt)
+        self._keys[request_id] = page_keys(prompt, self.config.page_size, self.prefix_salt, self.prefix_lookahead)
         if request.prompt_logprobs is not None:
             return []
         return self._keys[request_id][:max(len(prompt) - self.prefix_tail, 0) // self.config.page_size]

@@ -11,17 +11,28 @@ Data shards. On a mesh of ``D`` data shards every shard has its own pool (``Page
 page, page ids local to the shard: the devices of shard ``d`` hold its pages and nothing else) and its own
 ``max_batch / D`` batch rows: rows ``d * R .. (d + 1) * R - 1`` read only shard ``d``'s pages.
 
+Prefix cache. A full page of prompt tokens is named by a key chained over the prompt (``page_keys``: the
+previous page's key, the page's token ids and any tokens past it that its rows depend on; the first page's
+parent is a salt naming everything else that changes the page's bytes: model, cache formats). Once written,
+such a page may be *shared*: every request whose prompt starts with the same pages reads them (read only; its
+partial last page, and every page it writes, are its own). Pages are reference-counted; a page no request holds
+any more stays cached under its key, evictable least-recently-used: ``allocate`` takes free pages first, then
+the least recently released cached ones. A cached page counts as free (``num_free``), so admission counts a
+shared page once: a request that shares pages another running request holds costs only its own pages.
+
 Admission. A request reserves ``pages_for(prompt_len + max_new_tokens)`` pages of one shard when it is
-admitted, so a running request never runs out mid-decode, and holds one batch row of that shard
-until it finishes. Waiting requests are admitted in strict FIFO order, each to the least-loaded shard that
-has a free row and its pages (the most free pages; then the fewest rows in use; then the lowest shard).
+admitted (its leading cached pages shared, the rest taken), so a running request never runs out mid-decode,
+and holds one batch row of that shard until it finishes. Waiting requests are admitted in strict FIFO order,
+each to the shard holding the longest cached prefix of its prompt that has a free row and its pages, the
+least-loaded among equals (the most free pages; then the fewest rows in use; then the lowest shard).
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
-from collections import deque
-from typing import Hashable, NamedTuple
+from collections import OrderedDict, deque
+from typing import Hashable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -32,11 +43,26 @@ class OutOfPages(RuntimeError):
     """``PageAllocator.allocate`` was asked for more pages than are free."""
 
 
+def page_keys(token_ids: Sequence[int], page_size: int, salt: bytes, lookahead: int = 0) -> list[bytes]:
+    """The keys of the full pages of ``token_ids`` that ``lookahead`` more tokens follow: page ``i``'s key hashes
+    page ``i - 1``'s key (``salt`` for the first), the page's token ids and the ``lookahead`` after them, so a key
+    names the whole prefix up to its page's end and the tokens past it that the page's bytes depend on."""
+    keys, parent = [], hashlib.blake2b(salt, digest_size=16).digest()
+    tokens = np.asarray(token_ids, np.int64)
+    for i in range((len(tokens) - lookahead) // page_size):
+        page = tokens[i * page_size:(i + 1) * page_size + lookahead]
+        parent = hashlib.blake2b(parent + page.tobytes(), digest_size=16).digest()
+        keys.append(parent)
+    return keys
+
+
 class PageAllocator:
     """A pool of ``num_pages`` pages of ``page_size`` tokens; page 0 is the reserved null page.
 
     Free pages live on a LIFO stack, so pages freed last are reused first and page tables of
-    long-running engines are fragmented (not contiguous), as the paged kernels must expect.
+    long-running engines are fragmented (not contiguous), as the paged kernels must expect. Each handed-out
+    page has a reference count (``share`` adds one, ``free`` drops one); a page cached under a key
+    (``cache``) that no request holds stays cached and evictable, least recently released first.
     """
 
     def __init__(self, num_pages: int, page_size: int):
@@ -47,11 +73,25 @@ class PageAllocator:
         self.num_pages = num_pages
         self.page_size = page_size
         self._free: list[int] = list(range(num_pages - 1, NULL_PAGE, -1))  # stack: pops 1, 2, 3, ... first
-        self._allocated = np.zeros(num_pages, bool)  # bool[num_pages]
+        self._refs = np.zeros(num_pages, np.int64)  # i64[num_pages] requests holding each page
+        self._page_of: dict[bytes, int] = {}  # key -> the cached page holding it
+        self._key_of: dict[int, bytes] = {}  # cached page -> its key
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached pages no request holds, least recent first
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages ``allocate`` can take: the free ones and the cached ones no request holds."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        """Cached pages no request holds (evictable)."""
+        return len(self._evictable)
+
+    @property
+    def num_held(self) -> int:
+        """Pages some request holds."""
+        return self.capacity - self.num_free
 
     @property
     def capacity(self) -> int:
@@ -63,18 +103,29 @@ class PageAllocator:
         return -(-tokens // self.page_size)
 
     def allocate(self, n: int) -> np.ndarray:
-        """Take ``n`` free pages: ``i32[n]``. Raises ``OutOfPages`` (taking nothing) when fewer are free."""
+        """Take ``n`` pages: ``i32[n]``, free ones first, then the least recently released cached ones (their
+        keys forgotten). Raises ``OutOfPages`` (taking nothing) when fewer than ``n`` are free or evictable."""
         if n < 0:
             raise ValueError(f"{n=} must be >= 0")
-        if n > len(self._free):
-            raise OutOfPages(f"asked for {n} pages, {len(self._free)} of {self.capacity} are free")
-        pages = np.array([self._free.pop() for _ in range(n)], np.int32)
-        self._allocated[pages] = True
+        if n > self.num_free:
+            raise OutOfPages(f"asked for {n} pages, {self.num_free} of {self.capacity} are free")
+        pages = []
+        for _ in range(n):
+            if self._free:
+                pages.append(self._free.pop())
+            else:
+                page, _ = self._evictable.popitem(last=False)
+                del self._page_of[self._key_of.pop(page)]
+                pages.append(page)
+        pages = np.array(pages, np.int32)
+        self._refs[pages] = 1
         return pages
 
     def free(self, pages: np.ndarray) -> None:
-        """Return allocated pages to the pool. Raises ``ValueError`` (freeing nothing) on the null page,
-        an out-of-range page, a page listed twice or a page that is not allocated (a double free)."""
+        """Drop one reference to each of ``pages``: a page no request holds any more goes back to the pool, or
+        stays cached (evictable, most recently released last) if it has a key. Raises ``ValueError`` (freeing
+        nothing) on the null page, an out-of-range page, a page listed twice or a page no request holds (a
+        double free)."""
         pages = np.asarray(pages, np.int64).reshape(-1)
         bad = pages[(pages <= NULL_PAGE) | (pages >= self.num_pages)]
         if bad.size:
@@ -82,24 +133,62 @@ class PageAllocator:
         unique, counts = np.unique(pages, return_counts=True)
         if (counts > 1).any():
             raise ValueError(f"pages {unique[counts > 1].tolist()} are listed more than once")
-        if not self._allocated[pages].all():
-            raise ValueError(f"pages {pages[~self._allocated[pages]].tolist()} are not allocated (double free?)")
-        self._allocated[pages] = False
-        self._free.extend(reversed(pages.tolist()))
+        if not (self._refs[pages] > 0).all():
+            raise ValueError(f"pages {pages[self._refs[pages] <= 0].tolist()} are not allocated (double free?)")
+        self._refs[pages] -= 1
+        released = [int(p) for p in pages if self._refs[p] == 0]
+        for page in released:
+            if page in self._key_of:
+                self._evictable[page] = None
+        self._free.extend(reversed([p for p in released if p not in self._key_of]))
+
+    # ---- the prefix cache ----------------------------------------------------------------------
+    def match(self, keys: Sequence[bytes]) -> np.ndarray:
+        """The cached pages of the longest prefix of ``keys``: ``i32[n]`` (held or evictable)."""
+        pages = []
+        for key in keys:
+            if (page := self._page_of.get(key)) is None:
+                break
+            pages.append(page)
+        return np.array(pages, np.int32)
+
+    def cost(self, shared: np.ndarray, pages: int) -> int:
+        """The free pages a request of ``pages`` pages takes when it shares ``shared`` (its first pages): its own
+        pages, and the shared ones no request holds now (they leave the evictable pages)."""
+        return pages - shared.size + int((self._refs[shared] == 0).sum())
+
+    def share(self, pages: np.ndarray) -> None:
+        """One more reference to each of the cached ``pages`` (those no request held leave the evictable ones)."""
+        for page in np.asarray(pages).reshape(-1).tolist():
+            if page not in self._key_of:
+                raise ValueError(f"page {page} is not cached: only cached pages are shared")
+            self._evictable.pop(page, None)
+            self._refs[page] += 1
+
+    def cache(self, page: int, key: bytes) -> None:
+        """Cache the held, fully written ``page`` under ``key``, for later requests to share; nothing if ``key`` is
+        cached already (another request wrote the same prefix) or ``page`` has a key."""
+        if not self._refs[page] > 0:
+            raise ValueError(f"page {page} is not held: only a written page is cached")
+        if key in self._page_of or page in self._key_of:
+            return
+        self._page_of[key], self._key_of[page] = page, key
 
 
 class Admitted(NamedTuple):
     """A running request: its batch row and its reserved pages ``i32[pages_for(prompt + max_new)]`` (ids in
-    the pool of the row's data shard)."""
+    the pool of the row's data shard), the first ``shared`` of them cached pages it shares (read only)."""
 
     request_id: Hashable
     row: int
     pages: np.ndarray
+    shared: int = 0
 
 
 class _Waiting(NamedTuple):
     request_id: Hashable
     pages: int
+    keys: tuple[bytes, ...]  # the keys of the prompt pages it may share (``page_keys``)
 
 
 class Admission:
@@ -156,11 +245,16 @@ class Admission:
         """The data shard of batch row ``row``."""
         return row // self.rows_per_shard
 
-    def submit(self, request_id: Hashable, prompt_len: int, max_new_tokens: int) -> None:
-        """Queue a request. Raises ``ValueError`` when it could never run (``check``) or was already queued."""
+    def submit(self, request_id: Hashable, prompt_len: int, max_new_tokens: int, keys: Sequence[bytes] = ()) -> None:
+        """Queue a request; ``keys``: those of the prompt pages it may share (``page_keys``, at most its full
+        pages before its last prompt token). Raises ``ValueError`` when it could never run (``check``) or was
+        already queued."""
         if request_id in self._running or request_id in self._waiting_ids:
             raise ValueError(f"request {request_id!r} was already submitted")
-        self._queue.append(_Waiting(request_id, self.check(request_id, prompt_len, max_new_tokens)))
+        pages = self.check(request_id, prompt_len, max_new_tokens)
+        if len(keys) * self.allocators[0].page_size >= prompt_len:
+            raise ValueError(f"request {request_id!r}: {len(keys)} shared pages leave no prompt token to compute")
+        self._queue.append(_Waiting(request_id, pages, tuple(keys)))
         self._waiting_ids.add(request_id)
 
     def check(self, request_id: Hashable, prompt_len: int, max_new_tokens: int) -> int:
@@ -197,10 +291,16 @@ class Admission:
         self._waiting_ids.remove(request_id)
         self._queue = deque(w for w in self._queue if w.request_id != request_id)
 
-    def _shard_for(self, pages: int) -> int | None:
-        """The least-loaded shard with a free row and ``pages`` free pages (None: no shard has them)."""
-        fits = [d for d, a in enumerate(self.allocators) if self._free_rows[d] and pages <= a.num_free]
-        return min(fits, key=lambda d: (-self.allocators[d].num_free, -len(self._free_rows[d]), d), default=None)
+    def _shard_for(self, waiting: _Waiting) -> tuple[int, np.ndarray] | None:
+        """The shard with a free row and the pages ``waiting`` takes there that holds the longest cached prefix of
+        it, the least loaded among equals; with the cached pages it shares there (None: no shard fits it)."""
+        fits = []
+        for d, a in enumerate(self.allocators):
+            shared = a.match(waiting.keys)
+            if self._free_rows[d] and a.cost(shared, waiting.pages) <= a.num_free:
+                fits.append((-shared.size, -a.num_free, -len(self._free_rows[d]), d, shared))
+        best = min(fits, key=lambda f: f[:4], default=None)
+        return None if best is None else best[3:]
 
     def admit(self, max_new: int) -> list[Admitted]:
         """Admit up to ``max_new`` requests from the head of the queue while pages and batch rows allow;
@@ -210,18 +310,29 @@ class Admission:
             raise ValueError(f"{max_new=} must be >= 0")
         admitted = []
         while len(admitted) < max_new and self._queue:
-            shard = self._shard_for(self._queue[0].pages)
-            if shard is None:
+            found = self._shard_for(self._queue[0])
+            if found is None:
                 break
-            request_id, pages = self._queue.popleft()
+            (shard, shared), (request_id, pages, _) = found, self._queue.popleft()
             self._waiting_ids.remove(request_id)
-            entry = Admitted(request_id, heapq.heappop(self._free_rows[shard]), self.allocators[shard].allocate(pages))
+            pool = self.allocators[shard]
+            pool.share(shared)  # before allocate, which may evict cached pages no request holds
+            own = pool.allocate(pages - shared.size)
+            entry = Admitted(request_id, heapq.heappop(self._free_rows[shard]), np.concatenate([shared, own]),
+                             shared.size)
             self._running[request_id] = entry
             admitted.append(entry)
         return admitted
 
+    def cache_pages(self, request_id: Hashable, keys: Sequence[bytes]) -> None:
+        """Cache a running request's first ``len(keys)`` pages (fully written prompt pages) under ``keys``."""
+        entry = self._running[request_id]
+        pool = self.allocators[self.shard_of(entry.row)]
+        for page, key in zip(entry.pages[entry.shared:len(keys)].tolist(), keys[entry.shared:]):
+            pool.cache(page, key)
+
     def finish(self, request_id: Hashable) -> None:
-        """Release a running request's pages and batch row."""
+        """Release a running request's pages (the cached ones stay cached) and batch row."""
         if request_id not in self._running:
             raise KeyError(f"request {request_id!r} is not running")
         entry = self._running.pop(request_id)

@@ -153,7 +153,7 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
                "wall_s": time.perf_counter() - start,
                "decode_tokens_per_s": stats.decode_tokens / stats.decode_s if stats.decode_s > 0 else 0.0,
                "cache": server.cache_bytes(), "offload": server.offload_metrics(),
-               "speculative": server.speculative_metrics()}
+               "speculative": server.speculative_metrics(), "prefix_cache": server.prefix_cache_metrics()}
     outputs = [r.output_ids for r in requests]
     return Result(outputs, [model.tokenizer.decode(o) for o in outputs], [r.finish_reason for r in requests], metrics,
                   server.layout.pool_slots)

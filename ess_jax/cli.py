@@ -128,6 +128,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     cache.add_argument("--max-seq-len", type=int, default=None,
                        help="longest prompt + new tokens of one request (at most the model's "
                             "max_position_embeddings); default: generate sizes it to its prompts, serve uses 4096")
+    cache.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                       help="share the cached pages of prompt prefixes between requests and keep them after their "
+                            "requests finish (evictable, least recently used first), so a prompt that starts like an "
+                            "earlier one skips that part's prefill; same tokens either way. DeepSeek-V3.2, resident "
+                            "and ESS; DeepSeek-V4 runs without it (default on; --no-prefix-cache turns it off)")
     cache.add_argument("--prefill-chunk", type=int, default=256,
                        help="longest prefill piece in tokens; a shorter remainder runs as power-of-two pieces "
                             "(default 256)")
@@ -229,7 +234,8 @@ def flags_config(args: argparse.Namespace, **overrides):
         max_batch=args.max_batch, page_size=args.page_size, num_pages=args.num_pages, max_seq_len=args.max_seq_len,
         prefill_chunk=args.prefill_chunk, offload=args.offload, pool_size=args.pool_size, pool_ratio=args.pool_ratio,
         fetch=args.fetch, host_cache_mb=args.host_cache_mb, rings=args.rings, kernels=args.kernels,
-        cache_dtype=args.cache_dtype, index_dtype=args.index_dtype, mesh=args.mesh, **speculative(args)), **overrides))
+        cache_dtype=args.cache_dtype, index_dtype=args.index_dtype, mesh=args.mesh, prefix_cache=args.prefix_cache,
+        **speculative(args)), **overrides))
 
 
 def speculative(args: argparse.Namespace) -> dict:

@@ -12,7 +12,7 @@ engine's cache builders traced (``offload.MODES[...].decode_cache``, the ESS pre
 shardings (``mesh.shard_axes``, ``mesh.cache_shardings``), each array in the memory kind its builder gives it (the
 ESS host store: ``pinned_host``). The steps are the engine's own (``ess_jax.engine.steps``) with the runner's
 static arguments: ``decode``, ``prefill_T`` for each piece size T (``steps.piece_sizes``), and with ``--offload ess``
-``handoff``, ``release`` and ``flush``.
+``handoff``, ``release``, ``flush`` and (with the prefix cache, DeepSeek-V3.2) ``load_prefix``.
 
 ``DIR/STEP.jax_export`` holds each step's ``Exported.serialize()`` (``jax.export.deserialize`` reads it back on the
 target, whose ``call`` runs it); ``DIR/summary.json`` the target, the kernels used and per step its file, the
@@ -165,13 +165,18 @@ def engine_steps(cfg: ModelConfig, config, engine: Abstract, target: Target) -> 
     table, row = jax.ShapeDtypeStruct((d, x), I32), jax.ShapeDtypeStruct((d,), I32)
     moves = {  # the offload mode's own steps
         "handoff": lambda: Step(steps.handoff, (family,), (engine.cache, engine.scratch, table, table, row, row,
-                                                           engine.window),
+                                                           engine.window, row),
                                 dict(shardings=engine.shardings, scratch_shardings=engine.scratch_shardings),
                                 cache_out),
-        "release": lambda: Step(steps.release, (family,), (engine.cache, row, table), dict(shardings=engine.shardings),
+        "release": lambda: Step(steps.release, (family,), (engine.cache, row), dict(shardings=engine.shardings),
                                 cache_out),
+        "load_prefix": lambda: Step(steps.load_prefix, (family,), (engine.cache, engine.scratch, table, table),
+                                    dict(shardings=engine.shardings, scratch_shardings=engine.scratch_shardings),
+                                    scratch_out),
         "flush": lambda: Step(steps.flush, (family,), (engine.cache,), dict(shardings=engine.shardings), cache_out)}
-    return found | {name: moves[name]() for name in offload.MODES[config.offload].steps}
+    prefix = config.prefix_cache and family.prefix_pages  # load_prefix runs where a prefix is cached in pages
+    return found | {name: moves[name]() for name in offload.MODES[config.offload].steps
+                    if name != "load_prefix" or prefix}
 
 
 def export_step(name: str, step: Step, target: Target) -> jax.export.Exported:

@@ -77,6 +77,11 @@ class Part:
             return self.layers * self.row_bytes
         return self.layers * self.entries(context) * self.row_bytes
 
+    def row_entries(self, size: CacheSize) -> int:
+        """Entry ids one request's pages hold (its page-table width times the rows a page holds): the tier's
+        residency map per batch row."""
+        return -(-size.max_seq_len // size.page_size) * entries_per_page(size.page_size, self.tokens_per_row)
+
     def page_bytes(self, page_size: int) -> int:
         """Bytes of one page of ``page_size`` tokens of this part (every layer; 0 for fixed parts): the
         engine's paged arrays hold ``cache.entries_per_page`` rows per page."""
@@ -175,6 +180,8 @@ class Family:
 
     model_type: str
     architecture: str  # config.json's "architectures" entry (transformers' class)
+    prefix_pages: bool  # a prompt prefix's whole cache state lives in its pages (the prefix cache can share them);
+    # False: it also has per-row state (V4's window and compressor rings)
     module: str  # "package.module:Class" of the NNX module
     rename: str | None  # "package.module:function": (a checkpoint's tensor name, layers=num_hidden_layers) ->
     # transformers' name (the MTP block as layer num_hidden_layers); None: unchanged
@@ -238,6 +245,11 @@ class Family:
         shard the request is not on)."""
         raise NotImplementedError
 
+    def load_prefix(self, cache, scratch, table_X, pages_X):
+        """The scratch with a cached prompt prefix's pages ``pages_X`` (decode cache and host store) in its pages
+        ``table_X`` (the null page past them): what a prefill continuing the prefix reads of it."""
+        raise NotImplementedError
+
     def offloaded_cache(self, module, size: CacheSize, part: Part, dtype, *, slots: int, fetch: str,
                         index: str | None = None, rings: str = "host", tokens: int = 1):
         """An empty decode cache whose offloaded part is the tier (``slots`` pool slots per sparse layer and
@@ -248,7 +260,8 @@ class Family:
         pages = self.store_of(shapes).pages
         tiered = tier.init_tier(layers=pages.shape[0], rows=size.rows, slots=slots, pages=size.pages,
                                 page_size=size.page_size, rate=part.tokens_per_row, width=pages.shape[-1], dtype=dtype,
-                                fetch=fetch, new_entries=-(-tokens // part.tokens_per_row))
+                                fetch=fetch, entries=part.row_entries(size),
+                                new_entries=-(-tokens // part.tokens_per_row))
         device = self.with_store(shapes, None)
         if rings == "host":
             device = self.rings_to_host(device, fetch)
@@ -261,16 +274,20 @@ class Family:
         ``fetch`` (arrays), the device part left as shapes; a family without such parts: ``shapes``."""
         return shapes
 
-    def handoff(self, cache, scratch, table_X, pages_X, row, entries, ids_LTK):
+    def handoff(self, cache, scratch, table_X, pages_X, row, entries, ids_LTK, shared):
         """After an offloaded prefill on ``scratch`` (the prompt in its pages ``table_X``): the prompt's resident
         parts into batch row ``row`` and pages ``pages_X`` of the decode cache, its offloaded rows into the host
-        store's ``pages_X`` and the row's pools warmed with its ``entries`` entries. On the data shards the request
-        is not on: ``row`` past the last, no pages (the null page) and no entries: nothing changes."""
+        store's ``pages_X`` and the row's pools warmed with its ``entries`` entries. Its first ``shared`` pages are
+        a cached prefix it shares (loaded into the scratch, ``load_prefix``): already there, not written. On the
+        data shards the request is not on: ``row`` past the last, no pages (the null page) and no entries: nothing
+        changes."""
         rows = self.store_of(scratch).pages
+        own_X = jnp.arange(pages_X.shape[0]) >= shared
+        own_table_X, own_pages_X = jnp.where(own_X, table_X, 0), jnp.where(own_X, pages_X, 0)
         # pending rows first: a finished request's last row must not land on reused pages
-        tiered = self.store_of(cache).begin_step().store_prompt(rows, table_X, pages_X)
-        tiered = tiered.warm(rows, table_X, pages_X, row, entries, ids_LTK)
-        return self.with_store(self.admit_resident(cache, scratch, table_X, pages_X, row), tiered)
+        tiered = self.store_of(cache).begin_step().store_prompt(rows, own_table_X, own_pages_X)
+        tiered = tiered.warm(rows, table_X, row, entries, ids_LTK)
+        return self.with_store(self.admit_resident(cache, scratch, own_table_X, own_pages_X, row), tiered)
 
 
 class _DeepseekV32(Family):
@@ -309,6 +326,12 @@ class _DeepseekV32(Family):
     def admit_resident(self, cache, scratch, table_X, pages_X, row):
         index_keys = cache.index_keys.at[:, pages_X].set(scratch.index_keys[:, table_X])
         return dataclasses.replace(cache, index_keys=index_keys)
+
+    def load_prefix(self, cache, scratch, table_X, pages_X):
+        latent = scratch.latent
+        rows = latent.pages.at[:, table_X].set(cache.latent.load_prefix(pages_X).astype(latent.pages.dtype))
+        return dataclasses.replace(scratch, index_keys=scratch.index_keys.at[:, table_X].set(
+            cache.index_keys[:, pages_X]), latent=dataclasses.replace(latent, pages=rows))
 
 
 class _DeepseekV4(Family):
@@ -389,9 +412,9 @@ class _DeepseekV4(Family):
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    _DeepseekV32(model_type="deepseek_v32", architecture="DeepseekV32ForCausalLM",
+    _DeepseekV32(model_type="deepseek_v32", architecture="DeepseekV32ForCausalLM", prefix_pages=True,
                  module="ess_jax.models.deepseek_v32:DeepseekV32", rename=None),
-    _DeepseekV4(model_type="deepseek_v4", architecture="DeepseekV4ForCausalLM",
+    _DeepseekV4(model_type="deepseek_v4", architecture="DeepseekV4ForCausalLM", prefix_pages=False,
                 module="ess_jax.models.deepseek_v4:DeepseekV4", rename="ess_jax.checkpoint:release_to_hf_name"),
 )}
 

@@ -10,9 +10,9 @@
   third from last) over ``expert``; everything else (attention, indexer, router, shared experts,
   embeddings) replicated.
 - Caches (``cache_shardings``): every array over ``data``, on its batch-row axis (V3.2 and V4 ESS pools, slot
-  tables and staged rows; V4's window and compressor rings) or its page axis (the page pools, the residency
-  map, the host store in its own memory kind: each data shard's rows in its own devices' host memory; the
-  prefill scratch, one row and one request's pages per shard). Each shard has its own pages (the engine's
+  tables, residency maps and staged rows; V4's window and compressor rings) or its page axis (the page pools,
+  the host store in its own memory kind: each data shard's rows in its own devices' host memory; the prefill
+  scratch, one row and one request's pages per shard). Each shard has its own pages (the engine's
   allocator per shard, page ids local to it, its own null page), and the steps run per shard
   (``per_shard``: ``shard_map`` over ``data``), so no page ever crosses shards.
 

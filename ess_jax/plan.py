@@ -32,8 +32,8 @@ On a device mesh (``--mesh data=D,expert=E``, ess_jax.mesh; default expert=32, E
 a model whose routed experts 32 does not divide: the largest divisor of 32 that divides them) the bytes
 per device follow the engine's sharding rules: the routed experts split over ``expert`` (whole experts:
 E must divide them), every other weight replicated; a request's whole cache (its pages of the resident
-parts, of the residency map and of the host store in each data shard's own pool; its batch-row state: V4's
-SWA window and compressor tails, the tier's pools, slot tables, staged rows and counters) on its data
+parts and of the host store in each data shard's own pool; its batch-row state: V4's SWA window and
+compressor tails, the tier's pools, slot tables, residency map, staged rows and counters) on its data
 shard's devices only:
 
     bytes per device   = B / D * request                  B requests in all, a multiple of D
@@ -121,8 +121,7 @@ def request_bytes(parts: list[Part], context: int, ratio: float, accounting: str
         entries = p.entries(context)
         slots = tier.pool_slots(entries, p.topk, pool_ratio=ratio)
         if accounting == "ess_jax":  # the tier's arrays, its residency map over the request's entries
-            device += tier.device_bytes(layers=p.layers, rows=1, slots=slots, row_bytes=p.row_bytes, pages=entries,
-                                        per_page=1)
+            device += tier.device_bytes(layers=p.layers, rows=1, slots=slots, row_bytes=p.row_bytes, entries=entries)
         else:  # the pools' rows
             device += p.layers * slots * p.row_bytes
         host += p.bytes(context)

@@ -80,6 +80,20 @@ def lively_v32(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32) -> DeepseekV3
     return randomize(DeepseekV32(cfg, dtype=dtype, rngs=nnx.Rngs(seed)), seed)
 
 
+# One engine shape for the MTP module drafting on ``mtp_v32`` (tests/test_speculative.py, tests/test_prefix_cache.py),
+# so they reuse each other's compiled steps.
+MTP_ENGINE = EngineConfig(max_batch=2, page_size=8, prefill_chunk=16, max_seq_len=64)
+
+
+def mtp_v32():
+    """The small V3.2 above with an MTP module, every weight random and lively, as a loaded model."""
+    from ess_jax.api import Model
+    from ess_jax.tokenizer import load_tokenizer
+
+    cfg = ModelConfig.from_hf_dict(dict(small_v32_json(), num_nextn_predict_layers=1))
+    return Model("small-v32-mtp", lively_v32(cfg, seed=3), load_tokenizer(None, cfg))
+
+
 # One jitted step for every PagedRun: runs over equal modules and shapes share the compiled executable.
 _STEP = jax.jit(lambda graphdef, kernels, p, x, m, c: nnx.merge(graphdef, p).step(x, m, c, kernels=kernels),
                 static_argnums=(0, 1), donate_argnums=5)

@@ -82,7 +82,7 @@ def test_offloaded_equals_resident_and_counts_add_up(model, resident, pool, fetc
     rings, kept = b * 128 * cfg.head_dim * 8, b * (cfg.head_dim * 8 + 4)
     assert got_bytes["host_bytes"] == lc * pages * per_page * row_bytes + rings
     assert got_bytes["resident_device_bytes"] == ref_bytes["device_bytes"]  # the three requests reserve every page
-    tier_device = tier.device_bytes(layers=lc, rows=b, slots=slots, row_bytes=row_bytes, pages=pages, per_page=per_page)
+    tier_device = tier.device_bytes(layers=lc, rows=b, slots=slots, row_bytes=row_bytes, entries=17 * per_page)
     assert got_bytes["device_bytes"] == (ref_bytes["device_bytes"] - lc * pages * per_page * row_bytes + tier_device
                                          - rings + kept)
 

@@ -25,7 +25,9 @@ from helpers import ONLINE, ONLINE_LONGEST, ONLINE_NEW
 FIXTURES = Path(__file__).parent / "fixtures"
 FAMILIES = {"v32": FIXTURES / "hf-v32-a", "v4": FIXTURES / "hf-v4-a"}  # index_topk 16 / 8, vocab 320
 LONGEST, NEW = ONLINE_LONGEST, ONLINE_NEW  # prompt tokens, most new tokens per request
-MODES = ONLINE
+# without the prefix cache: the arrivals' timing and the idle usage are the point here (tests/test_prefix_cache.py
+# serves with it; the warm-up test below too)
+MODES = {mode: dataclasses.replace(config, prefix_cache=False) for mode, config in ONLINE.items()}
 BASE = MODES["resident"]
 COMBOS = [(f, m) for f in FAMILIES for m in MODES]
 MAX_STEPS = 2000  # every loop below is bounded
@@ -289,7 +291,7 @@ def test_nothing_compiles_after_warm_up(family, mode):
     alone must have made what the workload runs (the earlier tests' compiles come back from the persistent
     cache, so it stays cheap)."""
     jax.clear_caches()
-    eng = Engine(model(family), MODES[mode])
+    eng = Engine(model(family), ONLINE[mode])  # with the prefix cache (V3.2): its steps are warmed up too
     eng.warm_up()
     lowered = []
 

@@ -227,13 +227,11 @@ def test_bytes_per_device_equal_the_sharded_engine_cache(preset, cache_dtype, in
     assert len(stores) == (0 if offload == "none" else 3 if cfg.family == "deepseek_v4" else 1)
     request = plan.request_bytes(layout.parts, context, 0.2)
     # page 0 of each shard, its null page, is in every paged array: a page of each resident paged part and
-    # (offloaded) of the host store and the residency map (4 B per entry of a page in each offloaded layer)
+    # (offloaded) of the host store
     paged = [p for p in layout.parts if p.tokens_per_row]
     part = layout.offloaded
     null = sum(p.page_bytes(page) for p in paged if offload == "none" or p is not part)
     if offload == "ess":
-        null += tier.device_bytes(layers=part.layers, rows=0, slots=0, row_bytes=part.row_bytes, pages=1,
-                                  per_page=page // part.tokens_per_row)
         assert host == batch // shape.data * request.host + part.page_bytes(page)
         assert layout.host_bytes == shape.data * host  # every data shard's store
         assert total - host == plan.bytes_per_device(request.device, batch, shape.data) + null

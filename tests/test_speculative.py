@@ -25,6 +25,7 @@ import ess_jax
 from ess_jax import sampling
 from ess_jax.cache import entries_per_page
 from ess_jax.engine import Engine, EngineConfig
+from helpers import MTP_ENGINE, mtp_v32
 
 FIXTURES = Path(__file__).parent / "fixtures"
 NEW = 12  # new tokens of every reference request
@@ -89,9 +90,7 @@ def tier_invariants(engine: Engine) -> None:
         held = entry_LBP[:, row]
         assert (held < limit).all(), (row, limit, held.max())
         for layer, slot in zip(*np.nonzero(held >= 0)):
-            e = held[layer, slot]
-            page = table[row, e * part.tokens_per_row // page_size]
-            assert resident[layer, page, e % per_page] == slot
+            assert resident[layer, row, held[layer, slot]] == slot
     assert (resident >= 0).sum() == (entry_LBP >= 0).sum()  # no residency without its slot
     staged_page, staged_offset = np.asarray(store.staged_page), np.asarray(store.staged_offset)
     for row, m in zip(*np.nonzero(staged_page > 0)):
@@ -340,17 +339,9 @@ def test_greedy_rows_and_forced_rows_verify_exactly():
 
 @pytest.fixture(scope="module")
 def mtp_model():
-    """The small V3.2 of ``helpers`` with an MTP module, every weight random and lively."""
-    from ess_jax.api import Model
-    from ess_jax.config import ModelConfig
-    from ess_jax.tokenizer import load_tokenizer
-    from helpers import lively_v32, small_v32_json
-
-    cfg = ModelConfig.from_hf_dict(dict(small_v32_json(), num_nextn_predict_layers=1))
-    return Model("small-v32-mtp", lively_v32(cfg, seed=3), load_tokenizer(None, cfg))
+    return mtp_v32()
 
 
-MTP_BASE = EngineConfig(max_batch=2, page_size=8, prefill_chunk=16, max_seq_len=64)
 MTP_PROMPTS = (20, 33, 9)
 
 
@@ -373,7 +364,7 @@ def reference_drafts(model, tokens: list[int], k: int) -> list[int]:
     (``mtp_forward`` over the main model's ``hidden_states``): the first from the pair (h at the second-to-last
     position, the last token), each next one chained on the module's own output and the draft before it."""
     graphdef, params = nnx.split(model.module)
-    padded = np.zeros((1, MTP_BASE.max_seq_len), np.int32)
+    padded = np.zeros((1, MTP_ENGINE.max_seq_len), np.int32)
     padded[0, :len(tokens)] = tokens
     return np.asarray(_reference_drafts(graphdef, params, jnp.asarray(padded), k, len(tokens))).tolist()
 
@@ -385,12 +376,12 @@ def test_mtp_drafts_verified_give_greedy_tokens(mtp_model, offload, k):
     cache holds the verified positions only: nothing a rejected draft or the chain wrote)."""
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 256, n).tolist() for n in MTP_PROMPTS]
-    plain = Engine(mtp_model, MTP_BASE)
+    plain = Engine(mtp_model, MTP_ENGINE)
     for p in prompts:
         plain.add_request(p, 10)
     want = [r.output_ids for r in plain.run()]
     extra = dict(offload="ess", pool_size=9) if offload == "ess" else {}
-    engine = Engine(mtp_model, dataclasses.replace(MTP_BASE, speculative="mtp", num_speculative_tokens=k, **extra))
+    engine = Engine(mtp_model, dataclasses.replace(MTP_ENGINE, speculative="mtp", num_speculative_tokens=k, **extra))
     ids = [engine.add_request(p, 10) for p in prompts]
     tokens, checked = {i: [] for i in ids}, 0
     while engine.has_unfinished():

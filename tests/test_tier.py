@@ -115,11 +115,11 @@ def test_device_bytes_are_the_real_arrays(model, offloaded):
 @pytest.mark.parametrize("dtype, width", [(jnp.float32, 24), (jnp.uint8, 100)])
 def test_device_bytes_formula_is_the_tier_arrays(dtype, width):
     """``tier.device_bytes`` (the planner's and the engine's figure) against an ``init_tier`` tier's arrays."""
-    shape = dict(layers=3, rows=2, slots=9, pages=7, page_size=16, rate=4)
+    shape = dict(layers=3, rows=2, slots=9, pages=7, page_size=16, rate=4, entries=11)
     tiered = tier.init_tier(**shape, width=width, dtype=dtype, fetch="split")
     arrays = sum(x.nbytes for x in jax.tree.leaves(dataclasses.replace(tiered, host=None)))
-    assert tier.device_bytes(layers=3, rows=2, slots=9, row_bytes=width * jnp.dtype(dtype).itemsize, pages=7,
-                             per_page=4) == arrays
+    assert tier.device_bytes(layers=3, rows=2, slots=9, row_bytes=width * jnp.dtype(dtype).itemsize,
+                             entries=11) == arrays
 
 
 @pytest.fixture(scope="module")

@@ -81,6 +81,10 @@ def run(args, log) -> tuple[dict, Callable[[dict], str]]:
 
         return load_test(args, log), loadgen.render
     check_args(args)
+    if args.shared_prefix:
+        from ess_jax.bench import prefix
+
+        return prefix.prefix_bench(args, log), prefix.render
     if args.depth_sweep:
         return depth.depth_sweep(args, log), depth.render_depth
     return bench(args, log), report.render

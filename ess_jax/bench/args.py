@@ -65,6 +65,12 @@ context, mean over the steps (step 0 compares the first decode step with the las
 step's time and dispatch against depth (``depth_sweep``): the model's config at each layer count, random
 weights, resident and ESS, without the persistent compilation cache.
 
+``--shared-prefix N``: instead of the above, the prefix cache's workloads (``ess_jax.bench.prefix``): requests
+sharing an N-token prefix and a multi-turn chat replay, each served resident and with ESS, with and without the
+prefix cache in the same run: time to first token, tokens per second, hit rate. The engine runs above serve
+without the prefix cache (every repetition resends the same prompts and prefills them whole), as does the stall
+pass.
+
 ``--peer hf`` times transformers' ``generate`` on the same weights (saved as a HuggingFace
 checkpoint under ``--out``) and prompts, greedy, on this machine, in this Python if torch and
 transformers import, else with ``--peer-python`` (another interpreter that has them).
@@ -179,6 +185,15 @@ def _output_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stall-steps", type=int, default=24,
                    help="decode steps of the prefill-stall pass (a --context-token prompt admitted while --batch "
                         "requests decode, resident); 0 skips it (default 24)")
+    p.add_argument("--shared-prefix", type=int, default=None, metavar="N",
+                   help="instead of the runs above: the prefix cache's workloads (ess_jax.bench.prefix), 2 x --batch "
+                        "requests sharing an N-token prefix with distinct --suffix-tokens suffixes and a chat of "
+                        "--chat-turns turns, each resent whole, resident and ESS (the first --ratios and --fetch), "
+                        "each with and without the prefix cache: TTFT, tokens/s, hit rate")
+    p.add_argument("--suffix-tokens", type=int, default=64,
+                   help="--shared-prefix: each request's own tokens after the prefix, each chat turn's new tokens "
+                        "(default 64)")
+    p.add_argument("--chat-turns", type=int, default=4, help="--shared-prefix: the chat's turns (default 4)")
     p.add_argument("--depth-sweep", type=_ints, default=None, metavar="L,L,...",
                    help="instead of the runs above: the decode and prefill steps' compile time and the decode step's "
                         "time against depth, the model's config (random weights) at each layer count, resident "
@@ -218,21 +233,25 @@ def check_args(args: argparse.Namespace) -> None:
     """The flags' own bounds, before any model loads (ValueError naming the flag)."""
     from ess_jax.tier import FETCH_BACKENDS
 
-    for name in ("context", "batch", "repeats", "prefill_chunk"):
+    for name in ("context", "batch", "repeats", "prefill_chunk", "suffix_tokens", "chat_turns"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    if args.shared_prefix is not None and args.shared_prefix < 1:
+        raise ValueError(f"--shared-prefix {args.shared_prefix} must be >= 1")
     if args.warmup_steps < 0 or args.locality_steps < 0:
         raise ValueError("--warmup-steps and --locality-steps must be >= 0")
-    if args.new_tokens < args.warmup_steps + 2:
-        raise ValueError(f"--new-tokens {args.new_tokens} leaves no measured decode step after --warmup-steps "
-                         f"{args.warmup_steps} (the first token comes from prefill); use at least "
-                         f"{args.warmup_steps + 2}")
-    staggered = (args.batch - 1) * math.ceil(args.context / args.prefill_chunk)  # decoded while the rest prefill
-    if args.new_tokens < args.warmup_steps + 2 + staggered:
-        raise ValueError(f"--new-tokens {args.new_tokens} leaves no decode step of the whole batch after --warmup-steps "
-                         f"{args.warmup_steps}: the first request decodes {staggered} tokens while the other prompts "
-                         f"prefill ({math.ceil(args.context / args.prefill_chunk)} steps each at --prefill-chunk "
-                         f"{args.prefill_chunk}); use at least {args.warmup_steps + 2 + staggered} or a larger chunk")
+    if args.shared_prefix is None:  # the engine runs' measured decode steps
+        if args.new_tokens < args.warmup_steps + 2:
+            raise ValueError(f"--new-tokens {args.new_tokens} leaves no measured decode step after --warmup-steps "
+                             f"{args.warmup_steps} (the first token comes from prefill); use at least "
+                             f"{args.warmup_steps + 2}")
+        staggered = (args.batch - 1) * math.ceil(args.context / args.prefill_chunk)  # decoded while the rest prefill
+        if args.new_tokens < args.warmup_steps + 2 + staggered:
+            raise ValueError(f"--new-tokens {args.new_tokens} leaves no decode step of the whole batch after "
+                             f"--warmup-steps {args.warmup_steps}: the first request decodes {staggered} tokens while "
+                             f"the other prompts prefill ({math.ceil(args.context / args.prefill_chunk)} steps each at "
+                             f"--prefill-chunk {args.prefill_chunk}); use at least "
+                             f"{args.warmup_steps + 2 + staggered} or a larger chunk")
     for flag, ratios in (("--ratios", args.ratios), ("--pool-sweep", args.pool_sweep)):
         if not ratios:
             raise ValueError(f"{flag} is empty")

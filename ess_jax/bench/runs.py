@@ -51,7 +51,8 @@ def engine_for(model, setting: Setting, batch: int, args):
                           fetch=setting.fetch or "inline", kernels=args.kernels, cache_dtype=args.cache_dtype,
                           index_dtype=args.index_dtype, rings=setting.rings, mesh=args.mesh,
                           speculative="mtp" if setting.speculative else None,
-                          num_speculative_tokens=setting.speculative)
+                          num_speculative_tokens=setting.speculative,
+                          prefix_cache=False)  # every repetition prefills its prompts
     return Engine(model, config, record_steps=True)
 
 

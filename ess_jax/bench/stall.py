@@ -20,7 +20,7 @@ def prefill_stall(model, prompts: list[list[int]], args, log) -> dict:
     rows = args.batch + (device_mesh.parse(args.mesh).data if args.mesh else 1)
     config = EngineConfig(max_batch=rows, max_seq_len=args.context + args.stall_steps + 64,
                           prefill_chunk=args.prefill_chunk, kernels=args.kernels, cache_dtype=args.cache_dtype,
-                          index_dtype=args.index_dtype, mesh=args.mesh)
+                          index_dtype=args.index_dtype, mesh=args.mesh, prefix_cache=False)  # the long prompt whole
     engine = Engine(model, config)
     engine.warm_up()  # every piece size compiled: the steps below time no compile
     for prompt in prompts:

@@ -56,6 +56,8 @@ class EngineConfig:
     mesh: str | None = None  # "data=D,expert=E": a device mesh over every device (ess_jax.mesh); None: one device
     speculative: Speculative | None = None  # "mtp": speculative decoding, drafts from the MTP module
     num_speculative_tokens: int = 0  # K: drafts verified per request per decode step (with --speculative)
+    prefix_cache: bool = True  # full prompt pages shared between requests whose prompts start alike, kept cached
+    # (evictable) after their requests finish (ess_jax.allocator); where the model and offload mode support it
 
     def __post_init__(self):
         for name in ("max_batch", "page_size", "prefill_chunk", "num_pages", "max_seq_len", "pool_size"):
@@ -73,8 +75,9 @@ class EngineConfig:
                 isinstance(self.host_cache_mb, bool) or not isinstance(self.host_cache_mb, (int, float))
                 or not math.isfinite(self.host_cache_mb) or self.host_cache_mb <= 0):
             raise ValueError(f"--host-cache-mb {self.host_cache_mb!r} must be a finite number of MiB > 0")
-        if not isinstance(self.keep_logits, bool):
-            raise ValueError(f"keep_logits={self.keep_logits!r} must be True or False")
+        for name in ("keep_logits", "prefix_cache"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.offload not in tuple(Offload):
             raise ValueError(f"--offload {self.offload!r} is not a mode; use 'ess' or 'none'")
         ops.check_kernels(self.kernels)  # the backend is asked when the engine is built (a config starts no backend)

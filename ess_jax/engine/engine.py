@@ -14,13 +14,15 @@ same pieces (``steps.piece_size``), and it samples from its own seed."""
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import threading
 import time
 from typing import Sequence
 
-import numpy as np
+import jax
 import jax.numpy as jnp
+import numpy as np
 from tqdm import tqdm
 
 from ess_jax import families, mesh
@@ -88,9 +90,13 @@ class Engine:
                              lambda size: mode.decode_cache(model.module, size, config, self.layout), mtp)
         self.offload: offload.Mode = mode(self.runner, self.layout, self.stats)
         size = self.layout.size
+        # the prefix cache where a prefix's cache state is all in pages the requests can share
+        self.prefix_cache = config.prefix_cache and families.get(model.cfg.family).prefix_pages
         self.scheduler = Scheduler(config, shards=size.shards, pages=size.pages // size.shards,
                                    pages_per_row=self.layout.pages_per_row, max_seq_len=self.max_seq_len,
-                                   stats=self.stats, drafter=drafter and self._checked(drafter))
+                                   stats=self.stats, drafter=drafter and self._checked(drafter),
+                                   prefix_salt=self._prefix_salt() if self.prefix_cache else None,
+                                   prefix_tail=mode.computed_tail)
         self._step_lock = threading.Lock()  # held while the engine's state changes (step, abort)
 
     def _checked(self, drafter: Drafter) -> Drafter:
@@ -103,6 +109,14 @@ class Engine:
                 raise ValueError(f"the drafter must give {k} token ids in [0, {vocab}), got {ids.tolist()!r}")
             return ids
         return drafts
+
+    def _prefix_salt(self) -> bytes:
+        """What a cached page's bytes depend on besides its tokens: the model (its config, the name it was loaded
+        by, its parameters' formats), the cache's stored formats and the kernels that write them."""
+        params = jax.tree.map(lambda x: f"{x.dtype}{x.shape}", self.model.params)
+        what = (self.model.name, repr(self.model.cfg), str(jax.tree.leaves(params)), repr(self.layout.parts),
+                self.config.kernels)
+        return hashlib.blake2b(repr(what).encode(), digest_size=16).digest()
 
     # ---- any thread ----------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
@@ -206,7 +220,8 @@ class Engine:
     def warm_up(self) -> None:
         """Compile ahead on the calling thread: the decode step, every prefill piece size (with and without prompt
         log-probabilities) and the offload mode's steps, through two requests of ``2 x prefill_chunk - 1`` tokens
-        (one piece of each size): one served to the end, one scoring its prompt and ending after its prefill.
+        (one piece of each size): one served to the end, one scoring its prompt and ending after its prefill; with
+        the prefix cache the first again, which reads its prompt's cached pages (ESS: ``load_prefix``).
         Every step's arguments are placed as in serving (``Runner``), so nothing compiles afterwards. Call it on
         an idle engine, before serving."""
         if self.has_unfinished():
@@ -217,7 +232,12 @@ class Engine:
         self.add_request(prompt, 1, ignore_eos=True)
         self.add_request(prompt, 0, prompt_logprobs=0)
         self.run()
+        if self.prefix_cache:
+            self.add_request(prompt, 1, ignore_eos=True)
+            self.run()
         self.stats.peak_reserved_pages = self.stats.reserved_pages  # the warm-up request is no workload
+        self.stats.prefix_queries.clear()
+        self.stats.prefix_hits.clear()
         if self.stats.steps is not None:
             self.stats.steps.clear()
 
@@ -225,11 +245,13 @@ class Engine:
     def usage(self) -> dict:
         """What the admitted requests hold now: pages (of the device cache, or the host store with offload),
         batch rows, in all and per data shard (``per_shard``), the requests waiting, with offload the device
-        pool slots in use (read from the device) and the host store's pages and bytes, and with speculative
-        decoding its counters so far (``speculative``: ``speculative_metrics``)."""
+        pool slots in use (read from the device) and the host store's pages and bytes, with speculative decoding
+        its counters so far (``speculative``: ``speculative_metrics``), and with the prefix cache its pages no
+        request holds (``prefix_cache_pages``, free to admission) and its counters (``prefix_cache``)."""
         scheduled = self.scheduler.usage()
         spec = {"speculative": self.speculative_metrics()} if self.stats.speculative else {}
-        return {**scheduled, **self.offload.usage(scheduled), **spec}
+        prefix = {"prefix_cache": self.prefix_cache_metrics()} if self.prefix_cache else {}
+        return {**scheduled, **self.offload.usage(scheduled), **spec, **prefix}
 
     def cache_bytes(self) -> dict[str, int]:
         """Bytes of the real cache arrays: device (the decode-time cache), host (the offload store), and
@@ -242,6 +264,19 @@ class Engine:
         return {**self.offload.cache_bytes(),
                 "resident_device_bytes": int(families.resident_bytes(parts, size, self.stats.peak_reserved_pages)),
                 "resident_device_bytes_now": int(families.resident_bytes(parts, size, self.stats.reserved_pages))}
+
+    def prefix_cache_metrics(self) -> dict | None:
+        """The prefix cache's counters as the ``--json`` ``metrics.prefix_cache`` object: prompt tokens of the
+        requests that looked it up (``query_tokens``) and those found cached (``hit_tokens``), per tier (where the
+        cached pages were read from) and per data shard; None with the prefix cache off."""
+        if not self.prefix_cache:
+            return None
+        shards = range(self.layout.size.shards)
+        queries, hits = (sum(d.values()) for d in (self.stats.prefix_queries, self.stats.prefix_hits))
+        return {"query_tokens": queries, "hit_tokens": hits, "hit_rate": hits / queries if queries else 0.0,
+                "per_tier": {"device": 0, "host": 0, "disk": 0, self.offload.prefix_tier: hits},
+                "per_shard": [{"shard": d, "query_tokens": self.stats.prefix_queries.get(d, 0),
+                               "hit_tokens": self.stats.prefix_hits.get(d, 0)} for d in shards]}
 
     def offload_metrics(self) -> dict | None:
         """Tier counters (read from the device once) as the ``--json`` ``metrics.offload`` object; None

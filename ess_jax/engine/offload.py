@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 
 from ess_jax import families, mesh, tier
-from ess_jax.cache import entries_per_page
 from ess_jax.engine import steps
 from ess_jax.engine.config import CACHE_DTYPES, EngineConfig, Offload
 from ess_jax.engine.scheduler import EngineStats, PrefillGroup, PrefillResult, Released
@@ -48,6 +47,9 @@ class Sizes:
 class Mode(Protocol):
     """What the engine asks of its offload mode (``Resident`` or ``Ess``)."""
 
+    computed_tail: int  # a prompt's last tokens always prefilled, never read from the prefix cache
+    prefix_tier: str  # where a cached prefix is read from: "device" | "host"
+
     def prefill(self, group: PrefillGroup) -> PrefillResult: ...
     def release(self, released: list[Released]) -> None: ...
     def flush(self) -> None: ...
@@ -64,6 +66,8 @@ class Resident:
         return Sizes(size, None, families.resident_bytes(parts, size, size.pages), 0)
 
     steps: tuple[str, ...] = ()  # the mode's own jitted steps (``ess_jax.engine.steps``) beside prefill and decode
+    computed_tail = 1  # prompt tokens always prefilled: the last (its logits give the first output token)
+    prefix_tier = "device"  # where a cached prefix is read from
 
     @staticmethod
     def decode_cache(module, size: families.CacheSize, config: EngineConfig, layout: CacheLayout):
@@ -129,7 +133,7 @@ class Ess:
         rings_host = size.rows * sum(p.bytes(0) for p in placed if p.where == "host")
         scratch = Ess.scratch_size(size)
         pool = tier.device_bytes(layers=part.layers, rows=size.rows, slots=slots, row_bytes=part.row_bytes,
-                                 pages=size.pages, per_page=entries_per_page(size.page_size, part.tokens_per_row))
+                                 entries=part.row_entries(size))
         device = (families.resident_bytes(placed, size, size.pages) - pages_host + pool
                   + families.resident_bytes(parts, scratch, scratch.pages))  # the scratch: every part resident
         return Sizes(size, slots, device, pages_host + rings_host, placed)
@@ -140,7 +144,10 @@ class Ess:
         pages_per_row = -(-size.max_seq_len // size.page_size)
         return dataclasses.replace(size, rows=size.shards, pages=size.shards * (pages_per_row + 1))
 
-    steps: tuple[str, ...] = ("handoff", "release", "flush")
+    steps: tuple[str, ...] = ("handoff", "release", "flush", "load_prefix")
+    computed_tail = tier.WARMUP_QUERIES  # prompt tokens always prefilled: the queries whose top-k warm the pool
+    prefix_tier = "host"  # where a cached prefix is read from: its rows from the host store (its indexer keys on
+    # the device)
 
     @staticmethod
     def prefill_cache(module, config: EngineConfig, layout: CacheLayout):
@@ -171,12 +178,29 @@ class Ess:
         table_DX = np.zeros((runner.shards, self.layout.pages_per_row), np.int32)
         for shard, piece in group.slices.items():
             table_DX[shard] = self._scratch_table(piece.pages_X)
+        starting = {shard: piece for shard, piece in group.slices.items()
+                    if piece.cached and piece.start == piece.cached}  # their first piece: past a cached prefix
+        if starting:
+            self._load_prefix(starting)
         result, self.scratch = runner.prefill(self.scratch, self.scratch_shardings, group, table_DX,
                                               np.zeros(runner.shards, np.int32))
         finished = {shard: piece for shard, piece in group.slices.items() if piece.last}
         if finished:
             self._handoff(finished)
         return result
+
+    def _load_prefix(self, starting: dict) -> None:
+        """The cached prefixes of the prompts whose prefill starts past them into their shards' scratch rows, one
+        call (the shards without one: the null page)."""
+        d, width = self.runner.shards, self.layout.pages_per_row
+        table_DX, pages_DX = np.zeros((d, width), np.int32), np.zeros((d, width), np.int32)
+        for shard, piece in starting.items():
+            shared_X = np.arange(width) < piece.cached // self.layout.size.page_size
+            pages_DX[shard] = np.where(shared_X, piece.pages_X, 0)
+            table_DX[shard] = self._scratch_table(pages_DX[shard])
+        self.scratch = steps.load_prefix(self.family, self.runner.cache, self.scratch, jnp.asarray(table_DX),
+                                         jnp.asarray(pages_DX), shardings=self.runner.shardings,
+                                         scratch_shardings=self.scratch_shardings)
 
     def _handoff(self, finished: dict) -> None:
         """The prompts that finished on their shards' scratch rows into the decode cache, one call (the shards
@@ -185,25 +209,25 @@ class Ess:
         d, width = runner.shards, self.layout.pages_per_row
         table_DX, pages_DX = np.zeros((d, width), np.int32), np.zeros((d, width), np.int32)
         row_D, entries_D = np.full(d, runner.rows_per_shard, np.int32), np.zeros(d, np.int32)
+        shared_D = np.zeros(d, np.int32)
         for shard, piece in finished.items():
             pages_DX[shard], table_DX[shard] = piece.pages_X, self._scratch_table(piece.pages_X)
             row_D[shard] = piece.row % runner.rows_per_shard
             entries_D[shard] = part.entries(piece.prompt_len)
-            self.stats.prompt_rows_to_host += int(entries_D[shard]) * part.layers
+            shared_D[shard] = piece.cached // self.layout.size.page_size
+            self.stats.prompt_rows_to_host += (int(entries_D[shard]) - part.entries(piece.cached)) * part.layers
         runner.cache = steps.handoff(self.family, runner.cache, self.scratch, *map(jnp.asarray, (
-            table_DX, pages_DX, row_D, entries_D)), runner.window, shardings=runner.shardings,
+            table_DX, pages_DX, row_D, entries_D)), runner.window, jnp.asarray(shared_D), shardings=runner.shardings,
             scratch_shardings=self.scratch_shardings)
 
     def release(self, released: list[Released]) -> None:
-        """Each ended request's pool slots and the residency of its pages emptied, on its shard."""
+        """Each ended request's pool slots and their residency emptied, on its shard."""
         runner = self.runner
         for ended in released:
             shard, row = divmod(ended.row, runner.rows_per_shard)
             row_D = np.full(runner.shards, runner.rows_per_shard, np.int32)
-            pages_DX = np.zeros((runner.shards, self.layout.pages_per_row), np.int32)
-            row_D[shard], pages_DX[shard] = row, ended.pages_X
-            runner.cache = steps.release(self.family, runner.cache, jnp.asarray(row_D), jnp.asarray(pages_DX),
-                                         shardings=runner.shardings)
+            row_D[shard] = row
+            runner.cache = steps.release(self.family, runner.cache, jnp.asarray(row_D), shardings=runner.shardings)
 
     def flush(self) -> None:
         with self.runner.on_mesh():

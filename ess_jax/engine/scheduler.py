@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ess_jax.allocator import Admission, Admitted, PageAllocator
+from ess_jax.allocator import Admission, Admitted, PageAllocator, page_keys
 from ess_jax.engine.config import EngineConfig
 from ess_jax.engine.request import Request, RequestOutput, make_output, prompt_token_logprobs
 from ess_jax.engine.steps import piece_size
@@ -48,6 +48,9 @@ class EngineStats:
     peak_reserved_pages: int = 0
     steps: list[StepTimes] | None = None
     speculative: SpecStats | None = None  # with speculative decoding
+    prefix_queries: dict[int, int] = dataclasses.field(default_factory=dict)  # data shard -> prompt tokens admitted
+    # there that looked up the prefix cache
+    prefix_hits: dict[int, int] = dataclasses.field(default_factory=dict)  # data shard -> of them, found cached
 
 
 @dataclasses.dataclass
@@ -92,6 +95,8 @@ class PrefillSlice:
     wants_logits: bool  # its first output token's logits are read back (logprobs or kept logits)
     targets: tuple[int, ...]  # the prompt token after each of its positions (the last piece: one fewer)
     prompt_logprobs: int | None  # the top-N of each target's log-probability to report (None: not scored)
+    cached: int = 0  # the prompt's first tokens read from the prefix cache (its first pages, shared); the first
+    # piece starts there
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,10 +158,9 @@ class DecodeResult:
 
 @dataclasses.dataclass(frozen=True)
 class Released:
-    """What an ended request held: its batch row and page table, for the offload mode to empty."""
+    """What an ended request held: its batch row, for the offload mode to empty."""
 
     row: int
-    pages_X: np.ndarray  # i32[pages_per_row]
 
 
 class Inbox:
@@ -219,10 +223,14 @@ Drafter = Callable[[Request], Sequence[int]]  # a request -> the K tokens it dra
 
 class Scheduler:
     def __init__(self, config: EngineConfig, *, shards: int, pages: int, pages_per_row: int, max_seq_len: int,
-                 stats: EngineStats, drafter: Drafter | None = None):
+                 stats: EngineStats, drafter: Drafter | None = None, prefix_salt: bytes | None = None,
+                 prefix_tail: int = 1):
         """``pages``: each data shard's pool, its null page included. With speculative decoding each decode step
         verifies ``config.num_speculative_tokens`` drafts per request: ``drafter``'s (a caller's, on the host),
-        else those the last decode step drafted (the MTP module's); a request reserves room for them."""
+        else those the last decode step drafted (the MTP module's); a request reserves room for them.
+        ``prefix_salt``: the prefix cache is on, its page keys salted with it (``allocator.page_keys``: what else
+        changes a page's bytes); None: off. ``prefix_tail``: a prompt's last tokens always prefilled (the offload
+        mode's ``computed_tail``)."""
         self.config, self.stats, self.pages_per_row = config, stats, pages_per_row
         self.drafts, self.drafter = config.num_speculative_tokens, drafter
         # positions past its last token a request's steps may write: a verification step's K drafts, then the MTP
@@ -231,6 +239,11 @@ class Scheduler:
         if self.drafts:
             stats.speculative = SpecStats(accepted_per_position=[0] * self.drafts)
         self._drafted = np.zeros((config.max_batch, self.drafts), np.int32)  # each row's drafts for its next step
+        self.prefix_salt, self.prefix_tail = prefix_salt, prefix_tail
+        # the MTP module's cache (drafts without a caller's drafter) is in the request's pages, its row at a position
+        # made of the token after it: a cached page's key names the token past the page too
+        self.prefix_lookahead = 1 if self.drafts and drafter is None else 0
+        self._keys: dict[int, list[bytes]] = {}  # with the prefix cache, the keys of each request's full prompt pages
         self.allocators = [PageAllocator(pages, config.page_size) for _ in range(shards)]
         self.admission = Admission(self.allocators, max_batch=config.max_batch, max_position_embeddings=max_seq_len)
         self.inbox = Inbox(stats)
@@ -252,7 +265,8 @@ class Scheduler:
         added, aborts = self.inbox.take()
         for request_id, request in added:
             self._requests[request_id] = request
-            self.admission.submit(request_id, len(request.prompt_ids), request.max_new_tokens + self.reserve)
+            self.admission.submit(request_id, len(request.prompt_ids), request.max_new_tokens + self.reserve,
+                                  self._lookup_keys(request_id, request))
         released = []
         for request_id in aborts:
             request = self._requests[request_id]
@@ -260,11 +274,36 @@ class Scheduler:
             self._finished[request_id] = make_output(request_id, request, [])
         return released
 
+    def _lookup_keys(self, request_id: int, request: Request) -> list[bytes]:
+        """With the prefix cache, keep the keys of the request's full prompt pages (those ``prefix_lookahead``
+        prompt tokens follow); the keys of those it may share: the full pages before its last ``prefix_tail`` prompt
+        tokens (always computed: the last one's logits give the first output token), none for a request that scores
+        its prompt (each position's logits are computed)."""
+        if self.prefix_salt is None:
+            return []
+        prompt = request.prompt_ids
+        self._keys[request_id] = page_keys(prompt, self.config.page_size, self.prefix_salt, self.prefix_lookahead)
+        if request.prompt_logprobs is not None:
+            return []
+        return self._keys[request_id][:max(len(prompt) - self.prefix_tail, 0) // self.config.page_size]
+
+    def _admit(self) -> None:
+        """Admit what fits; a request sharing cached pages starts its prefill past them."""
+        for entry in self.admission.admit(self.config.max_batch):
+            request = self._requests[entry.request_id]
+            request.prefilled = entry.shared * self.config.page_size
+            if self.prefix_salt is not None and request.prompt_logprobs is None:
+                shard = self.admission.shard_of(entry.row)
+                queries, hits = self.stats.prefix_queries, self.stats.prefix_hits
+                queries[shard] = queries.get(shard, 0) + len(request.prompt_ids)
+                hits[shard] = hits.get(shard, 0) + request.prefilled
+            self._prefilling.append(entry)
+
     def schedule_prefill(self) -> list[PrefillGroup]:
         """Admit what fits, then this step's prefill calls: each data shard prefills its prompts in admission
-        order, one exact piece at a time (``steps.piece_size``), while its ``prefill_chunk`` tokens last; the
-        shards' pieces of one size run as one call, largest first."""
-        self._prefilling.extend(self.admission.admit(self.config.max_batch))
+        order, one exact piece at a time (``steps.piece_size``) from its first position not cached, while its
+        ``prefill_chunk`` tokens last; the shards' pieces of one size run as one call, largest first."""
+        self._admit()
         budget = [self.config.prefill_chunk] * len(self.allocators)
         planned = {e.request_id: self._requests[e.request_id].prefilled for e in self._prefilling}
         groups = []
@@ -292,7 +331,7 @@ class Scheduler:
         return PrefillSlice(entry.request_id, entry.row, start, tuple(request.prompt_ids[start:start + size]),
                             self.page_table(entry.pages), length, start + size == length, request.sampling,
                             self._wants_logits(request), tuple(request.prompt_ids[start + 1:start + size + 1]),
-                            request.prompt_logprobs)
+                            request.prompt_logprobs, entry.shared * self.config.page_size)
 
     def update_prefill(self, group: PrefillGroup, result: PrefillResult) -> list[Released]:
         """Record a prefill call: its prompt log-probabilities; the prompts it finished join the decode with
@@ -302,6 +341,9 @@ class Scheduler:
             request = self._requests[piece.request_id]
             request.prefilled += group.size
             self.stats.prefill_tokens += group.size
+            if piece.last and (keys := self._keys.get(piece.request_id)):
+                # its prompt pages, for others to share: all written now (ESS: handed off to the host store)
+                self.admission.cache_pages(piece.request_id, keys)
             if piece.prompt_logprobs is not None:
                 request.prompt_scores += prompt_token_logprobs(piece.targets, *result.scores[shard],
                                                                piece.prompt_logprobs)
@@ -384,13 +426,14 @@ class Scheduler:
         if request_id in self.admission.waiting:
             self.admission.cancel(request_id)
         elif request_id in self.admission.running:
-            _, row, pages = self.admission.running[request_id]
-            released.append(Released(row, self.page_table(pages)))
+            row = self.admission.running[request_id].row
+            released.append(Released(row))
             self.admission.finish(request_id)
             self._decoding.pop(request_id, None)
             self._prefilling = deque(e for e in self._prefilling if e.request_id != request_id)
             self._lengths[row] = 0
         del self._requests[request_id]
+        self._keys.pop(request_id, None)
         self.inbox.remove(request_id)
         return released
 
@@ -409,12 +452,15 @@ class Scheduler:
         return list(outputs.values())
 
     def usage(self) -> dict:
-        """Pages and batch rows the admitted requests hold, in all and per data shard; the requests waiting."""
+        """Pages and batch rows the admitted requests hold, in all and per data shard; the pages the prefix cache
+        keeps that no request holds (evictable, counted free); the requests waiting."""
         rows = self.admission.rows_per_shard
-        shards = [{"shard": d, "pages_in_use": a.capacity - a.num_free, "pages_total": a.capacity,
+        shards = [{"shard": d, "pages_in_use": a.num_held, "pages_total": a.capacity,
+                   "prefix_cache_pages": a.num_cached,
                    "rows_in_use": rows - len(self.admission.free_rows(d)), "rows_total": rows}
                   for d, a in enumerate(self.allocators)]
-        out = {k: sum(s[k] for s in shards) for k in ("pages_in_use", "pages_total", "rows_in_use", "rows_total")}
+        keys = ("pages_in_use", "pages_total", "prefix_cache_pages", "rows_in_use", "rows_total")
+        out = {k: sum(s[k] for s in shards) for k in keys}
         out["per_shard"] = shards
         out["requests_waiting"] = len(self.admission.waiting)
         return out

@@ -6,7 +6,7 @@ so that engines over the same model and shapes share their executables, each don
   (``PromptScores``), reduced on the device from the piece's logits;
 - ``decode``: every batch row's last token and its drafts ``[B, 1 + K]`` (speculative decoding; K = 0 without),
   verified, the rejected drafts' writes undone, inactive rows masked;
-- ``handoff``, ``release``, ``flush``: the offloaded tier's moves (``ess_jax.engine.offload``).
+- ``handoff``, ``release``, ``flush``, ``load_prefix``: the offloaded tier's moves (``ess_jax.engine.offload``).
 
 ``shardings`` (static): the cache's ``mesh.Layout`` on the engine's mesh; the steps then run per data shard
 (``mesh.per_shard``), their batch-row-major arguments split over ``data``. None: one device.
@@ -195,18 +195,19 @@ def _decode(graphdef, kernels: str, params, tokens_BT, meta: StepMeta, cache, sa
     return tokens_BT, accepted_B, logits_BTV, placed(shardings, cache), drafts_BK, placed(mtp_shardings, mtp_cache)
 
 
-def _handoff(family: families.Family, cache, scratch, table_DX, pages_DX, row_D, entries_D, window_LDQK,
+def _handoff(family: families.Family, cache, scratch, table_DX, pages_DX, row_D, entries_D, window_LDQK, shared_D,
              shardings=None, scratch_shardings=None):
     """The prompt prefilled on each data shard's scratch row into that shard's decode cache (``Family.handoff``):
     per shard its scratch pages ``table_DX``, its pages ``pages_DX``, its batch row ``row_D`` (past the last:
-    none, the shards without a finished prompt), its entries and the top-k ids of its last prompt queries."""
-    def run(cache, scratch, table_X, pages_X, row, entries, window_LQK):
-        return family.handoff(cache, scratch, table_X[0], pages_X[0], row[0], entries[0], window_LQK[:, 0])
+    none, the shards without a finished prompt), its entries, the top-k ids of its last prompt queries and its
+    leading pages shared from the prefix cache (not written)."""
+    def run(cache, scratch, table_X, pages_X, row, entries, window_LQK, shared):
+        return family.handoff(cache, scratch, table_X[0], pages_X[0], row[0], entries[0], window_LQK[:, 0], shared[0])
 
     specs = shardings and shardings.specs
     cache = on_shards(run, shardings, (specs, scratch_shardings and scratch_shardings.specs, ROWS, ROWS, ROWS, ROWS,
-                                       LAYER_ROWS), specs)(
-        cache, scratch, table_DX, pages_DX, row_D, entries_D, window_LDQK)
+                                       LAYER_ROWS, ROWS), specs)(
+        cache, scratch, table_DX, pages_DX, row_D, entries_D, window_LDQK, shared_D)
     return placed(shardings, cache)
 
 
@@ -219,13 +220,27 @@ def _flush(family: families.Family, cache, shardings=None):
     return placed(shardings, on_shards(run, shardings, (specs,), specs)(cache))
 
 
-def _release(family: families.Family, cache, row_D, pages_DX, shardings=None):
-    """Empty each data shard's batch row ``row_D`` (past the last: none) and the residency of its pages."""
-    def run(cache, row, pages_X):
-        return family.with_store(cache, family.store_of(cache).release(row[0], pages_X[0]))
+def _release(family: families.Family, cache, row_D, shardings=None):
+    """Empty each data shard's batch row ``row_D`` (past the last: none): its pools and their residency."""
+    def run(cache, row):
+        return family.with_store(cache, family.store_of(cache).release(row[0]))
 
     specs = shardings and shardings.specs
-    return placed(shardings, on_shards(run, shardings, (specs, ROWS, ROWS), specs)(cache, row_D, pages_DX))
+    return placed(shardings, on_shards(run, shardings, (specs, ROWS), specs)(cache, row_D))
+
+
+def _load_prefix(family: families.Family, cache, scratch, table_DX, pages_DX, shardings=None,
+                 scratch_shardings=None):
+    """Each data shard's cached prompt prefix, its pages ``pages_DX`` of the decode cache and the host store (the
+    null page past them), into its scratch pages ``table_DX`` (``Family.load_prefix``), for its prefill to
+    continue; the scratch."""
+    def run(cache, scratch, table_X, pages_X):
+        return family.load_prefix(cache, scratch, table_X[0], pages_X[0])
+
+    specs, scratch_specs = shardings and shardings.specs, scratch_shardings and scratch_shardings.specs
+    scratch = on_shards(run, shardings, (specs, scratch_specs, ROWS, ROWS), scratch_specs)(
+        cache, scratch, table_DX, pages_DX)
+    return placed(scratch_shardings, scratch)
 
 
 # The split backend's NumPy store is part of a step's static identity (its engine's own).
@@ -235,6 +250,8 @@ decode = jax.jit(_decode, static_argnums=(0, 1), static_argnames=("shardings", "
 handoff = jax.jit(_handoff, static_argnums=0, static_argnames=("shardings", "scratch_shardings"), donate_argnums=1)
 flush = jax.jit(_flush, static_argnums=0, static_argnames="shardings", donate_argnums=1)
 release = jax.jit(_release, static_argnums=0, static_argnames="shardings", donate_argnums=1)
+load_prefix = jax.jit(_load_prefix, static_argnums=0, static_argnames=("shardings", "scratch_shardings"),
+                      donate_argnums=2)
 
 
 def piece_sizes(chunk: int) -> tuple[int, ...]:

@@ -36,9 +36,11 @@ class Metrics:
         self.e2e = histogram("ess_jax_e2e_request_latency_seconds", "Request latency")
         self.pages_in_use = Gauge("ess_jax_kv_pages_in_use", "Cache pages reserved by admitted requests", registry=r)
         self.pages_total = Gauge("ess_jax_kv_pages_total", "Allocatable cache pages", registry=r)
-        self.tier: dict[str, Any] = {}  # the last offload_metrics() ("offload") and usage()'s tier keys
+        # the last offload_metrics() ("offload"), usage()'s tier keys and its counters ("speculative", "prefix_cache")
+        self.tier: dict[str, Any] = {}
         r.register(_TierCollector(self.tier))
         r.register(_SpecCollector(self.tier))
+        r.register(_PrefixCollector(self.tier))
 
     def added(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
@@ -56,8 +58,9 @@ class Metrics:
             self.requests.labels(out.finish_reason).inc()
 
     def usage(self, usage: dict) -> None:
-        if "speculative" in usage:
-            self.tier["speculative"] = usage["speculative"]
+        for key in ("speculative", "prefix_cache"):  # the engine's counters since it started
+            if key in usage:
+                self.tier[key] = usage[key]
         self.running.set(usage["rows_in_use"])
         self.waiting.set(usage["requests_waiting"])
         self.pages_in_use.set(usage["pages_in_use"])
@@ -108,3 +111,23 @@ class _TierCollector:
             yield family
         for name, key, text in TIER_GAUGES:
             yield GaugeMetricFamily(f"ess_jax_tier_{name}", text, value=self.tier[key])
+
+
+class _PrefixCollector:
+    """The prefix cache's counters from the last ``usage()`` (once an engine with the prefix cache was read):
+    prompt tokens that looked it up, and those found cached per tier the cached pages were read from."""
+
+    def __init__(self, tier: dict[str, Any]):
+        self.tier = tier
+
+    def collect(self):
+        prefix = self.tier.get("prefix_cache")
+        if prefix is None:
+            return
+        yield CounterMetricFamily("ess_jax_prefix_cache_queries", "Prompt tokens that looked up the prefix cache",
+                                  value=prefix["query_tokens"])
+        hits = CounterMetricFamily("ess_jax_prefix_cache_hits", "Prompt tokens found in the prefix cache, by the tier "
+                                   "they were read from", labels=["tier"])
+        for tier, tokens in prefix["per_tier"].items():
+            hits.add_metric([tier], tokens)
+        yield hits

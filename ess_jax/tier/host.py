@@ -3,9 +3,13 @@ pages), behind one contract with two backends (DESIGN.md §5), tested for identi
 
 - ``PinnedHostStore`` (``--fetch inline``): a jax array in pinned host memory. ``fetch`` gathers the rows
   on the host under ``compute_on("device_host")`` and transfers them inside the step; ``backup`` and
-  ``store_prompt`` scatter on the host side. One compiled step, no host round trip.
+  ``store_prompt`` scatter on the host side, ``load`` (a cached prefix's whole pages) gathers there. One compiled
+  step, no host round trip.
 - ``NumpyHostStore`` (``--fetch split``): a NumPy array. ``fetch`` is a host callback at the fetch point
-  (one batched transfer per layer); ``backup`` and ``store_prompt`` are ordered io callbacks. Portable.
+  (one batched transfer per layer); ``backup``, ``store_prompt`` and ``load`` are ordered io callbacks. Portable.
+
+A page of a cached prompt prefix is shared by every request whose prompt starts with it (the engine's page
+ids are the host store's): written once by the request that prefilled it, then only read.
 
 On a mesh the steps run per data shard (``ess_jax.mesh.per_shard``) with page ids local to the shard: the
 pinned store is sharded over ``data`` on its page axis (each shard's pages in its own devices' host memory);
@@ -67,6 +71,11 @@ class PinnedHostStore:
         operands = jax.device_put((rows_LXZW, pages_X), jax.memory.Space.Host)
         return PinnedHostStore(_ON_HOST(lambda store, r, p: store.at[:, p].set(r))(self.array, *operands))
 
+    def load(self, pages_X: jax.Array) -> jax.Array:
+        """Whole pages ``pages_X`` of rows on the device ``[L, X, Z, W]``, gathered on the host side."""
+        rows = _ON_HOST(lambda store, p: store[:, p])(self.array, jax.device_put(pages_X, jax.memory.Space.Host))
+        return jax.device_put(rows, jax.memory.Space.Device)
+
 
 jax.tree_util.register_pytree_node(PinnedHostStore, lambda s: ((s.array,), None),
                                    lambda _, children: PinnedHostStore(*children))
@@ -111,6 +120,13 @@ class NumpyHostStore:
             self.array[:, np.asarray(p)] = np.asarray(rows)
         mesh.all_manual(lambda *args: io_callback(write, None, *args, ordered=True))(rows_LXZW, self._pages(pages_X))
         return self
+
+    def load(self, pages_X: jax.Array) -> jax.Array:
+        # ordered after the step's earlier writes (store_prompt, backup): an io callback of the same ordering
+        l, _, z, w = self.array.shape
+        shape = jax.ShapeDtypeStruct((l, pages_X.shape[0], z, w), self.array.dtype)
+        read = mesh.all_manual(lambda p: io_callback(lambda p: self.array[:, np.asarray(p)], shape, p, ordered=True))
+        return read(self._pages(pages_X))
 
 
 jax.tree_util.register_pytree_node(NumpyHostStore, lambda s: ((), s), lambda s, _: s)

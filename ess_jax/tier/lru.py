@@ -1,8 +1,9 @@
 """The tier's device pool bookkeeping: per (sparse layer, batch row) ``P`` slots with an LRU over them.
 
 ``LruPool`` holds which entry each slot has (``slot_entry``), the slots from least to most recently used
-(``slot_order``) and the residency map entry -> slot (``resident_slot``, paged like the entries, so a hit
-costs one gather, not a k x P comparison). ``resolve`` is one step's resolution for one (layer, row); it
+(``slot_order``) and the residency map entry -> slot (``resident_slot``, per batch row over its request's entry
+ids, so a hit costs one gather, not a k x P comparison, and requests sharing the host pages of a cached prefix
+each keep their own residency). ``resolve`` is one step's resolution for one (layer, row); it
 knows no rows, stores or attention. Axis letters: ess_jax.notation (P pool slots, K1 = K + 1: the slots one
 step can take, the new entry and one per miss; in a verification step K1 = min(P, K + M): M new entries and
 K the union of its queries' top-k ids).
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -117,72 +117,70 @@ def warm_layer(ids_TK, count, slots: int, capacity: int):
     return jnp.where(held, entry, -1), jnp.argsort(jnp.where(held, stamp, -1), stable=True).astype(jnp.int32)
 
 
-Locate = Callable[[jax.Array], tuple[jax.Array, jax.Array]]  # entry ids [B, ...] -> (page, offset)
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LruPool:
-    """Slot tables and the residency map of every sparse layer (B batch rows, P slots each)."""
+    """Slot tables and the residency map of every sparse layer (B batch rows, P slots each, E entry ids a row)."""
 
     slot_entry: jax.Array  # i32[L, B, P] entry held by each slot, -1 = empty
     slot_order: jax.Array  # i32[L, B, P] the slots from least to most recently used (empty ones first)
-    resident_slot: jax.Array  # i32[L, G, Z] slot holding each entry, -1 = host only
+    resident_slot: jax.Array  # i32[L, B, E] slot holding each entry of the row's request, -1 = host only
 
     @classmethod
-    def empty(cls, *, layers: int, rows: int, slots: int, pages: int, per_page: int) -> LruPool:
+    def empty(cls, *, layers: int, rows: int, slots: int, entries: int) -> LruPool:
         return cls(slot_entry=jnp.full((layers, rows, slots), -1, jnp.int32),
                    slot_order=jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (layers, rows, slots)),
-                   resident_slot=jnp.full((layers, pages, per_page), -1, jnp.int32))
+                   resident_slot=jnp.full((layers, rows, entries), -1, jnp.int32))
 
     @property
     def slots(self) -> int:
         return self.slot_entry.shape[2]
 
-    def lookup(self, layer, page_BK, offset_BK, ids_BK, new_ids_BM, active_B) -> tuple[Resolution, jax.Array]:
+    def lookup(self, layer, ids_BK, new_ids_BM, active_B) -> tuple[Resolution, jax.Array]:
         """Resolve layer ``layer``'s ids (an int, or i32[] inside a scan over layers) and the step's new entries
         ``new_ids_BM``: the resolution per row and the entries leaving the taken slots ``i32[B, K1]`` (-1: the
         slot was empty, or no taker)."""
-        known_BK = jnp.where(ids_BK >= 0, self.resident_slot[layer, page_BK, offset_BK], -1)
+        rows_B1 = jnp.arange(ids_BK.shape[0])[:, None]
+        known_BK = jnp.where(ids_BK >= 0, self.resident_slot[layer, rows_B1, jnp.maximum(ids_BK, 0)], -1)
         res = jax.vmap(resolve)(ids_BK, known_BK, new_ids_BM, active_B, self.slot_entry[layer],
                                 self.slot_order[layer])
         p = self.slots
         held_BK1 = jnp.take_along_axis(self.slot_entry[layer], jnp.minimum(res.taker_K1, p - 1), axis=1)
         return res, jnp.where(res.taker_K1 < p, held_BK1, -1)
 
-    def commit(self, layer, res: Resolution, ids_BK, new_ids_BM, evicted_BK1, locate: Locate) -> LruPool:
+    def commit(self, layer, res: Resolution, ids_BK, new_ids_BM, evicted_BK1) -> LruPool:
         """Residency (evicted entries leave first, then the new entries and the kept misses arrive) and the slot
         tables after the step."""
-        p, g = self.slots, self.resident_slot.shape[1]
+        p, e = self.slots, self.resident_slot.shape[2]
+        rows_B1 = jnp.arange(ids_BK.shape[0])[:, None]
         # the new entries, then each miss given a slot
         write_BA = jnp.concatenate([new_ids_BM >= 0, res.miss_K & (res.slot_K >= 0)], axis=1)
         slot_BA = jnp.where(write_BA, jnp.concatenate([res.new_slot, res.slot_K], axis=1), p)
-        ev_page_BK1, ev_offset_BK1 = locate(evicted_BK1)
-        resident = self.resident_slot.at[layer, jnp.where(evicted_BK1 >= 0, ev_page_BK1, g), ev_offset_BK1].set(
+        resident = self.resident_slot.at[layer, rows_B1, jnp.where(evicted_BK1 >= 0, evicted_BK1, e)].set(
             -1, mode="drop")
-        arrive_page_BA, arrive_offset_BA = locate(jnp.concatenate([new_ids_BM, ids_BK], axis=1))
-        resident = resident.at[layer, jnp.where(write_BA, arrive_page_BA, g), arrive_offset_BA].set(slot_BA,
-                                                                                                 mode="drop")
+        arrive_BA = jnp.concatenate([new_ids_BM, ids_BK], axis=1)
+        resident = resident.at[layer, rows_B1, jnp.where(write_BA, arrive_BA, e)].set(slot_BA, mode="drop")
         return LruPool(self.slot_entry.at[layer].set(res.slot_entry_P), self.slot_order.at[layer].set(res.order_P),
                        resident)
 
-    def warm(self, row, entry_LP, order_LP, page_LP, offset_LP, pages_X) -> LruPool:
+    def warm(self, row, entry_LP, order_LP) -> LruPool:
         """Batch row ``row``'s pools (every layer) after prefill: slot tables ``entry_LP`` / ``order_LP`` and
-        the residency of those entries at ``page_LP`` / ``offset_LP``; the request's pages ``pages_X`` are
-        cleared first (they may hold stale slots of an earlier request)."""
-        layers, g = entry_LP.shape[0], self.resident_slot.shape[1]
-        resident = self.resident_slot.at[:, pages_X].set(-1)
-        resident = resident.at[jnp.arange(layers)[:, None], jnp.where(entry_LP >= 0, page_LP, g), offset_LP].set(
+        the residency of those entries; the row's residency is cleared first (it may hold stale slots of an
+        earlier request)."""
+        layers, e = entry_LP.shape[0], self.resident_slot.shape[2]
+        resident = self.resident_slot.at[:, row].set(-1, mode="drop")
+        resident = resident.at[jnp.arange(layers)[:, None], row, jnp.where(entry_LP >= 0, entry_LP, e)].set(
             jnp.broadcast_to(jnp.arange(self.slots, dtype=jnp.int32), entry_LP.shape), mode="drop")
         return LruPool(self.slot_entry.at[:, row].set(entry_LP, mode="drop"),
                        self.slot_order.at[:, row].set(order_LP, mode="drop"), resident)
 
-    def forget(self, drop_LBP, page_LBP, offset_LBP) -> LruPool:
-        """Empty the slots ``drop_LBP`` (their entries at ``page_LBP`` / ``offset_LBP`` leave the residency map),
-        moved to the front of each recency order, the others keeping theirs (empty slots stay first)."""
-        g = self.resident_slot.shape[1]
-        layers = jnp.arange(drop_LBP.shape[0])[:, None, None]
-        resident = self.resident_slot.at[layers, jnp.where(drop_LBP, page_LBP, g), offset_LBP].set(-1, mode="drop")
+    def forget(self, drop_LBP) -> LruPool:
+        """Empty the slots ``drop_LBP`` (their entries leave the residency map), moved to the front of each recency
+        order, the others keeping theirs (empty slots stay first)."""
+        l, b, _ = drop_LBP.shape
+        e = self.resident_slot.shape[2]
+        layers, rows = jnp.arange(l)[:, None, None], jnp.arange(b)[None, :, None]
+        resident = self.resident_slot.at[layers, rows, jnp.where(drop_LBP, self.slot_entry, e)].set(-1, mode="drop")
         dropped_LBP = jnp.take_along_axis(drop_LBP, self.slot_order, axis=-1)  # in recency order
         n_LB1 = dropped_LBP.sum(-1, keepdims=True)
         place_LBP = jnp.where(dropped_LBP, jnp.cumsum(dropped_LBP, -1) - 1, n_LB1 + jnp.cumsum(~dropped_LBP, -1) - 1)
@@ -190,8 +188,8 @@ class LruPool:
         order = jax.vmap(jax.vmap(scatter))(place_LBP, self.slot_order)
         return LruPool(jnp.where(drop_LBP, -1, self.slot_entry), order, resident)
 
-    def release(self, row, pages_X) -> LruPool:
-        """Empty batch row ``row``'s pools and the residency of the request's pages ``pages_X`` (0 = none)."""
+    def release(self, row) -> LruPool:
+        """Empty batch row ``row``'s pools and residency (a row past the last: none)."""
         return LruPool(self.slot_entry.at[:, row].set(-1, mode="drop"),
                        self.slot_order.at[:, row].set(jnp.arange(self.slots, dtype=jnp.int32), mode="drop"),
-                       self.resident_slot.at[:, pages_X].set(-1))
+                       self.resident_slot.at[:, row].set(-1, mode="drop"))

@@ -69,7 +69,7 @@ class Tier:
         u = ids_BU.shape[1]
         page_BU, offset_BU = self._locate(meta.page_table, ids_BU)
         with jax.named_scope("resolve"):
-            res, evicted_BK1 = self.lru.lookup(layer, page_BU, offset_BU, ids_BU, new_ids_BM, active_B)
+            res, evicted_BK1 = self.lru.lookup(layer, ids_BU, new_ids_BM, active_B)
             # every read of the old maps happens before their in-place updates in settle
             evicted_BK1, old = jax.lax.optimization_barrier((evicted_BK1, self.lru))
         with jax.named_scope("fetch"):
@@ -92,13 +92,12 @@ class Tier:
                 slot_BA = jnp.concatenate([res.new_slot, jnp.where(res.miss_K & (res.slot_K >= 0), res.slot_K, p)],
                                           axis=1)
                 pool = pool.at[layer, row_B1, slot_BA].set(arrivals_BAW.astype(pool.dtype), mode="drop")
-                located = lambda ids: self._locate(meta.page_table, ids)  # noqa: E731
-                new_page_BM, new_offset_BM = located(new_ids_BM)
+                new_page_BM, new_offset_BM = self._locate(meta.page_table, new_ids_BM)
                 counts_B4 = jnp.stack([(ids_BU >= 0).sum(-1), (res.hit_K | res.is_new_K).sum(-1), res.miss_K.sum(-1),
                                        (new_ids_BM >= 0).sum(-1)], axis=-1).astype(jnp.int32)
                 counts_B4 = jnp.where(active_B[:, None], counts_B4, 0)  # a row that does not run looks nothing up
             return dataclasses.replace(
-                self, pool=pool, lru=old.commit(layer, res, ids_BU, new_ids_BM, evicted_BK1, located),
+                self, pool=pool, lru=old.commit(layer, res, ids_BU, new_ids_BM, evicted_BK1),
                 staged=self.staged.at[layer].set(new_rows_BMW.astype(self.staged.dtype)),
                 staged_page=new_page_BM,  # the null page where no entry is new
                 staged_offset=new_offset_BM, counters=self.counters.at[layer].add(counts_B4))
@@ -111,13 +110,7 @@ class Tier:
         tokens: their slots emptied (first in the recency order), their residency cleared, their rows not backed
         up, and not counted as staged."""
         limit_B = length_B // self.rate  # the row's entries: those closed by its first length_B tokens
-        entry_LBP = self.lru.slot_entry
-        drop_LBP = entry_LBP >= limit_B[None, :, None]
-        l, b, p = entry_LBP.shape
-        page_BZ, offset_BZ = self._locate(meta.page_table, jnp.where(drop_LBP, entry_LBP, -1).transpose(1, 0, 2)
-                                          .reshape(b, l * p))
-        lru = self.lru.forget(drop_LBP, page_BZ.reshape(b, l, p).transpose(1, 0, 2),
-                              offset_BZ.reshape(b, l, p).transpose(1, 0, 2))
+        lru = self.lru.forget(self.lru.slot_entry >= limit_B[None, :, None])
         # the staged rows' entries, from their pages' places in the page table
         per_page = entries_per_page(self.page_size, self.rate)
         staged_BM = self.staged_page
@@ -142,26 +135,29 @@ class Tier:
         ``pages_X`` (whole pages; unused columns copy to the null page)."""
         return dataclasses.replace(self, host=self.host.store_prompt(scratch_pages_LGZW[:, scratch_table_X], pages_X))
 
-    def warm(self, scratch_pages_LGZW, scratch_table_X, pages_X, row, count, ids_LTK) -> Tier:
+    def warm(self, scratch_pages_LGZW, scratch_table_X, row, count, ids_LTK) -> Tier:
         """Fill batch row ``row``'s pools (every layer) from the prefill scratch: ESS LRU-Warmup with the top-k
         ids of the last prompt queries, or all ``count`` entries of the prompt when they fit (a row past the
         last: none)."""
-        capacity = pages_X.shape[0] * entries_per_page(self.page_size, self.rate)
+        capacity = self.lru.resident_slot.shape[2]
         entry_LP, order_LP = jax.vmap(lru.warm_layer, in_axes=(0, None, None, None))(ids_LTK, count, self.lru.slots,
                                                                                     capacity)
         scratch_page_LP, offset_LP = self._locate(scratch_table_X[None], entry_LP.reshape(1, -1))
         scratch_page_LP, offset_LP = scratch_page_LP.reshape(entry_LP.shape), offset_LP.reshape(entry_LP.shape)
         rows_LPW = jax.vmap(lambda pages, g, e: pages[g, e])(scratch_pages_LGZW, scratch_page_LP, offset_LP)
-        page_LP, _ = self._locate(pages_X[None], entry_LP.reshape(1, -1))
         return dataclasses.replace(
             self, pool=self.pool.at[:, row].set(rows_LPW.astype(self.pool.dtype), mode="drop"),
-            lru=self.lru.warm(row, entry_LP, order_LP, page_LP.reshape(entry_LP.shape), offset_LP, pages_X))
+            lru=self.lru.warm(row, entry_LP, order_LP))
 
-    def release(self, row, pages_X) -> Tier:
-        """Empty batch row ``row``'s pools and the residency of the request's host pages ``pages_X`` (0 = none),
-        when the request finishes or is aborted: the tier then holds nothing of it (a row past the last:
-        none)."""
-        return dataclasses.replace(self, lru=self.lru.release(row, pages_X))
+    def load_prefix(self, pages_X) -> jax.Array:
+        """The rows of the host store's pages ``pages_X`` on the device ``[L, X, Z, W]`` (a cached prefix's, for a
+        prefill that continues it)."""
+        return self.host.load(pages_X)
+
+    def release(self, row) -> Tier:
+        """Empty batch row ``row``'s pools and residency when its request finishes or is aborted: the tier then
+        holds nothing of it on the device (a row past the last: none)."""
+        return dataclasses.replace(self, lru=self.lru.release(row))
 
 
 def union(ids_TK: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -181,15 +177,16 @@ def union(ids_TK: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def init_tier(*, layers: int, rows: int, slots: int, pages: int, page_size: int, rate: int, width: int, dtype,
-              fetch: str, new_entries: int = 1) -> Tier:
-    """An empty tier: ``slots`` pool slots per (layer, batch row), a host store of ``pages`` pages
-    (allocated directly in pinned host memory for ``inline``, in NumPy for ``split``); ``new_entries``: the
-    entries a decode step writes per row (more than one in a verification step)."""
+              fetch: str, entries: int, new_entries: int = 1) -> Tier:
+    """An empty tier: ``slots`` pool slots per (layer, batch row), a residency map of ``entries`` entry ids per
+    row (a request's most), a host store of ``pages`` pages (allocated directly in pinned host memory for
+    ``inline``, in NumPy for ``split``); ``new_entries``: the entries a decode step writes per row (more than one
+    in a verification step)."""
     per_page = entries_per_page(page_size, rate)
     staged = (rows, new_entries)
     return Tier(
         pool=jnp.zeros((layers, rows, slots, width), dtype),
-        lru=lru.LruPool.empty(layers=layers, rows=rows, slots=slots, pages=pages, per_page=per_page),
+        lru=lru.LruPool.empty(layers=layers, rows=rows, slots=slots, entries=entries),
         staged=jnp.zeros((layers, *staged, width), dtype),
         staged_page=jnp.zeros(staged, jnp.int32),
         staged_offset=jnp.zeros(staged, jnp.int32),
@@ -199,9 +196,9 @@ def init_tier(*, layers: int, rows: int, slots: int, pages: int, page_size: int,
     )
 
 
-def device_bytes(*, layers: int, rows: int, slots: int, row_bytes: int, pages: int, per_page: int) -> int:
+def device_bytes(*, layers: int, rows: int, slots: int, row_bytes: int, entries: int) -> int:
     """Bytes of an ``init_tier`` tier's device arrays (all but the host store), for ``layers`` sparse layers,
-    ``rows`` batch rows of ``slots`` pool slots, rows of ``row_bytes`` and a residency map of ``pages`` pages
-    of ``per_page`` entries: per (layer, row) the pool, its two int32 slot tables, the staged row and four
-    int32 counters; per (layer, page entry) an int32 slot; per row the staged row's int32 page and offset."""
-    return layers * rows * (slots * (row_bytes + 8) + row_bytes + 16) + layers * pages * per_page * 4 + rows * 8
+    ``rows`` batch rows of ``slots`` pool slots, rows of ``row_bytes`` and a residency map of ``entries`` entry
+    ids per row: per (layer, row) the pool, its two int32 slot tables, the staged row, four int32 counters and an
+    int32 slot per entry id; per row the staged row's int32 page and offset."""
+    return layers * rows * (slots * (row_bytes + 8) + row_bytes + 16 + entries * 4) + rows * 8

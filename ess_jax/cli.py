@@ -115,11 +115,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     cache.add_argument("--host-cache-mb", action=_EssOnly, type=float, default=None,
                        help="ess: host store budget in MiB per --mesh data shard; sets the page count (default: "
                             "enough for the shard's --max-batch / D requests of --max-seq-len tokens)")
-    cache.add_argument("--rings", action=_EssOnly, choices=["host", "device"], default="host",  # engine.config.RINGS
+    cache.add_argument("--rings", action=_EssOnly, choices=["host", "device"], default=None,  # engine.config.RINGS
                        help="ess: DeepSeek-V4's HCA compressor rings (each request's open 128-token window of "
                             "projected inputs and gate logits) in host memory, the device keeping each ring's "
-                            "newest row and reading a ring when its window closes ('host', default), or on the "
-                            "device. Same tokens")
+                            "newest row and reading a ring when its window closes ('host'), or on the device "
+                            "('device'). Same tokens. Default: host, or device with --speculative (the host rings "
+                            "take one token per request and step)")
     cache.add_argument("--max-batch", type=int, default=8, help="decode batch rows (default 8)")
     cache.add_argument("--page-size", type=int, default=64, help="tokens per cache page (default 64)")
     cache.add_argument("--num-pages", type=int, default=None,

@@ -172,8 +172,8 @@ SPEC = {  # family, offload, fetch, pool (slots), K
 
 def spec_engine(models, reference, name: str) -> tuple[Engine, OracleDrafter]:
     family, offload, fetch, pool, k = SPEC[name]
-    config = dataclasses.replace(BASE[family], offload=offload, fetch=fetch, pool_size=pool, rings="device",
-                                 speculative="mtp", num_speculative_tokens=k)
+    config = dataclasses.replace(BASE[family], offload=offload, fetch=fetch, pool_size=pool, speculative="mtp",
+                                 num_speculative_tokens=k)  # V4's HCA rings: on the device, the default with drafts
     model = models[family]
     oracle = OracleDrafter(reference[family], k, model.cfg.vocab_size)
     return Engine(model, config, drafter=oracle), oracle
@@ -259,6 +259,13 @@ def test_refusals(models):
     config = dataclasses.replace(BASE["v32"], speculative="mtp", num_speculative_tokens=2)
     with pytest.raises(ValueError, match="no MTP layer"):
         Engine(v32, config)
+    # V4's HCA rings default to host memory, and to the device with speculative decoding (host rings take one
+    # token per request and step): asked for in host memory with drafts, a refusal naming the fix
+    v4_ess = dataclasses.replace(BASE["v4"], offload="ess")
+    spec = dataclasses.replace(v4_ess, speculative="mtp", num_speculative_tokens=1)
+    assert (v4_ess.ring_placement, spec.ring_placement) == ("host", "device")
+    with pytest.raises(ValueError, match="leave --rings unset or use --rings device"):
+        Engine(models["v4"], dataclasses.replace(spec, rings="host"), drafter=lambda r: [0])
     with pytest.raises(ValueError, match="smallest ring"):  # hf-v4-a: CSA rings of 2 x 4 positions
         Engine(models["v4"], dataclasses.replace(BASE["v4"], speculative="mtp", num_speculative_tokens=8),
                drafter=lambda r: [0] * 8)

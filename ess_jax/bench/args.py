@@ -164,9 +164,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--index-dtype", choices=["fp4", "fp8", "bfloat16"], default=None,  # engine.config.INDEX_DTYPES
                    help="indexer key format of every engine (fp4: DeepSeek-V4's QAT keys; default as the engine's "
                         "--index-dtype)")
-    p.add_argument("--rings", type=_names, default=["host"],
+    p.add_argument("--rings", type=_names, default=[None],
                    help="ESS settings' placements of DeepSeek-V4's HCA compressor rings, comma-separated subset of "
-                        "host,device: each ESS setting runs with each (default host)")
+                        "host,device: each ESS setting runs with each (default: the engine's, host, or device "
+                        "with speculative decoding)")
     p.add_argument("--weights-seed", type=int, default=0, help="seed of a preset's random weights (default 0)")
     p.add_argument("--mesh", default=None, metavar="data=D,expert=E",
                    help="run every engine on a device mesh over every device jax sees (ess_jax.mesh; --batch a "
@@ -260,7 +261,7 @@ def check_args(args: argparse.Namespace) -> None:
                 raise ValueError(f"{flag} {r} must be in (0, 1]")
     from ess_jax.engine.config import RINGS
 
-    bad = [r for r in args.rings if r not in RINGS]
+    bad = [r for r in args.rings if r not in (None, *RINGS)]
     if bad or not args.rings:
         raise ValueError(f"--rings {','.join(args.rings)!r} must be a subset of {','.join(RINGS)}")
     bad = [f for f in args.fetch if f not in FETCH_BACKENDS]

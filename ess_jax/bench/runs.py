@@ -15,13 +15,13 @@ class Setting:
     offload: str  # "none" | "ess"
     pool_ratio: float | None = None
     fetch: str | None = None
-    rings: str = "host"  # ess: where DeepSeek-V4's HCA compressor rings live
+    rings: str | None = None  # ess: where DeepSeek-V4's HCA compressor rings live (None: the engine's default)
     speculative: int = 0  # K: the MTP module's drafts per request and step (0: no speculative decoding)
 
     @property
     def label(self) -> str:
         base = "resident" if self.offload == "none" else f"ess r={self.pool_ratio:g} {self.fetch}" + (
-            "" if self.rings == "host" else f" rings {self.rings}")
+            "" if self.rings in (None, "host") else f" rings {self.rings}")
         return base + (f" mtp K={self.speculative}" if self.speculative else "")
 
 
@@ -86,7 +86,7 @@ def summary(setting: Setting, engine, samples: Samples, batch: int, first: Sampl
         "offload": setting.offload, "pool_ratio": setting.pool_ratio, "fetch": setting.fetch,
         "speculative": setting.speculative, "speculative_metrics": engine.speculative_metrics(),
         "relative_to_plain": statistics.median(rates) / plain_tok_s if plain_tok_s else None,
-        "rings": setting.rings if setting.offload == "ess" else None,
+        "rings": engine.config.ring_placement if setting.offload == "ess" else None,
         "pool_slots": engine.layout.pool_slots,
         "decode_tokens_per_s": statistics.median(rates), "decode_tokens_per_s_runs": rates,
         "relative_to_resident": statistics.median(rates) / resident_tok_s if resident_tok_s else None,

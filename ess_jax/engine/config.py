@@ -47,7 +47,8 @@ class EngineConfig:
     pool_ratio: float = 0.2  # ess: pool slots as a fraction of the longest request's entries
     fetch: Fetch = Fetch.INLINE  # ess: how misses reach the device (ess_jax.tier)
     host_cache_mb: float | None = None  # ess: host store budget per data shard; sets the page count when given
-    rings: str = "host"  # ess: DeepSeek-V4's HCA compressor rings in host memory ("host") or on the device
+    rings: str | None = None  # ess: DeepSeek-V4's HCA compressor rings in host memory ("host") or on the device;
+    # None: ring_placement's default
     keep_logits: bool = False  # keep each output token's float32 logits in Request.logits
     kernels: str = "xla"  # attention kernels: "xla", "pallas", "auto" (Pallas on GPU, XLA elsewhere)
     cache_dtype: str | None = None  # offloaded part's rows: None = the model's dtype, or a CACHE_DTYPES key
@@ -87,7 +88,7 @@ class EngineConfig:
         if self.index_dtype not in (None, *INDEX_DTYPES):
             raise ValueError(f"--index-dtype {self.index_dtype!r} is not an indexer key format; use one of "
                              f"{', '.join(INDEX_DTYPES)}")
-        if self.rings not in RINGS:
+        if self.rings not in (None, *RINGS):
             raise ValueError(f"--rings {self.rings!r} is not a ring placement; use one of {', '.join(RINGS)}")
         if self.fetch not in tuple(Fetch):
             raise ValueError(f"--fetch {self.fetch!r} is not a fetch backend; use one of {', '.join(Fetch)}")
@@ -108,6 +109,13 @@ class EngineConfig:
             mesh.check_rows(mesh.parse(self.mesh), self.max_batch)
         # The ESS-only fields are ignored with offload "none" (one config serves both paths through
         # dataclasses.replace); the CLIs refuse ESS-only flags given with --offload none (cli.engine_config).
+
+    @property
+    def ring_placement(self) -> str:
+        """Where DeepSeek-V4's HCA compressor rings live under ESS: ``rings`` when given, else in host memory, or
+        on the device with speculative decoding (the host rings take one token per request and step). Resolved
+        here, not in ``__post_init__``, so a config ``dataclasses.replace``-d to speculate gets the device's."""
+        return self.rings or ("device" if self.speculative is not None else "host")
 
 
 def flag(name: str) -> str:

@@ -52,9 +52,9 @@ def check_speculative(model, config: EngineConfig, drafter: Drafter | None) -> N
     if drafter is None and not has_mtp(model):
         raise ValueError(f"--speculative mtp: this checkpoint has no MTP layer (num_nextn_predict_layers = 0) to "
                          f"draft with; use a checkpoint with one, or serve without --speculative")
-    if config.offload == "ess" and config.rings == "host" and V4Layer.HCA in model.cfg.layer_types:
-        raise ValueError("--speculative with --rings host: the host rings take one token per request and step; use "
-                         "--rings device (the HCA compressor rings on the device)")
+    if config.offload == "ess" and config.ring_placement == "host" and V4Layer.HCA in model.cfg.layer_types:
+        raise ValueError("--speculative with --rings host: the host rings take one token per request and step; leave "
+                         "--rings unset or use --rings device (the HCA compressor rings on the device)")
     limit = families.get(model.cfg.family).step_tokens_limit(model.cfg)
     if limit is not None and 1 + k > limit:
         raise ValueError(f"--num-speculative-tokens {k}: a step of 1 + {k} tokens per request exceeds the smallest "

@@ -128,7 +128,7 @@ class Ess:
         slots = tier.pool_slots(entries, part.topk, pool_size=config.pool_size, pool_ratio=config.pool_ratio)
         if config.host_cache_mb is not None:
             size = families.fit_host_budget(size, part, config.host_cache_mb)
-        placed = families.host_rings(parts) if config.rings == "host" else parts
+        placed = families.host_rings(parts) if config.ring_placement == "host" else parts
         pages_host = size.pages * part.page_bytes(size.page_size)
         rings_host = size.rows * sum(p.bytes(0) for p in placed if p.where == "host")
         scratch = Ess.scratch_size(size)
@@ -160,7 +160,7 @@ class Ess:
     def decode_cache(module, size: families.CacheSize, config: EngineConfig, layout: CacheLayout):
         return families.get(module.cfg.family).offloaded_cache(
             module, size, layout.offloaded, entry_dtype(module, config), slots=layout.pool_slots, fetch=config.fetch,
-            index=config.index_dtype, rings=config.rings, tokens=1 + config.num_speculative_tokens)
+            index=config.index_dtype, rings=config.ring_placement, tokens=1 + config.num_speculative_tokens)
 
     def __init__(self, runner: Runner, layout: CacheLayout, stats: EngineStats):
         self.runner, self.layout, self.stats = runner, layout, stats

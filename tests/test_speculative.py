@@ -1,10 +1,10 @@
 """Speculative decoding: the verifier, rollback and rejection sampling.
 
 Greedy tokens with drafts verified equal those without, token for token: both families, the resident cache and
-the tier (pools of top_k + 1 slots and larger, both fetch backends), K = 1 and 3, with requests joining, ending
-inside an accepted run (a stop id, max_new_tokens) and aborting. The drafts come through the engine's drafter
-entry from a run without speculation, corrupted at chosen positions, so every step accepts a known prefix (all,
-none, or some). After every step the tier holds nothing a rejected draft wrote, its slot table and residency
+the tier (pools of top_k + 1 slots, 2 top_k, about half the entries and every entry; both fetch backends), K = 1 and
+3, with requests joining, ending inside an accepted run (a stop id, max_new_tokens) and aborting. The drafts come
+through the engine's drafter entry from a run without speculation, corrupted at chosen positions, so every step
+accepts a known prefix (all, none, or some). After every step the tier holds nothing a rejected draft wrote, its slot table and residency
 map are inverse, and after the last request every page, batch row and slot is free. Rejection sampling keeps the
 target's distribution: a chi-square test on a small vocabulary that a sampler without the correction fails.
 """
@@ -160,13 +160,18 @@ def workload(reference: dict, family: str) -> list[dict]:
             dict(prompt=list(prompts[3]), new=NEW, stop=[], arrive=2, abort=9)]
 
 
-SPEC = {  # family, offload, fetch, pool (slots), K
+EVERY = BASE["v32"].max_seq_len  # a pool of every entry (the pool size is capped at a request's entries)
+SPEC = {  # family, offload, fetch, pool (slots), K: the tier tests' pool sizes (a ratio of 0.1 is top_k + 1 here)
     "v32 resident K=1": ("v32", "none", "inline", None, 1),
     "v32 tier top_k+1 split K=3": ("v32", "ess", "split", 17, 3),
+    "v32 tier 2*top_k inline K=3": ("v32", "ess", "inline", 32, 3),
     "v32 tier ratio 0.5 inline K=1": ("v32", "ess", "inline", 55, 1),
+    "v32 tier every entry split K=1": ("v32", "ess", "split", EVERY, 1),
     "v4 resident K=3": ("v4", "none", "inline", None, 3),
     "v4 tier top_k+1 inline K=3": ("v4", "ess", "inline", 9, 3),
     "v4 tier top_k+1 split K=1": ("v4", "ess", "split", 9, 1),
+    "v4 tier 2*top_k split K=3": ("v4", "ess", "split", 16, 3),
+    "v4 tier every entry inline K=1": ("v4", "ess", "inline", EVERY, 1),
 }
 
 
@@ -198,7 +203,9 @@ def test_greedy_speculation_equals_greedy_decoding(models, reference, name):
     assert 1 < spec["mean_accepted_length"] < k + 1
     if engine.config.offload == "ess":
         metrics = engine.offload_metrics()
-        assert metrics["misses"] > 0 and metrics["hits"] + metrics["misses"] == metrics["lookups"]
+        every = engine.layout.pool_slots == engine.layout.offloaded.entries(engine.config.max_seq_len)
+        assert (metrics["misses"] > 0) != every  # a pool of every entry never misses
+        assert metrics["hits"] + metrics["misses"] == metrics["lookups"]
 
 
 @pytest.fixture(scope="module")

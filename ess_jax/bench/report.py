@@ -20,7 +20,7 @@ def machine() -> str:
 def run_row(r: dict) -> list[str]:
     mib = 2**20
     label = "resident" if r["offload"] == "none" else f"ess {r['pool_ratio']:g} {r['fetch']}" + (
-        "" if r.get("rings", "host") == "host" else f" rings {r['rings']}")
+        "" if r.get("rings") in (None, "host") else f" rings {r['rings']}")
     spec = r.get("speculative_metrics")
     label += f" mtp K={r['speculative']}" if r.get("speculative") else ""
     return [label, f"{r['decode_tokens_per_s']:.1f}",

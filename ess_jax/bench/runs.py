@@ -86,7 +86,8 @@ def summary(setting: Setting, engine, samples: Samples, batch: int, first: Sampl
         "offload": setting.offload, "pool_ratio": setting.pool_ratio, "fetch": setting.fetch,
         "speculative": setting.speculative, "speculative_metrics": engine.speculative_metrics(),
         "relative_to_plain": statistics.median(rates) / plain_tok_s if plain_tok_s else None,
-        "rings": engine.config.ring_placement if setting.offload == "ess" else None,
+        "rings": engine.config.ring_placement if setting.offload == "ess" and any(
+            p.ring for p in engine.layout.parts) else None,  # a model with compressor rings (V4)
         "pool_slots": engine.layout.pool_slots,
         "decode_tokens_per_s": statistics.median(rates), "decode_tokens_per_s_runs": rates,
         "relative_to_resident": statistics.median(rates) / resident_tok_s if resident_tok_s else None,

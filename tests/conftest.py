@@ -12,7 +12,7 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
                                         "--xla_llvm_disable_expensive_passes=true"]).strip()
 # Every executable the session compiles goes to a persistent compilation cache of its own (removed when the
-# session ends), so one compiled again, after _drop_compiled_code, in a CLI subprocess or in another xdist
+# session ends), so one compiled again, after pytest_runtest_setup drops it, in a CLI subprocess or in another xdist
 # worker (all inherit the session's directory through the environment), is read back instead of compiled.
 _OWNS_CACHE = "ESS_JAX_TEST_COMPILE_CACHE" not in os.environ  # the session's first process (the xdist controller)
 if _OWNS_CACHE:
@@ -28,8 +28,8 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 
-MAX_MAP_COUNT = int(Path("/proc/sys/vm/max_map_count").read_text()) if Path("/proc/sys/vm/max_map_count").exists() \
-    else 65530
+_MAP_LIMIT = Path("/proc/sys/vm/max_map_count")
+MAX_MAP_COUNT = int(_MAP_LIMIT.read_text()) if _MAP_LIMIT.exists() else 65530  # the kernel's default
 
 
 @pytest.hookimpl(tryfirst=True)

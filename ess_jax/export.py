@@ -156,7 +156,8 @@ def engine_steps(cfg: ModelConfig, config, engine: Abstract, target: Target) -> 
     t = 1 + config.num_speculative_tokens  # each row's last token and its drafts
     found = {"decode": Step(steps.decode, static, (engine.params, jax.ShapeDtypeStruct((b, t), I32), meta(b, t, x),
                                                    engine.cache, sampling(b), jax.ShapeDtypeStruct((b,), bool)),
-                            dict(shardings=engine.shardings), (rows, rows, rows, cache_out))}
+                            dict(shardings=engine.shardings),
+                            (rows, rows, rows, cache_out) + ((rows, rows) if t > 1 else ()))}  # verified: the drafting's input
     for t in steps.piece_sizes(config.prefill_chunk):
         found[f"prefill_{t}"] = Step(
             steps.prefill, static, (engine.params, jax.ShapeDtypeStruct((d, t), I32), meta(d, t, x), engine.scratch,

@@ -82,6 +82,10 @@ class Part:
         residency map per batch row."""
         return -(-size.max_seq_len // size.page_size) * entries_per_page(size.page_size, self.tokens_per_row)
 
+    def step_entries(self, tokens: int) -> int:
+        """The most entries a decode step of ``tokens`` query tokens per row writes per row."""
+        return -(-tokens // self.tokens_per_row)
+
     def page_bytes(self, page_size: int) -> int:
         """Bytes of one page of ``page_size`` tokens of this part (every layer; 0 for fixed parts): the
         engine's paged arrays hold ``cache.entries_per_page`` rows per page."""
@@ -261,7 +265,7 @@ class Family:
         tiered = tier.init_tier(layers=pages.shape[0], rows=size.rows, slots=slots, pages=size.pages,
                                 page_size=size.page_size, rate=part.tokens_per_row, width=pages.shape[-1], dtype=dtype,
                                 fetch=fetch, entries=part.row_entries(size),
-                                new_entries=-(-tokens // part.tokens_per_row))
+                                new_entries=part.step_entries(tokens), queries=tokens)
         device = self.with_store(shapes, None)
         if rings == "host":
             device = self.rings_to_host(device, fetch)

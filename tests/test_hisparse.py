@@ -63,6 +63,8 @@ def test_offloaded_equals_resident_and_counts_add_up(model, resident, pool, fetc
     for c in metrics["per_layer"]:
         assert c["hits"] + c["misses"] == c["lookups"] > 0
     assert metrics["lookups"] == sum(c["lookups"] for c in metrics["per_layer"])
+    # one query a step: its own ids are the union
+    assert metrics["per_position"] == [{"position": 0, **{k: metrics[k] for k in ("lookups", "hits", "misses")}}]
     row_bytes = cfg.head_dim * 4
     assert metrics["h2d_bytes"] == metrics["misses"] * row_bytes
     # backed up: every prompt entry, then one entry per closed window of decode, per CSA layer

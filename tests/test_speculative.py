@@ -11,6 +11,7 @@ target's distribution: a chi-square test on a small vocabulary that a sampler wi
 
 import dataclasses
 import functools
+import statistics
 from pathlib import Path
 
 import jax
@@ -206,6 +207,14 @@ def test_greedy_speculation_equals_greedy_decoding(models, reference, name):
         every = engine.layout.pool_slots == engine.layout.offloaded.entries(engine.config.max_seq_len)
         assert (metrics["misses"] > 0) != every  # a pool of every entry never misses
         assert metrics["hits"] + metrics["misses"] == metrics["lookups"]
+        # each query position's own ids: the last token's, then each draft's; the union counts an id once
+        positions = metrics["per_position"]
+        assert [c["position"] for c in positions] == list(range(k + 1))
+        for c in positions:
+            assert c["hits"] + c["misses"] == c["lookups"] > 0
+        for kind in ("lookups", "misses"):
+            assert max(c[kind] for c in positions) <= metrics[kind] <= sum(c[kind] for c in positions)
+        assert metrics["lookups"] < sum(c["lookups"] for c in positions)  # the queries share ids
 
 
 @pytest.fixture(scope="module")
@@ -395,7 +404,8 @@ def test_mtp_drafts_verified_give_greedy_tokens(mtp_model, offload, k):
         plain.add_request(p, 10)
     want = [r.output_ids for r in plain.run()]
     extra = dict(offload="ess", pool_size=9) if offload == "ess" else {}
-    engine = Engine(mtp_model, dataclasses.replace(MTP_ENGINE, speculative="mtp", num_speculative_tokens=k, **extra))
+    engine = Engine(mtp_model, dataclasses.replace(MTP_ENGINE, speculative="mtp", num_speculative_tokens=k, **extra),
+                    record_steps=True)
     ids = [engine.add_request(p, 10) for p in prompts]
     tokens, checked = {i: [] for i in ids}, 0
     while engine.has_unfinished():
@@ -411,6 +421,12 @@ def test_mtp_drafts_verified_give_greedy_tokens(mtp_model, offload, k):
     assert checked == 6
     spec = engine.speculative_metrics()
     assert spec["draft_tokens"] == k * spec["num_drafts"] > 0
+    # the recorded steps time verifying and drafting apart, each within the decode step's time
+    timed = [s for s in engine.stats.steps if s.draft_s is not None]
+    assert len(timed) == sum(s.decode_s is not None for s in engine.stats.steps) > 0
+    assert all(0 < s.verify_s and 0 < s.draft_s and s.verify_s + s.draft_s <= s.decode_s for s in timed)
+    assert (spec["verify_s"], spec["draft_s"]) == tuple(statistics.median(getattr(s, f) for s in timed)
+                                                       for f in ("verify_s", "draft_s"))
     all_free(engine)
 
 

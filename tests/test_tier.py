@@ -102,7 +102,7 @@ def test_device_bytes_are_the_real_arrays(model, offloaded):
     lru = latent.lru
     expected = (cache.index_keys.nbytes + latent.pool.nbytes + lru.slot_entry.nbytes + lru.slot_order.nbytes
                 + lru.resident_slot.nbytes + latent.staged.nbytes + latent.staged_page.nbytes
-                + latent.staged_offset.nbytes + latent.counters.nbytes)
+                + latent.staged_offset.nbytes + latent.counters.nbytes + latent.query_counters.nbytes)
     report = engine.cache_bytes()
     assert report["device_bytes"] == expected
     assert report["host_bytes"] == latent.host.array.nbytes == cfg.num_hidden_layers * engine.scheduler.allocators[0].num_pages * 16 * \
@@ -112,14 +112,16 @@ def test_device_bytes_are_the_real_arrays(model, offloaded):
     assert latent.pool.nbytes < 0.5 * report["resident_device_bytes"]
 
 
-@pytest.mark.parametrize("dtype, width", [(jnp.float32, 24), (jnp.uint8, 100)])
-def test_device_bytes_formula_is_the_tier_arrays(dtype, width):
-    """``tier.device_bytes`` (the planner's and the engine's figure) against an ``init_tier`` tier's arrays."""
+@pytest.mark.parametrize("dtype, width, step", [(jnp.float32, 24, {}), (jnp.uint8, 100, {}),
+                                               (jnp.float32, 24, dict(new_entries=2, queries=4))])
+def test_device_bytes_formula_is_the_tier_arrays(dtype, width, step):
+    """``tier.device_bytes`` (the planner's and the engine's figure) against an ``init_tier`` tier's arrays (a
+    verification step's tier: several new entries and query positions a step)."""
     shape = dict(layers=3, rows=2, slots=9, pages=7, page_size=16, rate=4, entries=11)
-    tiered = tier.init_tier(**shape, width=width, dtype=dtype, fetch="split")
+    tiered = tier.init_tier(**shape, width=width, dtype=dtype, fetch="split", **step)
     arrays = sum(x.nbytes for x in jax.tree.leaves(dataclasses.replace(tiered, host=None)))
     assert tier.device_bytes(layers=3, rows=2, slots=9, row_bytes=width * jnp.dtype(dtype).itemsize,
-                             entries=11) == arrays
+                             entries=11, **step) == arrays
 
 
 @pytest.fixture(scope="module")

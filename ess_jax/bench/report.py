@@ -27,6 +27,7 @@ def run_row(r: dict) -> list[str]:
             f"{r['relative_to_resident']:.2f}" if r["relative_to_resident"] is not None else "-",
             f"{r['relative_to_plain']:.2f}" if r.get("relative_to_plain") is not None else "-",
             "/".join(f"{a:.2f}" for a in spec["acceptance_rate"]) if spec else "-",
+            f"{spec['draft_s'] * 1e3:.2f}/{spec['verify_s'] * 1e3:.2f}" if spec and "draft_s" in spec else "-",
             f"{r['step_ms_p50']:.2f}", f"{r['step_ms_p99']:.2f}",
             f"{r['hit_rate']:.3f}" if r["hit_rate"] is not None else "-",
             f"{r['h2d_bytes_per_step'] / 1024:.1f}", f"{r['device_bytes'] / mib:.1f}",
@@ -58,9 +59,8 @@ def render_peer(peer: dict) -> str:
 
 def render(result: dict) -> str:
     s = result["setup"]
-    headers = ["config", "tok/s", "vs res", "vs plain", "accept/pos", "p50 ms", "p99 ms", "hit rate", "h2d KiB/step",
-               "device MiB", "host MiB",
-               f"req/{s['device_budget_mb']:g}MiB", "gain"]
+    headers = ["config", "tok/s", "vs res", "vs plain", "accept/pos", "draft/verify ms", "p50 ms", "p99 ms",
+               "hit rate", "h2d KiB/step", "device MiB", "host MiB", f"req/{s['device_budget_mb']:g}MiB", "gain"]
     out = [f"{s['model']}: {s['batch']} x {s['context']}-token prompts, {s['new_tokens']} new tokens, "
            f"{s['repeats']} repeats (medians), first {s['warmup_steps']} decode steps of each run dropped; "
            f"{s['machine']}",

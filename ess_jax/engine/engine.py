@@ -15,6 +15,7 @@ same pieces (``steps.piece_size``), and it samples from its own seed."""
 from __future__ import annotations
 
 import hashlib
+import statistics
 import sys
 import threading
 import time
@@ -198,8 +199,16 @@ class Engine:
             return self.scheduler.outputs()
 
     def speculative_metrics(self) -> dict | None:
-        """Speculative decoding's counters as the ``--json`` ``metrics.speculative`` object; None without."""
-        return self.stats.speculative.report() if self.stats.speculative else None
+        """Speculative decoding's counters as the ``--json`` ``metrics.speculative`` object; None without. An
+        engine that records its steps (``record_steps``) adds the median seconds per decode step of verifying
+        (``verify_s``: the main model's pass over each row's token and drafts) and of the MTP module's drafting
+        (``draft_s``)."""
+        if not self.stats.speculative:
+            return None
+        timed = [s for s in self.stats.steps or () if s.draft_s is not None]
+        return self.stats.speculative.report() | ({
+            "verify_s": statistics.median(s.verify_s for s in timed),
+            "draft_s": statistics.median(s.draft_s for s in timed)} if timed else {})
 
     def _timed_prefill(self, seconds: float, times: StepTimes | None) -> None:
         self.stats.prefill_s += seconds

@@ -126,6 +126,7 @@ class Ess:
             raise ValueError(f"--offload ess offloads the {part.name}; this {cfg.family} model has {why} "
                              f"(max_seq_len {size.max_seq_len}): use --offload none")
         slots = tier.pool_slots(entries, part.topk, pool_size=config.pool_size, pool_ratio=config.pool_ratio)
+        tokens = 1 + config.num_speculative_tokens  # a decode step's query tokens per row
         if config.host_cache_mb is not None:
             size = families.fit_host_budget(size, part, config.host_cache_mb)
         placed = families.host_rings(parts) if config.ring_placement == "host" else parts
@@ -133,7 +134,7 @@ class Ess:
         rings_host = size.rows * sum(p.bytes(0) for p in placed if p.where == "host")
         scratch = Ess.scratch_size(size)
         pool = tier.device_bytes(layers=part.layers, rows=size.rows, slots=slots, row_bytes=part.row_bytes,
-                                 entries=part.row_entries(size))
+                                 entries=part.row_entries(size), new_entries=part.step_entries(tokens), queries=tokens)
         device = (families.resident_bytes(placed, size, size.pages) - pages_host + pool
                   + families.resident_bytes(parts, scratch, scratch.pages))  # the scratch: every part resident
         return Sizes(size, slots, device, pages_host + rings_host, placed)
@@ -250,7 +251,9 @@ class Ess:
                                      + scheduled["rows_total"] * ring_bytes)}
 
     def metrics(self) -> dict:
-        """Tier counters (read from the device once) as the ``--json`` ``metrics.offload`` object."""
+        """Tier counters (read from the device once) as the ``--json`` ``metrics.offload`` object: over the union of
+        each step's queries' top-k ids (what was fetched), per layer and per data shard, and over each query position's
+        own ids (``per_position``: a verification step's last token, then its drafts; one position without)."""
         rows_LB4 = mesh.host_array(self._store().counters)  # lookups, hits, misses, staged per layer and row
         counts = rows_LB4.sum(1)
         lookups, hits, misses, staged = (int(x) for x in counts.sum(0))
@@ -267,7 +270,9 @@ class Ess:
                                "h2d_bytes": int(c[2]) * row_bytes, "decode_d2h_bytes": int(c[3]) * row_bytes}
                               for i, c in zip(layers, counts)],
                 "per_shard": [{"shard": d, "lookups": int(c[0]), "hits": int(c[1]), "misses": int(c[2])}
-                              for d, c in enumerate(per_shard)]}
+                              for d, c in enumerate(per_shard)],
+                "per_position": [{"position": t, "lookups": int(c[0]), "hits": int(c[1]), "misses": int(c[2])}
+                                 for t, c in enumerate(mesh.host_array(self._store().query_counters).sum((0, 1)))]}
 
     def cache_bytes(self) -> dict[str, int]:
         """Bytes of the decode cache's arrays: its host stores (the tier's, the HCA rings') and the rest."""

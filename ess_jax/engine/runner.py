@@ -70,7 +70,7 @@ class Runner:
         self.shards = layout.size.shards
         self.rows_per_shard = config.max_batch // self.shards
         self.prompt_top = min(MAX_PROMPT_LOGPROBS, model.cfg.vocab_size)  # the top-N a scored prefill piece keeps
-        self._compiled_decode = None
+        self._compiled_decode = self._compiled_draft = None
         with self.on_mesh():
             self.cache, self.shardings = self.build(decode_cache, layout.size)
             self.mtp_cache, self.mtp_shardings = self.build(mtp_cache, layout.size) if mtp_cache else (None, None)
@@ -148,29 +148,46 @@ class Runner:
         meta = StepMeta(jnp.asarray(batch.lengths_B[:, None] + np.arange(t, dtype=np.int32)), jnp.asarray(active_BT),
                         jnp.asarray(batch.page_table_BX), jnp.asarray(rows))
         return (self.params, jnp.asarray(tokens_BT), meta, self.cache, sampling_batch(batch.sampling, batch.steps_B),
-                jnp.asarray(batch.forced_B), self.mtp_cache)
+                jnp.asarray(batch.forced_B))
 
     def compile_decode(self) -> None:
-        """Compile the decode step ahead (one shape), so no decode timing includes compilation."""
+        """Compile the decode step (and with the MTP module its drafting) ahead (one shape), so no decode timing
+        includes compilation."""
         if self._compiled_decode is not None:
             return
         start = time.perf_counter()
         idle = DecodeBatch.idle(self.config.max_batch, self.layout.pages_per_row, self.config.num_speculative_tokens)
-        self._compiled_decode = steps.decode.lower(self.model.graphdef, self.kernels, *self._decode_args(idle),
-                                                   shardings=self.shardings,
-                                                   mtp_shardings=self.mtp_shardings).compile()
+        args = self._decode_args(idle)
+        self._compiled_decode = steps.decode.lower(self.model.graphdef, self.kernels, *args,
+                                                   shardings=self.shardings).compile()
+        if self.mtp_cache is not None:
+            tokens_BT, _, _, _, hidden, kept_B = self._compiled_decode.out_info  # placed as the decode returns them
+            self._compiled_draft = steps.draft.lower(
+                self.model.graphdef, self.kernels, self.params, hidden, tokens_BT, args[2], kept_B, self.mtp_cache,
+                mtp_shardings=self.mtp_shardings).compile()
         self.stats.compile_s = time.perf_counter() - start
 
     def decode(self, batch: DecodeBatch, times: StepTimes | None) -> DecodeResult:
+        """One decode step (with the MTP module, then its next drafts); ``times`` (recorded steps): how long the
+        call took to return and, with drafting, how long verifying and drafting took (the drafting dispatched
+        once the verified tokens are ready, so the two are timed apart)."""
         self.compile_decode()
         start = time.perf_counter()
-        tokens_BT, accepted_B, logits_BTV, self.cache, drafts_BK, mtp_cache = self._compiled_decode(
-            *self._decode_args(batch))
+        args = self._decode_args(batch)
+        tokens_BT, accepted_B, logits_BTV, self.cache, hidden, kept_B = self._compiled_decode(*args)
+        drafts_BK = None
         if self.mtp_cache is not None:
-            self.mtp_cache = mtp_cache
+            if times is not None:
+                jax.block_until_ready(tokens_BT)
+                times.verify_s = time.perf_counter() - start
+            drafts_BK, self.mtp_cache = self._compiled_draft(self.params, hidden, tokens_BT, args[2], kept_B,
+                                                             self.mtp_cache)
         if times is not None:
             times.decode_dispatch_s = time.perf_counter() - start
         tokens_BT, accepted_B = mesh.host_array(tokens_BT), mesh.host_array(accepted_B)
+        drafts_BK = mesh.host_array(drafts_BK) if drafts_BK is not None else None
+        if times is not None and drafts_BK is not None:
+            times.draft_s = time.perf_counter() - start - times.verify_s
         self.stats.decode_s += time.perf_counter() - start
         return DecodeResult(tokens_BT, accepted_B, mesh.host_array(logits_BTV) if batch.wants_logits else None,
-                            mesh.host_array(drafts_BK) if drafts_BK is not None else None)
+                            drafts_BK)

@@ -6,6 +6,7 @@ so that engines over the same model and shapes share their executables, each don
   (``PromptScores``), reduced on the device from the piece's logits;
 - ``decode``: every batch row's last token and its drafts ``[B, 1 + K]`` (speculative decoding; K = 0 without),
   verified, the rejected drafts' writes undone, inactive rows masked;
+- ``draft``: the MTP module's next drafts after a decode step (the prefill drafts within its own call);
 - ``handoff``, ``release``, ``flush``, ``load_prefix``: the offloaded tier's moves (``ess_jax.engine.offload``).
 
 ``shardings`` (static): the cache's ``mesh.Layout`` on the engine's mesh; the steps then run per data shard
@@ -163,15 +164,16 @@ def mtp_drafts(module, hidden, next_BT, meta: StepMeta, mtp_cache, kept_B, draft
 
 
 def _decode(graphdef, kernels: str, params, tokens_BT, meta: StepMeta, cache, sampling: SamplingBatch, forced_B,
-            mtp_cache=None, shardings=None, mtp_shardings=None):
+            shardings=None):
     """One decode step for every batch row: each row's last token and its ``K = T - 1`` drafts (speculative
     decoding; ``K = 0`` without), verified in one pass of the model. Returns the tokens ``i32[B, T]`` and the
     drafts each row accepted ``i32[B]`` (``sampling.verify``; without drafts the sampled token and 0), every
     position's logits ``f32[B, T, V]``, the cache, in which what the rejected drafts wrote is undone
-    (``rollback``): each row holds its cache as if it had decoded its accepted tokens one at a time; with
-    ``mtp_cache`` (the MTP module drafts) the next step's drafts ``i32[B, K]`` (``mtp_drafts``) and its cache,
-    else None and None. ``forced_B``: rows that accept every draft (teacher forcing)."""
-    def run(params, tokens_BT, meta, cache, sampling, forced_B, mtp_cache):
+    (``rollback``): each row holds its cache as if it had decoded its accepted tokens one at a time; with drafts
+    also the main model's hidden states and each row's kept positions ``i32[B]`` (the accepted run, 0 for a row
+    that does not run), the next step's drafting's input (``draft``), else None and None. ``forced_B``: rows that
+    accept every draft (teacher forcing)."""
+    def run(params, tokens_BT, meta, cache, sampling, forced_B):
         module = nnx.merge(graphdef, params)
         before = cache.begin_step()
         logits_BTV, hidden, _, cache = module.step_hidden(tokens_BT, meta, before, kernels=kernels)
@@ -180,19 +182,28 @@ def _decode(graphdef, kernels: str, params, tokens_BT, meta: StepMeta, cache, sa
                 cache, None, None
         tokens_BT, accepted_B = sampling.verify(logits_BTV, tokens_BT[:, 1:], forced_B)
         kept_B = jnp.where(meta.valid[:, 0], accepted_B + 1, 0)
-        cache = cache.rollback(before, meta, kept_B)
-        drafts_BK = None
-        if mtp_cache is not None:
-            drafts_BK, mtp_cache = mtp_drafts(module, hidden, tokens_BT, meta, mtp_cache, kept_B,
-                                              tokens_BT.shape[1] - 1, kernels)
-        return tokens_BT, accepted_B, logits_BTV, cache, drafts_BK, mtp_cache
+        return tokens_BT, accepted_B, logits_BTV, cache.rollback(before, meta, kept_B), hidden, kept_B
 
-    specs, mtp_specs = shardings and shardings.specs, mtp_shardings and mtp_shardings.specs
-    drafted = ROWS if mtp_cache is not None else None
-    tokens_BT, accepted_B, logits_BTV, cache, drafts_BK, mtp_cache = on_shards(
-        run, shardings, (ALL, ROWS, ROWS, specs, ROWS, ROWS, mtp_specs),
-        (ROWS, ROWS, ROWS, specs, drafted, mtp_specs))(params, tokens_BT, meta, cache, sampling, forced_B, mtp_cache)
-    return tokens_BT, accepted_B, logits_BTV, placed(shardings, cache), drafts_BK, placed(mtp_shardings, mtp_cache)
+    specs = shardings and shardings.specs
+    verified = ROWS if tokens_BT.shape[1] > 1 else None
+    tokens_BT, accepted_B, logits_BTV, cache, hidden, kept_B = on_shards(
+        run, shardings, (ALL, ROWS, ROWS, specs, ROWS, ROWS), (ROWS, ROWS, ROWS, specs, verified, verified))(
+        params, tokens_BT, meta, cache, sampling, forced_B)
+    return tokens_BT, accepted_B, logits_BTV, placed(shardings, cache), hidden, kept_B
+
+
+def _draft(graphdef, kernels: str, params, hidden, tokens_BT, meta: StepMeta, kept_B, mtp_cache, mtp_shardings=None):
+    """The MTP module's next ``K = T - 1`` drafts per row after a decode step (``mtp_drafts`` over the step's
+    hidden states ``hidden``, its verified tokens ``tokens_BT``, its ``meta`` and kept positions ``kept_B``):
+    ``i32[B, K]`` and the MTP cache. A step of its own, so the engine can time drafting apart from verifying."""
+    def run(params, hidden, tokens_BT, meta, kept_B, mtp_cache):
+        module = nnx.merge(graphdef, params)
+        return mtp_drafts(module, hidden, tokens_BT, meta, mtp_cache, kept_B, tokens_BT.shape[1] - 1, kernels)
+
+    specs = mtp_shardings and mtp_shardings.specs
+    drafts_BK, mtp_cache = on_shards(run, mtp_shardings, (ALL, ROWS, ROWS, ROWS, ROWS, specs), (ROWS, specs))(
+        params, hidden, tokens_BT, meta, kept_B, mtp_cache)
+    return drafts_BK, placed(mtp_shardings, mtp_cache)
 
 
 def _handoff(family: families.Family, cache, scratch, table_DX, pages_DX, row_D, entries_D, window_LDQK, shared_D,
@@ -246,7 +257,8 @@ def _load_prefix(family: families.Family, cache, scratch, table_DX, pages_DX, sh
 # The split backend's NumPy store is part of a step's static identity (its engine's own).
 prefill = jax.jit(_prefill, static_argnums=(0, 1), static_argnames=("shardings", "scored", "mtp_shardings", "drafts"),
                   donate_argnums=(5, 7, 9))
-decode = jax.jit(_decode, static_argnums=(0, 1), static_argnames=("shardings", "mtp_shardings"), donate_argnums=(5, 8))
+decode = jax.jit(_decode, static_argnums=(0, 1), static_argnames="shardings", donate_argnums=5)
+draft = jax.jit(_draft, static_argnums=(0, 1), static_argnames="mtp_shardings", donate_argnums=7)
 handoff = jax.jit(_handoff, static_argnums=0, static_argnames=("shardings", "scratch_shardings"), donate_argnums=1)
 flush = jax.jit(_flush, static_argnums=0, static_argnames="shardings", donate_argnums=1)
 release = jax.jit(_release, static_argnums=0, static_argnames="shardings", donate_argnums=1)

@@ -42,7 +42,9 @@ class Tier:
     staged_page: jax.Array  # i32[B, M] their host page (0, the null page, when nothing is pending)
     staged_offset: jax.Array  # i32[B, M] their offset in the page
     counters: jax.Array  # i32[L, B, 4] lookups, hits, misses, entries staged for the host, per batch row, since the
-    # engine started (so a mesh's data shards count their own rows)
+    # engine started (so a mesh's data shards count their own rows); over the union of a step's queries' ids
+    query_counters: jax.Array  # i32[L, B, T, 3] lookups, hits, misses of each query position's own top-k ids (T: a
+    # decode step's query tokens per row, 1 + the drafts it verifies)
     host: Any  # host.PinnedHostStore | host.NumpyHostStore: [L, G, Z, W]
     page_size: int = dataclasses.field(metadata=dict(static=True))  # tokens per page (Z)
     rate: int = dataclasses.field(metadata=dict(static=True))  # tokens per entry (m)
@@ -96,11 +98,16 @@ class Tier:
                 counts_B4 = jnp.stack([(ids_BU >= 0).sum(-1), (res.hit_K | res.is_new_K).sum(-1), res.miss_K.sum(-1),
                                        (new_ids_BM >= 0).sum(-1)], axis=-1).astype(jnp.int32)
                 counts_B4 = jnp.where(active_B[:, None], counts_B4, 0)  # a row that does not run looks nothing up
+                at_query = lambda x_BU: jax.vmap(lambda x, f: x[f])(x_BU, first_BTK) & (ids_BTK >= 0)  # noqa: E731
+                counts_BT3 = jnp.stack([(ids_BTK >= 0).sum(-1), at_query(res.hit_K | res.is_new_K).sum(-1),
+                                        at_query(res.miss_K).sum(-1)], axis=-1).astype(jnp.int32)
+                counts_BT3 = jnp.where(active_B[:, None, None], counts_BT3, 0)
             return dataclasses.replace(
                 self, pool=pool, lru=old.commit(layer, res, ids_BU, new_ids_BM, evicted_BK1),
                 staged=self.staged.at[layer].set(new_rows_BMW.astype(self.staged.dtype)),
                 staged_page=new_page_BM,  # the null page where no entry is new
-                staged_offset=new_offset_BM, counters=self.counters.at[layer].add(counts_B4))
+                staged_offset=new_offset_BM, counters=self.counters.at[layer].add(counts_B4),
+                query_counters=self.query_counters.at[layer].add(counts_BT3))
 
         ready = [RowSource(self.pool.reshape(-1, w), picked(hit_BU))]
         return Sources(ready, [RowSource(arrivals_BAW.reshape(b * (m + u), w), picked(inflight_BU))], settle)
@@ -177,11 +184,11 @@ def union(ids_TK: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def init_tier(*, layers: int, rows: int, slots: int, pages: int, page_size: int, rate: int, width: int, dtype,
-              fetch: str, entries: int, new_entries: int = 1) -> Tier:
+              fetch: str, entries: int, new_entries: int = 1, queries: int = 1) -> Tier:
     """An empty tier: ``slots`` pool slots per (layer, batch row), a residency map of ``entries`` entry ids per
     row (a request's most), a host store of ``pages`` pages (allocated directly in pinned host memory for
     ``inline``, in NumPy for ``split``); ``new_entries``: the entries a decode step writes per row (more than one
-    in a verification step)."""
+    in a verification step); ``queries``: a decode step's query tokens per row (counted per position)."""
     per_page = entries_per_page(page_size, rate)
     staged = (rows, new_entries)
     return Tier(
@@ -191,14 +198,18 @@ def init_tier(*, layers: int, rows: int, slots: int, pages: int, page_size: int,
         staged_page=jnp.zeros(staged, jnp.int32),
         staged_offset=jnp.zeros(staged, jnp.int32),
         counters=jnp.zeros((layers, rows, 4), jnp.int32),
+        query_counters=jnp.zeros((layers, rows, queries, 3), jnp.int32),
         host=host_store(fetch, (layers, pages, per_page, width), dtype),
         page_size=page_size, rate=rate,
     )
 
 
-def device_bytes(*, layers: int, rows: int, slots: int, row_bytes: int, entries: int) -> int:
+def device_bytes(*, layers: int, rows: int, slots: int, row_bytes: int, entries: int, new_entries: int = 1,
+                 queries: int = 1) -> int:
     """Bytes of an ``init_tier`` tier's device arrays (all but the host store), for ``layers`` sparse layers,
-    ``rows`` batch rows of ``slots`` pool slots, rows of ``row_bytes`` and a residency map of ``entries`` entry
-    ids per row: per (layer, row) the pool, its two int32 slot tables, the staged row, four int32 counters and an
-    int32 slot per entry id; per row the staged row's int32 page and offset."""
-    return layers * rows * (slots * (row_bytes + 8) + row_bytes + 16 + entries * 4) + rows * 8
+    ``rows`` batch rows of ``slots`` pool slots, rows of ``row_bytes``, a residency map of ``entries`` entry ids
+    per row, ``new_entries`` entries and ``queries`` query tokens a decode step: per (layer, row) the pool, its
+    two int32 slot tables, the staged rows, four int32 counters, three per query position and an int32 slot per
+    entry id; per row the staged rows' int32 pages and offsets."""
+    return (layers * rows * (slots * (row_bytes + 8) + new_entries * row_bytes + 16 + 12 * queries + entries * 4)
+            + rows * new_entries * 8)

@@ -162,7 +162,7 @@ def engine_steps(cfg: ModelConfig, config, engine: Abstract, target: Target) -> 
         found[f"prefill_{t}"] = Step(
             steps.prefill, static, (engine.params, jax.ShapeDtypeStruct((d, t), I32), meta(d, t, x), engine.scratch,
                                     sampling(d), engine.window, jax.ShapeDtypeStruct((d, t), I32)),
-            dict(shardings=engine.scratch_shardings), (rows, rows, engine.window.sharding, scratch_out))
+            dict(shardings=engine.scratch_shardings), (rows, rows, rows, engine.window.sharding, scratch_out))
     table, row = jax.ShapeDtypeStruct((d, x), I32), jax.ShapeDtypeStruct((d,), I32)
     moves = {  # the offload mode's own steps
         "handoff": lambda: Step(steps.handoff, (family,), (engine.cache, engine.scratch, table, table, row, row,

@@ -227,8 +227,8 @@ class Engine:
         return [requests[i] for i in sorted(requests)]
 
     def warm_up(self) -> None:
-        """Compile ahead on the calling thread: the decode step, every prefill piece size (with and without prompt
-        log-probabilities) and the offload mode's steps, through two requests of ``2 x prefill_chunk - 1`` tokens
+        """Compile ahead on the calling thread: the decode step, every prefill piece size and its prompt
+        log-probabilities (``steps.score``) and the offload mode's steps, through two requests of ``2 x prefill_chunk - 1`` tokens
         (one piece of each size): one served to the end, one scoring its prompt and ending after its prefill; with
         the prefix cache the first again, which reads its prompt's cached pages (ESS: ``load_prefix``).
         Every step's arguments are placed as in serving (``Runner``), so nothing compiles afterwards. Call it on

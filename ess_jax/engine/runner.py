@@ -118,10 +118,12 @@ class Runner:
             mtp = dict(mtp_cache=self.mtp_cache, mtp_meta=StepMeta(*(jnp.asarray(x) for x in (
                 positions, valid, pages_DX, rows_D))), last_B=jnp.asarray(last_D), mtp_shardings=self.mtp_shardings,
                 drafts=self.drafts)
-        token, logits_DV, scores, self.window, cache, drafts_DK, mtp_cache = steps.prefill(
+        targets = jnp.asarray(targets)
+        token, logits_DV, hidden, self.window, cache, drafts_DK, mtp_cache = steps.prefill(
             self.model.graphdef, self.kernels, self.params, jnp.asarray(tokens), meta, cache,
-            sampling_batch(tuple(params), steps_D), self.window, jnp.asarray(targets), shardings=shardings,
-            scored=self.prompt_top if group.scored else 0, **mtp)
+            sampling_batch(tuple(params), steps_D), self.window, targets, shardings=shardings, **mtp)
+        scores = steps.score(self.model.graphdef, self.params, hidden, targets, top=self.prompt_top,
+                             shardings=shardings) if group.scored else None
         if self.mtp_cache is not None:
             self.mtp_cache = mtp_cache
         drafts = mesh.host_array(drafts_DK) if drafts_DK is not None else None

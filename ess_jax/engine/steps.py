@@ -1,9 +1,9 @@
 """The engine's device steps: pure functions of parameters, step metadata and caches, jitted at module level
 so that engines over the same model and shapes share their executables, each donating the cache it returns.
 
-- ``prefill``: one exact piece of one prompt per data shard ``[D, T]`` (the shards without one do not run); with
-  ``scored`` (static) also each position's log-probability of the prompt's next token and its top-N
-  (``PromptScores``), reduced on the device from the piece's logits;
+- ``prefill``: one exact piece of one prompt per data shard ``[D, T]`` (the shards without one do not run);
+- ``score``: a prefill piece's prompt log-probabilities, each position's of the prompt's next token and its top-N
+  (``PromptScores``), reduced on the device from the piece's final hidden states through the head;
 - ``decode``: every batch row's last token and its drafts ``[B, 1 + K]`` (speculative decoding; K = 0 without),
   verified, the rejected drafts' writes undone, inactive rows masked;
 - ``draft``: the MTP module's next drafts after a decode step (the prefill drafts within its own call);
@@ -99,21 +99,21 @@ def next_window(prev_LBQK: jax.Array, ids_LBTK: jax.Array, meta: StepMeta) -> ja
 
 
 def _prefill(graphdef, kernels: str, params, tokens_BT, meta: StepMeta, cache, sampling: SamplingBatch, window_LBQK,
-             targets_BT, mtp_cache=None, mtp_meta=None, last_B=None, shardings=None, scored: int = 0,
-             mtp_shardings=None, drafts: int = 0):
+             targets_BT, mtp_cache=None, mtp_meta=None, last_B=None, shardings=None, mtp_shardings=None,
+             drafts: int = 0):
     """One prefill piece, a row per data shard (rows not valid: nothing written). Returns the token sampled after
-    each row's last token ``i32[B]``, its logits ``f32[B, V]``, with ``scored`` (static: the top-N kept; 0: none)
-    the ``PromptScores`` of ``targets_BT`` (``i32[B, T]``, each position's next prompt token) else None, each
-    row's window of top-k ids (``next_window``) and the cache; then, with ``mtp_cache`` (speculative decoding
-    with the MTP module, whose cache is the request's own pages and batch row: ``mtp_meta``), the drafts after
-    the piece (``drafts`` of them, static; ``mtp_drafts``: meaningful where the piece ends the prompt, ``last_B``:
-    there the pair at its last position has the sampled token) and the MTP cache, else None and None."""
+    each row's last token ``i32[B]``, its logits ``f32[B, V]``, the piece's final hidden states (what ``score``
+    reads for prompt log-probabilities; unused otherwise), each row's window of top-k ids (``next_window``) and
+    the cache; then, with ``mtp_cache`` (speculative decoding with the MTP module, whose cache is the request's
+    own pages and batch row: ``mtp_meta``), the drafts after the piece (``drafts`` of them, static;
+    ``mtp_drafts``: meaningful where the piece ends the prompt, ``last_B``: there the pair at its last position
+    has the sampled token; ``targets_BT``: each position's next prompt token) and the MTP cache, else None and
+    None."""
     def run(params, tokens_BT, meta, cache, sampling, window_LBQK, targets_BT, mtp_cache, mtp_meta, last_B):
         module = nnx.merge(graphdef, params)
         logits_BTV, hidden, ids_LBTK, cache = module.step_hidden(tokens_BT, meta, cache, kernels=kernels)
         logits_BV = logits_BTV[:, -1]
         window_LBQK = next_window(window_LBQK, ids_LBTK, meta).astype(window_LBQK.dtype)
-        scores = prompt_scores(logits_BTV, targets_BT, scored) if scored else None
         token_B = sampling.sample(logits_BV)
         drafts_BK = None
         if mtp_cache is not None:
@@ -121,17 +121,29 @@ def _prefill(graphdef, kernels: str, params, tokens_BT, meta: StepMeta, cache, s
             t = tokens_BT.shape[1]
             drafts_BK, mtp_cache = mtp_drafts(module, hidden, next_BT, mtp_meta, mtp_cache,
                                               jnp.where(mtp_meta.valid[:, 0], t, 0), drafts, kernels)
-        return token_B, logits_BV, scores, window_LBQK, cache, drafts_BK, mtp_cache
+        return token_B, logits_BV, hidden, window_LBQK, cache, drafts_BK, mtp_cache
 
     specs, mtp_specs = shardings and shardings.specs, mtp_shardings and mtp_shardings.specs
     drafted = ROWS if mtp_cache is not None else None
-    token, logits_BV, scores, window_LBQK, cache, drafts_BK, mtp_cache = on_shards(
+    token, logits_BV, hidden, window_LBQK, cache, drafts_BK, mtp_cache = on_shards(
         run, shardings, (ALL, ROWS, ROWS, specs, ROWS, LAYER_ROWS, ROWS, mtp_specs, drafted, drafted),
         (ROWS, ROWS, ROWS, LAYER_ROWS, specs, drafted, mtp_specs))(
         params, tokens_BT, meta, cache, sampling, window_LBQK, targets_BT, mtp_cache, mtp_meta, last_B)
     if shardings:  # the window in the shardings it was built with, whatever the partitioner chose
         window_LBQK = jax.lax.with_sharding_constraint(window_LBQK, NamedSharding(shardings.mesh, LAYER_ROWS))
-    return token, logits_BV, scores, window_LBQK, placed(shardings, cache), drafts_BK, placed(mtp_shardings, mtp_cache)
+    return (token, logits_BV, hidden, window_LBQK, placed(shardings, cache), drafts_BK,
+            placed(mtp_shardings, mtp_cache))
+
+
+def _score(graphdef, params, hidden, targets_BT, top: int, shardings=None):
+    """A prefill piece's ``PromptScores`` of ``targets_BT`` (``i32[B, T]``, each position's next prompt token),
+    the ``top`` best kept (static), from its final hidden states ``hidden`` (``prefill``'s) through the model's
+    head: a step of its own, so the prefill compiles once per piece size whether or not a prompt is scored.
+    ``shardings``: the prefill's (its rows split over the data shards; None: one device)."""
+    def run(params, hidden, targets_BT):
+        return prompt_scores(nnx.merge(graphdef, params).head(hidden), targets_BT, top)
+
+    return on_shards(run, shardings, (ALL, ROWS, ROWS), ROWS)(params, hidden, targets_BT)
 
 
 def mtp_drafts(module, hidden, next_BT, meta: StepMeta, mtp_cache, kept_B, drafts: int, kernels: str):
@@ -255,8 +267,9 @@ def _load_prefix(family: families.Family, cache, scratch, table_DX, pages_DX, sh
 
 
 # The split backend's NumPy store is part of a step's static identity (its engine's own).
-prefill = jax.jit(_prefill, static_argnums=(0, 1), static_argnames=("shardings", "scored", "mtp_shardings", "drafts"),
+prefill = jax.jit(_prefill, static_argnums=(0, 1), static_argnames=("shardings", "mtp_shardings", "drafts"),
                   donate_argnums=(5, 7, 9))
+score = jax.jit(_score, static_argnums=0, static_argnames=("top", "shardings"))
 decode = jax.jit(_decode, static_argnums=(0, 1), static_argnames="shardings", donate_argnums=5)
 draft = jax.jit(_draft, static_argnums=(0, 1), static_argnames="mtp_shardings", donate_argnums=7)
 handoff = jax.jit(_handoff, static_argnums=0, static_argnames=("shardings", "scratch_shardings"), donate_argnums=1)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ess_jax import mesh
@@ -17,7 +18,8 @@ FIXTURES = Path(__file__).parent / "fixtures"
 # Runs in a subprocess with 8 CPU devices: argv = checkpoint, then runs as OFFLOAD:FETCH:MESH. Serves the same
 # requests (three prompts on two batch rows per data shard: one waits and joins when a row frees, and they leave
 # at different steps) on one device, resident (the reference) and ESS (the tier counters' reference), and in each
-# run; prints the tokens, shardings and tier counters (total and per data shard: lookups, hits, misses).
+# run; prints the tokens, logits, shardings, tier counters (total and per data shard: lookups, hits, misses) and
+# whether the compressor rings are in host memory (V4 with ESS, the default: split over the data shards too).
 SCRIPT = r"""
 import dataclasses, json, sys
 import jax, numpy as np
@@ -28,7 +30,7 @@ from ess_jax.engine import Engine, EngineConfig
 model = ess_jax.load_model(sys.argv[1])
 rng = np.random.default_rng(0)
 requests = [(rng.integers(0, 256, n).tolist(), new) for n, new in ((16, 6), (32, 10), (16, 4))]
-base = EngineConfig(max_batch=2, page_size=8, prefill_chunk=16, max_seq_len=48)
+base = EngineConfig(max_batch=2, page_size=8, prefill_chunk=16, max_seq_len=48, keep_logits=True)
 
 
 def config(run):
@@ -43,12 +45,15 @@ for run in ["none:inline:", "ess:inline:", *sys.argv[2:]]:
     for prompt, new in requests:
         engine.add_request(prompt, new)
     first = sorted(out.request_id for out in engine.step())  # the requests whose prefill ended in the first step
-    tokens = [r.output_ids for r in engine.run()]
+    served = engine.run()
+    tokens = [r.output_ids for r in served]
     experts = next(x for p, x in jax.tree_util.tree_leaves_with_path(engine.runner.params)
                    if "['experts']" in jax.tree_util.keystr(p))
     offload = engine.offload_metrics()
     counts = lambda c: [c["lookups"], c["hits"], c["misses"]]
-    out[run] = {"tokens": tokens, "pool_slots": engine.layout.pool_slots, "first_step": first,
+    out[run] = {"tokens": tokens, "logits": [np.stack(r.logits).tolist() for r in served],
+                "pool_slots": engine.layout.pool_slots, "first_step": first,
+                "host_rings": any(p.where == "host" for p in engine.layout.placed),
                 "counters": offload and {"total": counts(offload), "per_shard": [counts(c) for c in offload["per_shard"]]},
                 "expert_shard": list(experts.addressable_shards[0].data.shape), "expert_shape": list(experts.shape),
                 "cache_specs": sorted({str(x.sharding.spec) for x in jax.tree.leaves(engine.runner.cache)
@@ -87,9 +92,9 @@ def _run(checkpoint: str, runs: list[str]) -> dict:
      4, 12),
 ])
 def test_mesh_tokens_equal_one_device(family, runs, experts, entries):
-    """Resident and ESS (both fetch backends) on meshes sharding the experts, the batch rows or both: the
-    single-device resident engine's greedy tokens, and ESS's per-shard tier counters adding up to the
-    single-device tier's."""
+    """Resident and ESS (both fetch backends; V4's compressor rings in host memory) on meshes sharding the
+    experts, the batch rows or both: the single-device resident engine's greedy tokens and logits, and ESS's
+    per-shard tier counters adding up to the single-device tier's."""
     out = _run(str(FIXTURES / f"hf-{family}-a"), runs)
     alone = out["none:inline:"]
     assert out["placed once"]
@@ -99,6 +104,10 @@ def test_mesh_tokens_equal_one_device(family, runs, experts, entries):
         offload, _, spec = run.split(":")
         got = out[run]
         assert got["tokens"] == alone["tokens"], run
+        for logits, want in zip(got["logits"], alone["logits"]):
+            scale = np.abs(np.asarray(want)).max()
+            np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=0, atol=1e-5 * scale, err_msg=run)
+        assert got["host_rings"] == (family == "v4" and offload == "ess"), run  # V4's HCA rings, the default
         shape = mesh.parse(spec)
         # each data shard prefills its own requests (its own prefill_chunk of 16 tokens a step): on one device the
         # first 16-token prompt alone ends its prefill in the first step; on data=8 both 16-token prompts, each on

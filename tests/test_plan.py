@@ -70,9 +70,9 @@ def test_ess_jax_accounting_adds_the_residency_map_and_slot_tables(capsys):
     argv = ["--model", "deepseek-v3.2", "--cache-dtype", "fp8", "--kv-budget-gb", "82", "--context", "32768",
             "--pool-ratio", "0.21"]
     row = run_json(argv, capsys)["rows"][0]
-    # per layer: the map (4 B per entry), the slot tables (8 B per slot), the staged row and 4 int32 counters;
-    # per request the staged row's page and offset
-    device = 32768 * 8052 + 61 * 6882 * 656 + 61 * (32768 * 4 + 6882 * 8 + 656 + 16) + 8
+    # per layer: the map (4 B per entry), the slot tables (8 B per slot), the staged row, 4 int32 counters and 3
+    # of the one query position; per request the staged row's page and offset
+    device = 32768 * 8052 + 61 * 6882 * 656 + 61 * (32768 * 4 + 6882 * 8 + 656 + 16 + 12) + 8
     assert row["accounting"] == "ess_jax" and row["device_bytes_per_request"] == device
     assert row["max_batch_offload"] == 82_000_000_000 // device
 

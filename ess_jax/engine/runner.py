@@ -171,25 +171,25 @@ class Runner:
 
     def decode(self, batch: DecodeBatch, times: StepTimes | None) -> DecodeResult:
         """One decode step (with the MTP module, then its next drafts); ``times`` (recorded steps): how long the
-        call took to return and, with drafting, how long verifying and drafting took (the drafting dispatched
-        once the verified tokens are ready, so the two are timed apart)."""
+        calls took to return and, with drafting, until the verified tokens were on the host (``verify_s``) and
+        then until the drafts were (``draft_s``): both steps are launched at once and the device runs them in
+        order, so timing them apart waits for nothing the step would not."""
         self.compile_decode()
         start = time.perf_counter()
         args = self._decode_args(batch)
         tokens_BT, accepted_B, logits_BTV, self.cache, hidden, kept_B = self._compiled_decode(*args)
         drafts_BK = None
-        if self.mtp_cache is not None:
-            if times is not None:
-                jax.block_until_ready(tokens_BT)
-                times.verify_s = time.perf_counter() - start
+        if self.mtp_cache is not None:  # launched behind the verification, which the device runs first
             drafts_BK, self.mtp_cache = self._compiled_draft(self.params, hidden, tokens_BT, args[2], kept_B,
                                                              self.mtp_cache)
         if times is not None:
             times.decode_dispatch_s = time.perf_counter() - start
         tokens_BT, accepted_B = mesh.host_array(tokens_BT), mesh.host_array(accepted_B)
-        drafts_BK = mesh.host_array(drafts_BK) if drafts_BK is not None else None
-        if times is not None and drafts_BK is not None:
-            times.draft_s = time.perf_counter() - start - times.verify_s
+        if drafts_BK is not None:
+            verified = time.perf_counter()
+            drafts_BK = mesh.host_array(drafts_BK)
+            if times is not None:
+                times.verify_s, times.draft_s = verified - start, time.perf_counter() - verified
         self.stats.decode_s += time.perf_counter() - start
         return DecodeResult(tokens_BT, accepted_B, mesh.host_array(logits_BTV) if batch.wants_logits else None,
                             drafts_BK)

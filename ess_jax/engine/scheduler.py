@@ -29,8 +29,8 @@ class StepTimes:
     prefill_s: list[float] = dataclasses.field(default_factory=list)  # each prefill call, its handoff included
     decode_s: float | None = None  # the decode step with its bookkeeping (None: no request was decoding)
     decode_dispatch_s: float | None = None  # the compiled decode step's call until it returned (the host's part)
-    verify_s: float | None = None  # with MTP drafting: the decode step until its verified tokens were ready
-    draft_s: float | None = None  # then the MTP module's drafting until its drafts were on the host
+    verify_s: float | None = None  # with MTP drafting: the decode step until its verified tokens were on the host
+    draft_s: float | None = None  # then until the MTP module's drafts were (launched behind the verification)
     decode_rows: int = 0  # requests decoded
     decode_tokens: int = 0  # tokens they produced (more than one per request with speculative decoding)
 

@@ -228,9 +228,10 @@ class Engine:
 
     def warm_up(self) -> None:
         """Compile ahead on the calling thread: the decode step, every prefill piece size and its prompt
-        log-probabilities (``steps.score``) and the offload mode's steps, through two requests of ``2 x prefill_chunk - 1`` tokens
-        (one piece of each size): one served to the end, one scoring its prompt and ending after its prefill; with
-        the prefix cache the first again, which reads its prompt's cached pages (ESS: ``load_prefix``).
+        log-probabilities (``steps.score``) and the offload mode's steps, through two requests of
+        ``2 x prefill_chunk - 1`` tokens (one piece of each size): one served to the end, one scoring its prompt
+        and ending after its prefill; with the prefix cache the first again, which reads its prompt's cached pages
+        (ESS: ``load_prefix``).
         Every step's arguments are placed as in serving (``Runner``), so nothing compiles afterwards. Call it on
         an idle engine, before serving."""
         if self.has_unfinished():

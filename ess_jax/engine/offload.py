@@ -254,7 +254,8 @@ class Ess:
         """Tier counters (read from the device once) as the ``--json`` ``metrics.offload`` object: over the union of
         each step's queries' top-k ids (what was fetched), per layer and per data shard, and over each query position's
         own ids (``per_position``: a verification step's last token, then its drafts; one position without)."""
-        rows_LB4 = mesh.host_array(self._store().counters)  # lookups, hits, misses, staged per layer and row
+        store = self._store()
+        rows_LB4 = mesh.host_array(store.counters)  # lookups, hits, misses, staged per layer and row
         counts = rows_LB4.sum(1)
         lookups, hits, misses, staged = (int(x) for x in counts.sum(0))
         per_shard = rows_LB4.reshape(rows_LB4.shape[0], self.layout.size.shards, -1, 4).sum((0, 2))
@@ -272,7 +273,7 @@ class Ess:
                 "per_shard": [{"shard": d, "lookups": int(c[0]), "hits": int(c[1]), "misses": int(c[2])}
                               for d, c in enumerate(per_shard)],
                 "per_position": [{"position": t, "lookups": int(c[0]), "hits": int(c[1]), "misses": int(c[2])}
-                                 for t, c in enumerate(mesh.host_array(self._store().query_counters).sum((0, 1)))]}
+                                 for t, c in enumerate(mesh.host_array(store.query_counters).sum((0, 1)))]}
 
     def cache_bytes(self) -> dict[str, int]:
         """Bytes of the decode cache's arrays: its host stores (the tier's, the HCA rings') and the rest."""

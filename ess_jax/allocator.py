@@ -20,6 +20,11 @@ any more stays cached under its key, evictable least-recently-used: ``allocate``
 the least recently released cached ones. A cached page counts as free (``num_free``), so admission counts a
 shared page once: a request that shares pages another running request holds costs only its own pages.
 
+Row states. Where a request's cache also has state per batch row (DeepSeek-V4's sliding window and compressor
+rings), a cached prefix is usable only up to a page whose key carries a snapshot of that state at the page's end
+(``keep_state``): ``match`` stops at the deepest such page. A pool keeps at most ``states`` snapshots, least
+recently used out first; a snapshot goes with its page when the page is evicted.
+
 Admission. A request reserves ``pages_for(prompt_len + max_new_tokens)`` pages of one shard when it is
 admitted (its leading cached pages shared, the rest taken), so a running request never runs out mid-decode,
 and holds one batch row of that shard until it finishes. Waiting requests are admitted in strict FIFO order,
@@ -32,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 from collections import OrderedDict, deque
-from typing import Hashable, NamedTuple, Sequence
+from typing import Any, Hashable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -62,14 +67,18 @@ class PageAllocator:
     Free pages live on a LIFO stack, so pages freed last are reused first and page tables of
     long-running engines are fragmented (not contiguous), as the paged kernels must expect. Each handed-out
     page has a reference count (``share`` adds one, ``free`` drops one); a page cached under a key
-    (``cache``) that no request holds stays cached and evictable, least recently released first.
+    (``cache``) that no request holds stays cached and evictable, least recently released first. ``states``: the
+    row-state snapshots kept (``keep_state``; a prefix is shared only up to one); None: a prefix's pages are all of
+    its cache, shared to any page.
     """
 
-    def __init__(self, num_pages: int, page_size: int):
+    def __init__(self, num_pages: int, page_size: int, states: int | None = None):
         if num_pages < 2:
             raise ValueError(f"{num_pages=} must be >= 2 (page 0 is the reserved null page)")
         if page_size < 1:
             raise ValueError(f"{page_size=} must be >= 1")
+        if states is not None and states < 1:
+            raise ValueError(f"{states=} must be >= 1 (the row-state snapshots a pool keeps)")
         self.num_pages = num_pages
         self.page_size = page_size
         self._free: list[int] = list(range(num_pages - 1, NULL_PAGE, -1))  # stack: pops 1, 2, 3, ... first
@@ -77,6 +86,9 @@ class PageAllocator:
         self._page_of: dict[bytes, int] = {}  # key -> the cached page holding it
         self._key_of: dict[int, bytes] = {}  # cached page -> its key
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached pages no request holds, least recent first
+        self.max_states = states
+        self._states: OrderedDict[bytes, tuple[Any, int]] = OrderedDict()  # key -> (row state at its page's end,
+        # its bytes), least recently used first
 
     @property
     def num_free(self) -> int:
@@ -87,6 +99,16 @@ class PageAllocator:
     def num_cached(self) -> int:
         """Cached pages no request holds (evictable)."""
         return len(self._evictable)
+
+    @property
+    def num_states(self) -> int:
+        """Row-state snapshots kept."""
+        return len(self._states)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the row-state snapshots kept."""
+        return sum(n for _, n in self._states.values())
 
     @property
     def num_held(self) -> int:
@@ -115,7 +137,9 @@ class PageAllocator:
                 pages.append(self._free.pop())
             else:
                 page, _ = self._evictable.popitem(last=False)
-                del self._page_of[self._key_of.pop(page)]
+                key = self._key_of.pop(page)
+                del self._page_of[key]
+                self._states.pop(key, None)
                 pages.append(page)
         pages = np.array(pages, np.int32)
         self._refs[pages] = 1
@@ -144,13 +168,31 @@ class PageAllocator:
 
     # ---- the prefix cache ----------------------------------------------------------------------
     def match(self, keys: Sequence[bytes]) -> np.ndarray:
-        """The cached pages of the longest prefix of ``keys``: ``i32[n]`` (held or evictable)."""
-        pages = []
+        """The cached pages of the longest prefix of ``keys`` (held or evictable), with row states up to the deepest
+        one whose last page has a snapshot: ``i32[n]``."""
+        pages, usable = [], 0
         for key in keys:
             if (page := self._page_of.get(key)) is None:
                 break
             pages.append(page)
-        return np.array(pages, np.int32)
+            if self.max_states is None or key in self._states:
+                usable = len(pages)
+        return np.array(pages[:usable], np.int32)
+
+    def keep_state(self, key: bytes, state: Any, nbytes: int) -> None:
+        """Keep ``state`` (``nbytes`` bytes), the row state at the end of the cached page ``key``; the least recently
+        used snapshot out past ``states`` of them."""
+        if key not in self._page_of:
+            raise ValueError("a row state is kept only with its cached page")
+        self._states[key] = (state, nbytes)
+        self._states.move_to_end(key)
+        while len(self._states) > self.max_states:
+            self._states.popitem(last=False)
+
+    def state(self, key: bytes) -> Any:
+        """The row state kept at the end of page ``key`` (now the most recently used)."""
+        self._states.move_to_end(key)
+        return self._states[key][0]
 
     def cost(self, shared: np.ndarray, pages: int) -> int:
         """The free pages a request of ``pages`` pages takes when it shares ``shared`` (its first pages): its own
@@ -324,12 +366,20 @@ class Admission:
             admitted.append(entry)
         return admitted
 
-    def cache_pages(self, request_id: Hashable, keys: Sequence[bytes]) -> None:
-        """Cache a running request's first ``len(keys)`` pages (fully written prompt pages) under ``keys``."""
+    def cache_pages(self, request_id: Hashable, keys: Sequence[bytes], state: tuple[Any, int] | None = None) -> None:
+        """Cache a running request's first ``len(keys)`` pages (fully written prompt pages) under ``keys``; with
+        ``state`` (a row state and its bytes) the snapshot at the last one's end."""
         entry = self._running[request_id]
         pool = self.allocators[self.shard_of(entry.row)]
         for page, key in zip(entry.pages[entry.shared:len(keys)].tolist(), keys[entry.shared:]):
             pool.cache(page, key)
+        if state is not None:
+            pool.keep_state(keys[-1], *state)
+
+    def shared_state(self, request_id: Hashable, keys: Sequence[bytes]) -> Any:
+        """The row state at the end of the cached prefix a running request shares (``keys``: its page keys)."""
+        entry = self._running[request_id]
+        return self.allocators[self.shard_of(entry.row)].state(keys[entry.shared - 1])
 
     def finish(self, request_id: Hashable) -> None:
         """Release a running request's pages (the cached ones stay cached) and batch row."""

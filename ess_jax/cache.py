@@ -153,6 +153,13 @@ class PagedCacheV32:
     def page_size(self) -> int:
         return self.index_keys.shape[2]
 
+    def row_arrays(self) -> dict:
+        """The per-batch-row arrays: none (a request's whole cache is in its pages)."""
+        return {}
+
+    def with_row_arrays(self, arrays: dict) -> PagedCacheV32:
+        return self
+
     def begin_step(self) -> PagedCacheV32:
         """Start-of-step work of the latent store (the tier's backup of the last step's rows)."""
         return dataclasses.replace(self, latent=self.latent.begin_step())
@@ -212,6 +219,16 @@ class V4Cache:
     window: jax.Array  # [L, B, n_win, H] keys (K = V, kv_norm + RoPE) of the last n_win positions, slot s % n_win
     csa: CsaCache
     hca: HcaCache
+
+    def row_arrays(self) -> dict:
+        """The per-batch-row arrays ``[layers, batch rows, ...]``: the window and the rings (``ROW_STATE``)."""
+        return {"window": self.window, "csa": {k: getattr(self.csa, k) for k in self.csa.ROW_STATE},
+                "hca": {k: getattr(self.hca, k) for k in self.hca.ROW_STATE}}
+
+    def with_row_arrays(self, arrays: dict) -> V4Cache:
+        """The cache with its per-batch-row arrays (``row_arrays``) replaced by ``arrays``."""
+        return V4Cache(arrays["window"], dataclasses.replace(self.csa, **arrays["csa"]),
+                       dataclasses.replace(self.hca, **arrays["hca"]))
 
     def begin_step(self) -> V4Cache:
         """Start-of-step work of the CSA entries' store (the tier's backup of the last step's entries) and of the

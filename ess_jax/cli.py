@@ -132,8 +132,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     cache.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                        help="share the cached pages of prompt prefixes between requests and keep them after their "
                             "requests finish (evictable, least recently used first), so a prompt that starts like an "
-                            "earlier one skips that part's prefill; same tokens either way. DeepSeek-V3.2, resident "
-                            "and ESS; DeepSeek-V4 runs without it (default on; --no-prefix-cache turns it off)")
+                            "earlier one skips that part's prefill; same tokens either way. DeepSeek-V4 shares prefixes of "
+                            "whole compressed windows (lcm of the page size and its compress rates) and resumes from "
+                            "a snapshot of the window and compressor rings kept there (default on; "
+                            "--no-prefix-cache turns it off)")
+    cache.add_argument("--prefix-cache-states", type=int, default=16,
+                       help="DeepSeek-V4 with the prefix cache: window and compressor-ring snapshots kept per --mesh "
+                            "data shard, one per cached prompt, least recently used out first (default 16)")
     cache.add_argument("--prefill-chunk", type=int, default=256,
                        help="longest prefill piece in tokens; a shorter remainder runs as power-of-two pieces "
                             "(default 256)")
@@ -236,6 +241,7 @@ def flags_config(args: argparse.Namespace, **overrides):
         prefill_chunk=args.prefill_chunk, offload=args.offload, pool_size=args.pool_size, pool_ratio=args.pool_ratio,
         fetch=args.fetch, host_cache_mb=args.host_cache_mb, rings=args.rings, kernels=args.kernels,
         cache_dtype=args.cache_dtype, index_dtype=args.index_dtype, mesh=args.mesh, prefix_cache=args.prefix_cache,
+        prefix_cache_states=args.prefix_cache_states,
         **speculative(args)), **overrides))
 
 

@@ -12,7 +12,7 @@ engine's cache builders traced (``offload.MODES[...].decode_cache``, the ESS pre
 shardings (``mesh.shard_axes``, ``mesh.cache_shardings``), each array in the memory kind its builder gives it (the
 ESS host store: ``pinned_host``). The steps are the engine's own (``ess_jax.engine.steps``) with the runner's
 static arguments: ``decode``, ``prefill_T`` for each piece size T (``steps.piece_sizes``), and with ``--offload ess``
-``handoff``, ``release``, ``flush`` and (with the prefix cache, DeepSeek-V3.2) ``load_prefix``.
+``handoff``, ``release``, ``flush`` and (with the prefix cache) ``load_prefix``.
 
 ``DIR/STEP.jax_export`` holds each step's ``Exported.serialize()`` (``jax.export.deserialize`` reads it back on the
 target, whose ``call`` runs it); ``DIR/summary.json`` the target, the kernels used and per step its file, the
@@ -176,9 +176,8 @@ def engine_steps(cfg: ModelConfig, config, engine: Abstract, target: Target) -> 
                                     dict(shardings=engine.shardings, scratch_shardings=engine.scratch_shardings),
                                     scratch_out),
         "flush": lambda: Step(steps.flush, (family,), (engine.cache,), dict(shardings=engine.shardings), cache_out)}
-    prefix = config.prefix_cache and family.prefix_pages  # load_prefix runs where a prefix is cached in pages
     return found | {name: moves[name]() for name in offload.MODES[config.offload].steps
-                    if name != "load_prefix" or prefix}
+                    if name != "load_prefix" or config.prefix_cache}
 
 
 def export_step(name: str, step: Step, target: Target) -> jax.export.Exported:

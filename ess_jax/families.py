@@ -184,8 +184,8 @@ class Family:
 
     model_type: str
     architecture: str  # config.json's "architectures" entry (transformers' class)
-    prefix_pages: bool  # a prompt prefix's whole cache state lives in its pages (the prefix cache can share them);
-    # False: it also has per-row state (V4's window and compressor rings)
+    row_state: bool  # a request's cache has state per batch row besides its pages (V4's window and compressor
+    # rings, ``row_arrays``): a cached prefix is resumed from a snapshot of it; False: its pages are all of it
     module: str  # "package.module:Class" of the NNX module
     rename: str | None  # "package.module:function": (a checkpoint's tensor name, layers=num_hidden_layers) ->
     # transformers' name (the MTP block as layer num_hidden_layers); None: unchanged
@@ -223,6 +223,11 @@ class Family:
         """Bytes of a parameter (state path ``names``) in the official release's quantized format; None for
         a parameter the release keeps unquantized."""
         raise NotImplementedError
+
+    def prefix_block(self, cfg: ModelConfig, page_size: int) -> int:
+        """The tokens a prefix the prefix cache shares is a multiple of: before such a boundary every page holds all
+        it ever will (no later token writes it; V4: every compressed entry there closed)."""
+        return page_size
 
     def step_tokens_limit(self, cfg: ModelConfig) -> int | None:
         """The most tokens per row one decode step may write (a verification step's last token and drafts): the
@@ -364,6 +369,11 @@ class _DeepseekV4(Family):
     def sparse_layers(self, cfg):
         return [i for i, t in enumerate(cfg.layer_types) if t == V4Layer.CSA]
 
+    def prefix_block(self, cfg, page_size):
+        blocks = [cfg] + ([cfg.mtp_block()] if cfg.num_nextn_predict_layers else [])
+        rates = {c.compress_rate(i) for c in blocks for i in range(c.num_hidden_layers)}
+        return math.lcm(page_size, *rates - {0})
+
     def step_tokens_limit(self, cfg):
         rings = [cfg.sliding_window]  # the window, then the compressor rings of the layers present
         rings += [2 * cfg.compress_rate_csa] if V4Layer.CSA in cfg.layer_types else []
@@ -414,11 +424,20 @@ class _DeepseekV4(Family):
         hca = dataclasses.replace(hca, entries=put_pages(hca.entries, scratch.hca.entries), **rings)
         return dataclasses.replace(cache, window=put_row(cache.window, scratch.window), csa=csa, hca=hca)
 
+    def load_prefix(self, cache, scratch, table_X, pages_X):
+        csa, hca = scratch.csa, scratch.hca
+        entries = csa.entries.pages.at[:, table_X].set(
+            cache.csa.entries.load_prefix(pages_X).astype(csa.entries.pages.dtype))
+        csa = dataclasses.replace(csa, entries=dataclasses.replace(csa.entries, pages=entries),
+                                  index_keys=csa.index_keys.at[:, table_X].set(cache.csa.index_keys[:, pages_X]))
+        hca = dataclasses.replace(hca, entries=hca.entries.at[:, table_X].set(cache.hca.entries[:, pages_X]))
+        return dataclasses.replace(scratch, csa=csa, hca=hca)
+
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    _DeepseekV32(model_type="deepseek_v32", architecture="DeepseekV32ForCausalLM", prefix_pages=True,
+    _DeepseekV32(model_type="deepseek_v32", architecture="DeepseekV32ForCausalLM", row_state=False,
                  module="ess_jax.models.deepseek_v32:DeepseekV32", rename=None),
-    _DeepseekV4(model_type="deepseek_v4", architecture="DeepseekV4ForCausalLM", prefix_pages=False,
+    _DeepseekV4(model_type="deepseek_v4", architecture="DeepseekV4ForCausalLM", row_state=True,
                 module="ess_jax.models.deepseek_v4:DeepseekV4", rename="ess_jax.checkpoint:release_to_hf_name"),
 )}
 

@@ -434,17 +434,6 @@ def layer_groups(cfg: ModelConfig) -> tuple[list[int], list[int]]:
     return [i for i, t in enumerate(types) if t == CSA], [i for i, t in enumerate(types) if t == HCA]
 
 
-def _row_state(cache: V4Cache, arrays: dict) -> V4Cache:
-    """``cache`` with its per-batch-row arrays (the window, the rings: ``ROW_STATE``) replaced by ``arrays``."""
-    return V4Cache(arrays["window"], dataclasses.replace(cache.csa, **arrays["csa"]),
-                   dataclasses.replace(cache.hca, **arrays["hca"]))
-
-
-def _row_arrays(cache: V4Cache) -> dict:
-    return {"window": cache.window, "csa": {k: getattr(cache.csa, k) for k in cache.csa.ROW_STATE},
-            "hca": {k: getattr(cache.hca, k) for k in cache.hca.ROW_STATE}}
-
-
 def take_rows(meta: StepMeta, cache: V4Cache) -> V4Cache:
     """``cache`` with its per-batch-row state ``[layers, batch rows, ...]`` cut to this step's rows (``meta.rows``),
     cleared for new requests (first position 0)."""
@@ -454,7 +443,7 @@ def take_rows(meta: StepMeta, cache: V4Cache) -> V4Cache:
         sub = x[:, meta.rows]
         return jnp.where(fresh.reshape((1, -1) + (1,) * (sub.ndim - 2)), jnp.zeros_like(sub), sub)
 
-    return _row_state(cache, jax.tree.map(take, _row_arrays(cache)))
+    return cache.with_row_arrays(jax.tree.map(take, cache.row_arrays()))
 
 
 def put_rows(meta: StepMeta, cache: V4Cache, ran: V4Cache) -> V4Cache:
@@ -465,7 +454,7 @@ def put_rows(meta: StepMeta, cache: V4Cache, ran: V4Cache) -> V4Cache:
     def put(x, new):
         return x.at[:, meta.rows].set(jnp.where(keep.reshape((1, -1) + (1,) * (new.ndim - 2)), new, x[:, meta.rows]))
 
-    return _row_state(ran, jax.tree.map(put, _row_arrays(cache), _row_arrays(ran)))
+    return ran.with_row_arrays(jax.tree.map(put, cache.row_arrays(), ran.row_arrays()))
 
 
 def _init_cache(cfg: ModelConfig, dtype, rows: int, num_pages: int, page_size: int, csa_dtype,

@@ -58,10 +58,13 @@ class EngineConfig:
     speculative: Speculative | None = None  # "mtp": speculative decoding, drafts from the MTP module
     num_speculative_tokens: int = 0  # K: drafts verified per request per decode step (with --speculative)
     prefix_cache: bool = True  # full prompt pages shared between requests whose prompts start alike, kept cached
-    # (evictable) after their requests finish (ess_jax.allocator); where the model and offload mode support it
+    # (evictable) after their requests finish (ess_jax.allocator)
+    prefix_cache_states: int = 16  # DeepSeek-V4: snapshots of a request's window and compressor rings the prefix
+    # cache keeps per data shard (one per cached prompt, at its last cacheable boundary), least recently used out
 
     def __post_init__(self):
-        for name in ("max_batch", "page_size", "prefill_chunk", "num_pages", "max_seq_len", "pool_size"):
+        for name in ("max_batch", "page_size", "prefill_chunk", "num_pages", "max_seq_len", "pool_size",
+                     "prefix_cache_states"):
             value = getattr(self, name)
             if value is None and name in ("num_pages", "max_seq_len", "pool_size"):
                 continue

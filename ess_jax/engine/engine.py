@@ -91,13 +91,14 @@ class Engine:
                              lambda size: mode.decode_cache(model.module, size, config, self.layout), mtp)
         self.offload: offload.Mode = mode(self.runner, self.layout, self.stats)
         size = self.layout.size
-        # the prefix cache where a prefix's cache state is all in pages the requests can share
-        self.prefix_cache = config.prefix_cache and families.get(model.cfg.family).prefix_pages
+        self.prefix_cache, family = config.prefix_cache, families.get(model.cfg.family)
         self.scheduler = Scheduler(config, shards=size.shards, pages=size.pages // size.shards,
                                    pages_per_row=self.layout.pages_per_row, max_seq_len=self.max_seq_len,
                                    stats=self.stats, drafter=drafter and self._checked(drafter),
                                    prefix_salt=self._prefix_salt() if self.prefix_cache else None,
-                                   prefix_tail=mode.computed_tail)
+                                   prefix_tail=mode.computed_tail,
+                                   prefix_block=family.prefix_block(model.cfg, config.page_size),
+                                   row_state=family.row_state)
         self._step_lock = threading.Lock()  # held while the engine's state changes (step, abort)
 
     def _checked(self, drafter: Drafter) -> Drafter:

@@ -88,7 +88,8 @@ class Resident:
         row_D = np.zeros(runner.shards, np.int32)
         for shard, piece in group.slices.items():
             table_DX[shard], row_D[shard] = piece.pages_X, piece.row % runner.rows_per_shard
-        result, runner.cache = runner.prefill(runner.cache, runner.shardings, group, table_DX, row_D)
+        result, runner.cache = runner.prefill(runner.cache, runner.shardings, group, table_DX, row_D,
+                                              runner.rows_per_shard)
         return result
 
     def release(self, released: list[Released]) -> None:
@@ -184,7 +185,7 @@ class Ess:
         if starting:
             self._load_prefix(starting)
         result, self.scratch = runner.prefill(self.scratch, self.scratch_shardings, group, table_DX,
-                                              np.zeros(runner.shards, np.int32))
+                                              np.zeros(runner.shards, np.int32), 1)
         finished = {shard: piece for shard, piece in group.slices.items() if piece.last}
         if finished:
             self._handoff(finished)

@@ -99,9 +99,29 @@ class Runner:
         return jax.device_put(window, sharding)
 
     # ---- prefill -------------------------------------------------------------------------------
-    def prefill(self, cache, shardings, group: PrefillGroup, table_DX: np.ndarray, row_D: np.ndarray):
-        """Run ``group`` on ``cache`` (the decode cache, or the offload mode's scratch) with each shard's page
-        table ``table_DX`` and batch row ``row_D`` (in its shard); the result and the cache."""
+    def prefill(self, cache, shardings, group: PrefillGroup, table_DX: np.ndarray, row_D: np.ndarray, rows: int):
+        """Run ``group`` on ``cache`` (the decode cache, or the offload mode's scratch; ``rows`` batch rows per data
+        shard) with each shard's page table ``table_DX`` and batch row ``row_D`` (in its shard); the result and the
+        cache. A piece past a cached prefix first resumes its row's state (and its MTP cache's) from the prefix's
+        snapshot; a piece ending at its prompt's boundary takes the snapshot after it (``PrefillSlice``)."""
+        for shard, piece in group.slices.items():
+            if piece.resume is not None:
+                main, mtp = piece.resume
+                cache = steps.resume(cache, jnp.int32(shard * rows + row_D[shard]), main, shardings=shardings)
+                if mtp is not None:
+                    self.mtp_cache = steps.resume(self.mtp_cache, jnp.int32(piece.row), mtp,
+                                                  shardings=self.mtp_shardings)
+        result, cache = self._prefill(cache, shardings, group, table_DX, row_D)
+        states = {}
+        for shard, piece in group.slices.items():
+            if piece.snapshot:
+                state = jax.device_get((steps.row_state(cache, jnp.int32(shard * rows + row_D[shard])),
+                                        None if self.mtp_cache is None else
+                                        steps.row_state(self.mtp_cache, jnp.int32(piece.row))))
+                states[shard] = (state, sum(x.nbytes for x in jax.tree.leaves(state)))
+        return dataclasses.replace(result, states=states), cache
+
+    def _prefill(self, cache, shardings, group: PrefillGroup, table_DX: np.ndarray, row_D: np.ndarray):
         d, t = self.shards, group.size
         tokens, positions = np.zeros((d, t), np.int32), np.zeros((d, t), np.int32)
         valid, targets = np.zeros((d, t), bool), np.zeros((d, t), np.int32)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import deque
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -99,6 +99,9 @@ class PrefillSlice:
     prompt_logprobs: int | None  # the top-N of each target's log-probability to report (None: not scored)
     cached: int = 0  # the prompt's first tokens read from the prefix cache (its first pages, shared); the first
     # piece starts there
+    resume: Any = None  # the row state at ``cached`` (a snapshot, ``Family.row_state``), loaded before the first
+    # piece past a cached prefix of a family with row state; None: nothing to load
+    snapshot: bool = False  # take the row state after this piece (it ends at the prompt's cacheable boundary)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +125,8 @@ class PrefillResult:
     # (logprob_T, rank_T, top_ids_TK, top_TK), for the scored pieces
     drafts: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # data shard -> i32[K] the MTP module's
     # drafts after a prompt its piece finished (speculative decoding)
+    states: dict[int, tuple[Any, int]] = dataclasses.field(default_factory=dict)  # data shard -> the row state
+    # after its piece and its bytes, for the pieces that take one (``PrefillSlice.snapshot``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,13 +231,17 @@ Drafter = Callable[[Request], Sequence[int]]  # a request -> the K tokens it dra
 class Scheduler:
     def __init__(self, config: EngineConfig, *, shards: int, pages: int, pages_per_row: int, max_seq_len: int,
                  stats: EngineStats, drafter: Drafter | None = None, prefix_salt: bytes | None = None,
-                 prefix_tail: int = 1):
+                 prefix_tail: int = 1, prefix_block: int | None = None, row_state: bool = False):
         """``pages``: each data shard's pool, its null page included. With speculative decoding each decode step
         verifies ``config.num_speculative_tokens`` drafts per request: ``drafter``'s (a caller's, on the host),
         else those the last decode step drafted (the MTP module's); a request reserves room for them.
         ``prefix_salt``: the prefix cache is on, its page keys salted with it (``allocator.page_keys``: what else
         changes a page's bytes); None: off. ``prefix_tail``: a prompt's last tokens always prefilled (the offload
-        mode's ``computed_tail``)."""
+        mode's ``computed_tail``). ``prefix_block``: the tokens a shared prefix is a multiple of
+        (``Family.prefix_block``; None: the page size). ``row_state``: the cache has state per batch row: each prompt
+        takes a snapshot of it at its cacheable boundary (the last multiple of ``prefix_block`` before its last
+        ``prefix_tail`` tokens; its pieces are cut there), kept with the pages before it (at most
+        ``config.prefix_cache_states`` per data shard), and a request sharing them resumes from it."""
         self.config, self.stats, self.pages_per_row = config, stats, pages_per_row
         self.drafts, self.drafter = config.num_speculative_tokens, drafter
         # positions past its last token a request's steps may write: a verification step's K drafts, then the MTP
@@ -246,7 +255,11 @@ class Scheduler:
         # made of the token after it: a cached page's key names the token past the page too
         self.prefix_lookahead = 1 if self.drafts and drafter is None else 0
         self._keys: dict[int, list[bytes]] = {}  # with the prefix cache, the keys of each request's full prompt pages
-        self.allocators = [PageAllocator(pages, config.page_size) for _ in range(shards)]
+        self.prefix_block, self.row_state = prefix_block or config.page_size, row_state and prefix_salt is not None
+        self._resume: dict[int, Any] = {}  # request id -> the row state its prefill resumes from (a cached prefix's)
+        self._taken: dict[int, tuple[Any, int]] = {}  # request id -> the row state its prefill took at its boundary
+        states = config.prefix_cache_states if self.row_state else None
+        self.allocators = [PageAllocator(pages, config.page_size, states) for _ in range(shards)]
         self.admission = Admission(self.allocators, max_batch=config.max_batch, max_position_embeddings=max_seq_len)
         self.inbox = Inbox(stats)
         self._requests: dict[int, Request] = {}  # the requests taken from the inbox and not finished
@@ -287,13 +300,21 @@ class Scheduler:
         self._keys[request_id] = page_keys(prompt, self.config.page_size, self.prefix_salt, self.prefix_lookahead)
         if request.prompt_logprobs is not None:
             return []
-        return self._keys[request_id][:max(len(prompt) - self.prefix_tail, 0) // self.config.page_size]
+        return self._keys[request_id][:self.boundary(len(prompt)) // self.config.page_size]
+
+    def boundary(self, prompt_len: int) -> int:
+        """A prompt's cacheable boundary: the last multiple of the prefix block before its last ``prefix_tail``
+        tokens (what a request sharing it may read from the cache)."""
+        return max(prompt_len - self.prefix_tail, 0) // self.prefix_block * self.prefix_block
 
     def _admit(self) -> None:
         """Admit what fits; a request sharing cached pages starts its prefill past them."""
         for entry in self.admission.admit(self.config.max_batch):
             request = self._requests[entry.request_id]
             request.prefilled = entry.shared * self.config.page_size
+            if self.row_state and entry.shared:
+                self._resume[entry.request_id] = self.admission.shared_state(entry.request_id,
+                                                                             self._keys[entry.request_id])
             if self.prefix_salt is not None and request.prompt_logprobs is None:
                 shard = self.admission.shard_of(entry.row)
                 queries, hits = self.stats.prefix_queries, self.stats.prefix_hits
@@ -313,8 +334,10 @@ class Scheduler:
             heads: dict[int, tuple[Admitted, int]] = {}  # each shard's first unfinished prompt and its next piece
             for entry in self._prefilling:
                 shard, length = self.admission.shard_of(entry.row), len(self._requests[entry.request_id].prompt_ids)
-                if shard not in heads and planned[entry.request_id] < length:
-                    heads[shard] = (entry, piece_size(length - planned[entry.request_id], self.config.prefill_chunk))
+                if shard not in heads and (done := planned[entry.request_id]) < length:
+                    end = self._snapshot_at(entry)  # pieces meet there
+                    end = end if done < end else length
+                    heads[shard] = (entry, piece_size(end - done, self.config.prefill_chunk))
             runs = {shard: head for shard, head in heads.items() if head[1] <= budget[shard]}
             if not runs:
                 return groups
@@ -327,13 +350,22 @@ class Scheduler:
                         planned[entry.request_id] += size
                 groups.append(PrefillGroup(size, slices))
 
+    def _snapshot_at(self, entry: Admitted) -> int:
+        """Where a prompt's prefill takes its row state: its boundary, if past what it read from the cache; else 0."""
+        if not self.row_state:
+            return 0
+        at = self.boundary(len(self._requests[entry.request_id].prompt_ids))
+        return at if at > entry.shared * self.config.page_size else 0
+
     def _slice(self, entry: Admitted, start: int, size: int) -> PrefillSlice:
         request = self._requests[entry.request_id]
-        length = len(request.prompt_ids)
+        length, cached = len(request.prompt_ids), entry.shared * self.config.page_size
         return PrefillSlice(entry.request_id, entry.row, start, tuple(request.prompt_ids[start:start + size]),
                             self.page_table(entry.pages), length, start + size == length, request.sampling,
                             self._wants_logits(request), tuple(request.prompt_ids[start + 1:start + size + 1]),
-                            request.prompt_logprobs, entry.shared * self.config.page_size)
+                            request.prompt_logprobs, cached,
+                            self._resume.pop(entry.request_id, None) if start == cached else None,
+                            start + size == self._snapshot_at(entry))
 
     def update_prefill(self, group: PrefillGroup, result: PrefillResult) -> list[Released]:
         """Record a prefill call: its prompt log-probabilities; the prompts it finished join the decode with
@@ -343,9 +375,16 @@ class Scheduler:
             request = self._requests[piece.request_id]
             request.prefilled += group.size
             self.stats.prefill_tokens += group.size
+            if shard in result.states:
+                self._taken[piece.request_id] = result.states[shard]
             if piece.last and (keys := self._keys.get(piece.request_id)):
-                # its prompt pages, for others to share: all written now (ESS: handed off to the host store)
-                self.admission.cache_pages(piece.request_id, keys)
+                # its prompt pages, for others to share: all written now (ESS: handed off to the host store); with
+                # row state those before its boundary, with the snapshot there
+                if self.row_state:
+                    keys = keys[:self.boundary(piece.prompt_len) // self.config.page_size]
+                state = self._taken.pop(piece.request_id, None)
+                if keys and (state is not None or not self.row_state):
+                    self.admission.cache_pages(piece.request_id, keys, state)
             if piece.prompt_logprobs is not None:
                 request.prompt_scores += prompt_token_logprobs(piece.targets, *result.scores[shard],
                                                                piece.prompt_logprobs)
@@ -435,7 +474,8 @@ class Scheduler:
             self._prefilling = deque(e for e in self._prefilling if e.request_id != request_id)
             self._lengths[row] = 0
         del self._requests[request_id]
-        self._keys.pop(request_id, None)
+        for held in (self._keys, self._resume, self._taken):
+            held.pop(request_id, None)
         self.inbox.remove(request_id)
         return released
 
@@ -455,13 +495,18 @@ class Scheduler:
 
     def usage(self) -> dict:
         """Pages and batch rows the admitted requests hold, in all and per data shard; the pages the prefix cache
-        keeps that no request holds (evictable, counted free); the requests waiting."""
+        keeps that no request holds (evictable, counted free), and with row state its snapshots and their bytes; the
+        requests waiting."""
         rows = self.admission.rows_per_shard
         shards = [{"shard": d, "pages_in_use": a.num_held, "pages_total": a.capacity,
                    "prefix_cache_pages": a.num_cached,
                    "rows_in_use": rows - len(self.admission.free_rows(d)), "rows_total": rows}
                   for d, a in enumerate(self.allocators)]
         keys = ("pages_in_use", "pages_total", "prefix_cache_pages", "rows_in_use", "rows_total")
+        if self.row_state:  # the row-state snapshots kept with the cached pages, in host memory
+            for shard, a in zip(shards, self.allocators):
+                shard.update(prefix_cache_states=a.num_states, prefix_cache_state_bytes=a.state_bytes)
+            keys += ("prefix_cache_states", "prefix_cache_state_bytes")
         out = {k: sum(s[k] for s in shards) for k in keys}
         out["per_shard"] = shards
         out["requests_waiting"] = len(self.admission.waiting)

@@ -7,7 +7,8 @@ so that engines over the same model and shapes share their executables, each don
 - ``decode``: every batch row's last token and its drafts ``[B, 1 + K]`` (speculative decoding; K = 0 without),
   verified, the rejected drafts' writes undone, inactive rows masked;
 - ``draft``: the MTP module's next drafts after a decode step (the prefill drafts within its own call);
-- ``handoff``, ``release``, ``flush``, ``load_prefix``: the offloaded tier's moves (``ess_jax.engine.offload``).
+- ``handoff``, ``release``, ``flush``, ``load_prefix``: the offloaded tier's moves (``ess_jax.engine.offload``);
+- ``row_state``, ``resume``: a batch row's state (V4's window and rings) out to a prefix-cache snapshot and back.
 
 ``shardings`` (static): the cache's ``mesh.Layout`` on the engine's mesh; the steps then run per data shard
 (``mesh.per_shard``), their batch-row-major arguments split over ``data``. None: one device.
@@ -266,6 +267,19 @@ def _load_prefix(family: families.Family, cache, scratch, table_DX, pages_DX, sh
     return placed(scratch_shardings, scratch)
 
 
+def _row_state(cache, row):
+    """Batch row ``row``'s state (``row_arrays``: V4's window and compressor rings) of a cache whose rows are all on
+    the device (the resident decode cache, the prefill scratch, the MTP module's): the prefix cache's snapshot."""
+    return jax.tree.map(lambda x: x[:, row], cache.row_arrays())
+
+
+def _resume(cache, row, state, shardings=None):
+    """``cache`` with batch row ``row``'s state set to ``state`` (a ``row_state`` snapshot): a prefill continuing a
+    cached prefix starts from it."""
+    arrays = jax.tree.map(lambda x, s: x.at[:, row].set(s.astype(x.dtype)), cache.row_arrays(), state)
+    return placed(shardings, cache.with_row_arrays(arrays))
+
+
 # The split backend's NumPy store is part of a step's static identity (its engine's own).
 prefill = jax.jit(_prefill, static_argnums=(0, 1), static_argnames=("shardings", "mtp_shardings", "drafts"),
                   donate_argnums=(5, 7, 9))
@@ -275,6 +289,8 @@ draft = jax.jit(_draft, static_argnums=(0, 1), static_argnames="mtp_shardings", 
 handoff = jax.jit(_handoff, static_argnums=0, static_argnames=("shardings", "scratch_shardings"), donate_argnums=1)
 flush = jax.jit(_flush, static_argnums=0, static_argnames="shardings", donate_argnums=1)
 release = jax.jit(_release, static_argnums=0, static_argnames="shardings", donate_argnums=1)
+row_state = jax.jit(_row_state)
+resume = jax.jit(_resume, static_argnames="shardings", donate_argnums=0)
 load_prefix = jax.jit(_load_prefix, static_argnums=0, static_argnames=("shardings", "scratch_shardings"),
                       donate_argnums=2)
 

@@ -12,7 +12,8 @@ engine's cache builders traced (``offload.MODES[...].decode_cache``, the ESS pre
 shardings (``mesh.shard_axes``, ``mesh.cache_shardings``), each array in the memory kind its builder gives it (the
 ESS host store: ``pinned_host``). The steps are the engine's own (``ess_jax.engine.steps``) with the runner's
 static arguments: ``decode``, ``prefill_T`` for each piece size T (``steps.piece_sizes``), and with ``--offload ess``
-``handoff``, ``release``, ``flush`` and (with the prefix cache) ``load_prefix``.
+``handoff``, ``release``, ``flush`` and (with the prefix cache) ``load_prefix``; with the
+prefix cache on DeepSeek-V4 ``row_state`` and ``resume`` (a prompt's window and rings to a snapshot and back).
 
 ``DIR/STEP.jax_export`` holds each step's ``Exported.serialize()`` (``jax.export.deserialize`` reads it back on the
 target, whose ``call`` runs it); ``DIR/summary.json`` the target, the kernels used and per step its file, the
@@ -176,6 +177,13 @@ def engine_steps(cfg: ModelConfig, config, engine: Abstract, target: Target) -> 
                                     dict(shardings=engine.shardings, scratch_shardings=engine.scratch_shardings),
                                     scratch_out),
         "flush": lambda: Step(steps.flush, (family,), (engine.cache,), dict(shardings=engine.shardings), cache_out)}
+    if config.prefix_cache and family.row_state:  # a prompt's row state out to a snapshot and back (``Runner.prefill``)
+        row0 = jax.ShapeDtypeStruct((), I32)
+        state = jax.eval_shape(steps.row_state, engine.scratch, row0)
+        replicated = jax.tree.map(lambda _: NamedSharding(target.mesh, PartitionSpec()), state)
+        found |= {"row_state": Step(steps.row_state, (), (engine.scratch, row0), {}, replicated),
+                  "resume": Step(steps.resume, (), (engine.scratch, row0, state),
+                                 dict(shardings=engine.scratch_shardings), scratch_out)}
     return found | {name: moves[name]() for name in offload.MODES[config.offload].steps
                     if name != "load_prefix" or config.prefix_cache}
 

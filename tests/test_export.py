@@ -35,8 +35,8 @@ def _export(out, model: str, layers: int, *flags: str) -> dict:
     export.main(["--model", model, "--num-layers", str(layers), *SMALL, *flags, "--out", str(out)])
     summary = json.loads((out / "summary.json").read_text())
     pieces = [f"prefill_{t}" for t in steps.piece_sizes(summary["engine"]["prefill_chunk"])]
-    prefix = ["load_prefix"] if model == "deepseek-v3.2" else []  # the prefix cache's, where a prefix is in pages
-    assert list(summary["steps"]) == ["decode", *pieces, "handoff", "release", "flush", *prefix]
+    rows = ["row_state", "resume"] if model.startswith("deepseek-v4") else []  # the prefix cache's row-state snapshots
+    assert list(summary["steps"]) == ["decode", *pieces, *rows, "handoff", "release", "flush", "load_prefix"]
     assert all((out / step["file"]).stat().st_size > 0 for step in summary["steps"].values())
     return summary
 

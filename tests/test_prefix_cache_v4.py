@@ -201,3 +201,27 @@ def test_v4_prefix_hits_decode_with_mtp_speculation_as_without_the_prefix_cache(
     assert runs[True] == runs[False]
     assert engine.prefix_cache_metrics()["hit_tokens"] == 2 * 128
     assert_idle_holds_only_cached_pages(engine)
+
+
+def test_v4_data_shards_route_to_the_shard_holding_the_prefix_and_give_the_same_tokens(engines):
+    """``test_prefix_cache``'s mesh run on DeepSeek-V4 (ESS, data=2, page size 8: blocks of 16 tokens): each prompt
+    goes to the shard holding its prefix's pages and snapshot, resumes there, and every output equals the
+    single-device output without the prefix cache."""
+    import json
+    import sys
+
+    from helpers import outputs, spawn
+    from test_prefix_cache import MESH_SCRIPT
+
+    rng = np.random.default_rng(5)
+    a, b = rng.integers(0, 256, 48).tolist(), rng.integers(0, 256, 48).tolist()
+    prompts = [a + [1, 2], b + [3], b + [4, 5, 6], a + [7]]
+    (out,) = outputs(spawn([[sys.executable, "-c", MESH_SCRIPT, str(FIXTURE), json.dumps(prompts)]], devices=2),
+                     timeout=900)
+    got = json.loads(out.splitlines()[-1])["ess"]
+    assert got["tokens"] == reference(engines, [(p, 6) for p in prompts])
+    assert got["shards"] == [0, 1, 1, 0]
+    per_shard = {s["shard"]: s for s in got["prefix"]["per_shard"]}
+    for shard, (first, again) in ((0, (prompts[0], prompts[3])), (1, (prompts[1], prompts[2]))):
+        assert per_shard[shard]["query_tokens"] == len(first) + len(again)
+        assert per_shard[shard]["hit_tokens"] == (len(again) - 32) // BLOCK * BLOCK > 0

@@ -6,6 +6,7 @@ aborting while they share pages."""
 import collections
 import dataclasses
 import hashlib
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -163,19 +164,21 @@ def engines(model):
     return Engines()
 
 
-_REFERENCE: dict[tuple, list[int]] = {}
+_REFERENCE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> {(prompt, new): tokens}
 
 
 def reference(engines, requests: list[tuple[list[int], int]]) -> list[list[int]]:
-    """Each request's greedy tokens without the prefix cache (requests are batch-invariant: run together)."""
-    missing = [(p, n) for p, n in requests if (tuple(p), n) not in _REFERENCE]
+    """Each request's greedy tokens without the prefix cache, from ``engines[False]`` (requests are batch-invariant:
+    run together)."""
     off = engines[False]
+    known = _REFERENCE.setdefault(off, {})
+    missing = [(p, n) for p, n in requests if (tuple(p), n) not in known]
     ids = [off.add_request(p, n) for p, n in missing]
     done = {r_id: r.output_ids for r_id, r in zip(sorted(ids), off.run())}
     for (p, n), r_id in zip(missing, ids):
-        _REFERENCE[tuple(p), n] = done[r_id]
+        known[tuple(p), n] = done[r_id]
     assert off.scheduler.allocators[0].num_cached == 0 and off.usage()["pages_in_use"] == 0
-    return [_REFERENCE[tuple(p), n] for p, n in requests]
+    return [known[tuple(p), n] for p, n in requests]
 
 
 def drive(engine, arrivals: dict[int, list], aborts: dict[int, list]) -> dict:
@@ -202,6 +205,29 @@ def assert_idle_holds_only_cached_pages(engine) -> None:
     assert usage.get("pool_slots_in_use", 0) == 0
 
 
+def serve_workload(engines, on, prefix: int, seed: int, requests: list[tuple]) -> None:
+    """Serve on ``on`` requests of a random ``prefix``-token stem and their ``REQUEST`` suffixes, arrivals and aborts:
+    each finished request's tokens equal its tokens without the prefix cache (``reference``), an aborted one's a
+    prefix of them; afterwards only cached pages are held."""
+    rng = np.random.default_rng(seed)
+    stem = rng.integers(0, 256, prefix).tolist()
+    arrivals, aborts, expected = collections.defaultdict(list), collections.defaultdict(list), {}
+    for key, (suffix, new, step, abort) in enumerate(requests):
+        prompt = stem + rng.integers(0, 256, max(suffix, 1 - prefix)).tolist()
+        arrivals[step].append((key, prompt, new))
+        if abort is not None:
+            aborts[step + abort].append(key)
+        expected[key] = (prompt, new)
+    got = drive(on, arrivals, aborts)
+    want = dict(zip(expected, reference(engines, list(expected.values()))))
+    for key, tokens in got.items():
+        if any(key in keys for keys in aborts.values()):
+            assert tokens == want[key][:len(tokens)]
+        else:
+            assert tokens == want[key]
+    assert_idle_holds_only_cached_pages(on)
+
+
 REQUEST = st.tuples(st.integers(0, 16), st.integers(1, 8), st.integers(0, 5), st.sampled_from([None, 0, 1, 3]))
 # (suffix length, new tokens, arrival step, abort this many steps after arriving or None)
 
@@ -215,25 +241,9 @@ def test_shared_prefix_workloads_give_the_tokens_of_no_prefix_cache(engines, mod
     each finished request's tokens equal its tokens without the prefix cache, an aborted one's a prefix of them.
     Resident, and ESS with either fetch backend (its hits read the host store; the last 32 prompt tokens are
     always prefilled, so the pool warms as without the cache)."""
-    rng = np.random.default_rng(seed)
-    stem = rng.integers(0, 256, prefix).tolist()
-    arrivals, aborts, expected = collections.defaultdict(list), collections.defaultdict(list), {}
-    for key, (suffix, new, step, abort) in enumerate(requests):
-        prompt = stem + rng.integers(0, 256, max(suffix, 1 - prefix)).tolist()
-        arrivals[step].append((key, prompt, new))
-        if abort is not None:
-            aborts[step + abort].append(key)
-        expected[key] = (prompt, new)
     on = engines[mode]
     hits_before = on.prefix_cache_metrics()["hit_tokens"]
-    got = drive(on, arrivals, aborts)
-    want = dict(zip(expected, reference(engines, list(expected.values()))))
-    for key, tokens in got.items():
-        if any(key in keys for keys in aborts.values()):
-            assert tokens == want[key][:len(tokens)]
-        else:
-            assert tokens == want[key]
-    assert_idle_holds_only_cached_pages(on)
+    serve_workload(engines, on, prefix, seed, requests)
     metrics = on.prefix_cache_metrics()
     tier = "device" if mode == "resident" else "host"
     assert metrics["per_tier"][tier] == metrics["hit_tokens"] >= hits_before

@@ -3,7 +3,6 @@ whole compressed windows shared, each prompt's window and compressor rings snaps
 a request sharing the pages before it resumed from the snapshot; every output with prefix hits equal to the output
 without the prefix cache, token for token, resident and ESS with either fetch backend, with speculative decoding."""
 
-import collections
 import dataclasses
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from ess_jax.allocator import PageAllocator
 from ess_jax.engine import Engine, EngineConfig
 from ess_jax.families import FAMILIES
 from helpers import ONLINE
-from test_prefix_cache import assert_idle_holds_only_cached_pages, drive, serve_alone
+from test_prefix_cache import assert_idle_holds_only_cached_pages, reference, serve_alone, serve_workload
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf-v4-a"
 BLOCK = 16  # lcm(page size 16, CSA rate 4, HCA rate 16)
@@ -75,20 +74,6 @@ def engines(model):
     return Engines()
 
 
-_REFERENCE: dict[tuple, list[int]] = {}
-
-
-def reference(engines, requests: list[tuple[list[int], int]]) -> list[list[int]]:
-    """Each request's greedy tokens without the prefix cache (requests are batch-invariant: run together)."""
-    missing = [(p, n) for p, n in requests if (tuple(p), n) not in _REFERENCE]
-    off = engines[False]
-    ids = [off.add_request(p, n) for p, n in missing]
-    done = {r_id: r.output_ids for r_id, r in zip(sorted(ids), off.run())}
-    for (p, n), r_id in zip(missing, ids):
-        _REFERENCE[tuple(p), n] = done[r_id]
-    return [_REFERENCE[tuple(p), n] for p, n in requests]
-
-
 REQUEST = st.tuples(st.integers(0, 40), st.integers(1, 6), st.integers(0, 4), st.sampled_from([None, 0, 2]))
 # (suffix length, new tokens, arrival step, abort this many steps after arriving or None)
 
@@ -100,24 +85,8 @@ def test_v4_shared_prefix_workloads_give_the_tokens_of_no_prefix_cache(engines, 
     """Requests sharing a prefix with distinct suffixes, joining at arbitrary steps of two batch rows (some wait, some
     join while others prefill or decode), some aborted: each finished request's tokens equal its tokens without the
     prefix cache, an aborted one's a prefix of them; after them only cached pages are held."""
-    rng = np.random.default_rng(seed)
-    stem = rng.integers(0, 256, prefix).tolist()
-    arrivals, aborts, expected = collections.defaultdict(list), collections.defaultdict(list), {}
-    for key, (suffix, new, step, abort) in enumerate(requests):
-        prompt = stem + rng.integers(0, 256, suffix).tolist()
-        arrivals[step].append((key, prompt, new))
-        if abort is not None:
-            aborts[step + abort].append(key)
-        expected[key] = (prompt, new)
     on = engines[mode]
-    got = drive(on, arrivals, aborts)
-    want = dict(zip(expected, reference(engines, list(expected.values()))))
-    for key, tokens in got.items():
-        if any(key in keys for keys in aborts.values()):
-            assert tokens == want[key][:len(tokens)]
-        else:
-            assert tokens == want[key]
-    assert_idle_holds_only_cached_pages(on)
+    serve_workload(engines, on, prefix, seed, requests)
     assert on.usage()["prefix_cache_states"] <= on.config.prefix_cache_states
 
 

@@ -157,6 +157,14 @@ class PagedCacheV32:
         """The per-batch-row arrays: none (a request's whole cache is in its pages)."""
         return {}
 
+    def paged_arrays(self) -> dict:
+        """The paged arrays ``[L, G, Z, ...]`` of a cache whose latent rows are resident (``ResidentPages``)."""
+        return {"index_keys": self.index_keys, "latent": self.latent.pages}
+
+    def with_paged_arrays(self, arrays: dict) -> PagedCacheV32:
+        return dataclasses.replace(self, index_keys=arrays["index_keys"],
+                                   latent=dataclasses.replace(self.latent, pages=arrays["latent"]))
+
     def with_row_arrays(self, arrays: dict) -> PagedCacheV32:
         return self
 
@@ -224,6 +232,17 @@ class V4Cache:
         """The per-batch-row arrays ``[layers, batch rows, ...]``: the window and the rings (``ROW_STATE``)."""
         return {"window": self.window, "csa": {k: getattr(self.csa, k) for k in self.csa.ROW_STATE},
                 "hca": {k: getattr(self.hca, k) for k in self.hca.ROW_STATE}}
+
+    def paged_arrays(self) -> dict:
+        """The paged arrays ``[L, G, Z, ...]`` of a cache whose CSA entries are resident (``ResidentPages``)."""
+        return {"csa_entries": self.csa.entries.pages, "csa_index_keys": self.csa.index_keys,
+                "hca_entries": self.hca.entries}
+
+    def with_paged_arrays(self, arrays: dict) -> V4Cache:
+        entries = dataclasses.replace(self.csa.entries, pages=arrays["csa_entries"])
+        return dataclasses.replace(self, csa=dataclasses.replace(self.csa, entries=entries,
+                                                                 index_keys=arrays["csa_index_keys"]),
+                                   hca=dataclasses.replace(self.hca, entries=arrays["hca_entries"]))
 
     def with_row_arrays(self, arrays: dict) -> V4Cache:
         """The cache with its per-batch-row arrays (``row_arrays``) replaced by ``arrays``."""

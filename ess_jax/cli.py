@@ -136,6 +136,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                             "whole compressed windows (lcm of the page size and its compress rates) and resumes from "
                             "a snapshot of the window and compressor rings kept there (default on; "
                             "--no-prefix-cache turns it off)")
+    cache.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                       help="the prefix cache's disk store: each cached prompt page (and DeepSeek-V4's window / ring "
+                            "snapshot) is written to DIR when its prompt is prefilled (one file per page, named by its "
+                            "key, written atomically, checksummed) and read back on a hit the memory cache misses, "
+                            "also after a restart; a missing, truncated or corrupted file is logged and recomputed. "
+                            "Several processes of one mesh use DIR/process-N")
+    cache.add_argument("--prefix-cache-disk-gb", type=float, default=16.0,
+                       help="the bound on --prefix-cache-dir in GiB, least recently used files out first (default 16)")
     cache.add_argument("--prefix-cache-states", type=int, default=16,
                        help="DeepSeek-V4 with the prefix cache: window and compressor-ring snapshots kept per --mesh "
                             "data shard, one per cached prompt, least recently used out first (default 16)")
@@ -241,7 +249,8 @@ def flags_config(args: argparse.Namespace, **overrides):
         prefill_chunk=args.prefill_chunk, offload=args.offload, pool_size=args.pool_size, pool_ratio=args.pool_ratio,
         fetch=args.fetch, host_cache_mb=args.host_cache_mb, rings=args.rings, kernels=args.kernels,
         cache_dtype=args.cache_dtype, index_dtype=args.index_dtype, mesh=args.mesh, prefix_cache=args.prefix_cache,
-        prefix_cache_states=args.prefix_cache_states,
+        prefix_cache_states=args.prefix_cache_states, prefix_cache_dir=args.prefix_cache_dir,
+        prefix_cache_disk_gb=args.prefix_cache_disk_gb,
         **speculative(args)), **overrides))
 
 

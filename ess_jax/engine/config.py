@@ -59,6 +59,9 @@ class EngineConfig:
     num_speculative_tokens: int = 0  # K: drafts verified per request per decode step (with --speculative)
     prefix_cache: bool = True  # full prompt pages shared between requests whose prompts start alike, kept cached
     # (evictable) after their requests finish (ess_jax.allocator)
+    prefix_cache_dir: str | None = None  # the prefix cache's disk store: cached prompt pages (and V4 snapshots)
+    # written there, read back on a hit, also after a restart (ess_jax.prefix_store); None: none
+    prefix_cache_disk_gb: float = 16.0  # the disk store's bound in GiB, least recently used files out first
     prefix_cache_states: int = 16  # DeepSeek-V4: snapshots of a request's window and compressor rings the prefix
     # cache keeps per data shard (one per cached prompt, at its last cacheable boundary), least recently used out
 
@@ -79,6 +82,11 @@ class EngineConfig:
                 isinstance(self.host_cache_mb, bool) or not isinstance(self.host_cache_mb, (int, float))
                 or not math.isfinite(self.host_cache_mb) or self.host_cache_mb <= 0):
             raise ValueError(f"--host-cache-mb {self.host_cache_mb!r} must be a finite number of MiB > 0")
+        if (isinstance(self.prefix_cache_disk_gb, bool) or not isinstance(self.prefix_cache_disk_gb, (int, float))
+                or not math.isfinite(self.prefix_cache_disk_gb) or self.prefix_cache_disk_gb <= 0):
+            raise ValueError(f"--prefix-cache-disk-gb {self.prefix_cache_disk_gb!r} must be a finite number of GiB > 0")
+        if self.prefix_cache_dir is not None and not self.prefix_cache:
+            raise ValueError("--prefix-cache-dir is the prefix cache's disk store: drop it or the --no-prefix-cache")
         for name in ("keep_logits", "prefix_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")

@@ -19,6 +19,7 @@ import statistics
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Sequence
 
 import jax
@@ -28,12 +29,13 @@ from tqdm import tqdm
 
 from ess_jax import families, mesh
 from ess_jax.config import V4Layer
-from ess_jax.engine import offload
+from ess_jax.engine import offload, steps
 from ess_jax.engine.config import EngineConfig
 from ess_jax.engine.layout import cache_layout, check_memory
 from ess_jax.engine.request import Request, RequestOutput, check_ids, make_request
 from ess_jax.engine.runner import Runner
 from ess_jax.engine.scheduler import Drafter, EngineStats, Scheduler, StepTimes
+from ess_jax.prefix_store import PrefixDisk, PrefixStore
 from ess_jax.sampling import SamplingParams
 
 
@@ -98,7 +100,7 @@ class Engine:
                                    prefix_salt=self._prefix_salt() if self.prefix_cache else None,
                                    prefix_tail=mode.computed_tail,
                                    prefix_block=family.prefix_block(model.cfg, config.page_size),
-                                   row_state=family.row_state)
+                                   row_state=family.row_state, disk=self._prefix_disk())
         self._step_lock = threading.Lock()  # held while the engine's state changes (step, abort)
 
     def _checked(self, drafter: Drafter) -> Drafter:
@@ -119,6 +121,29 @@ class Engine:
         what = (self.model.name, repr(self.model.cfg), str(jax.tree.leaves(params)), repr(self.layout.parts),
                 self.config.kernels)
         return hashlib.blake2b(repr(what).encode(), digest_size=16).digest()
+
+    def _prefix_disk(self) -> PrefixDisk | None:
+        """The prefix cache's disk store (``--prefix-cache-dir``; a process of several: its own subdirectory), with
+        what a page holds (the resident cache's paged arrays at one page, then the MTP module's) and, with row state,
+        the snapshot's structure; None without one."""
+        config, module = self.config, self.model.module
+        if not (self.prefix_cache and config.prefix_cache_dir):
+            return None
+        family = families.get(module.cfg.family)
+        size = families.CacheSize(rows=1, pages=2, page_size=config.page_size, max_seq_len=config.page_size)
+        main = jax.eval_shape(lambda: family.resident_cache(module, size, offload.entry_dtype(module, config),
+                                                            config.index_dtype))
+        mtp = self.runner.mtp_cache
+        page = [(np.dtype(x.dtype).str, (x.shape[0], *x.shape[2:]))
+                for cache in (main, mtp) if cache is not None for x in jax.tree.leaves(cache.paged_arrays())]
+        state = None
+        if family.row_state:
+            shapes = jax.eval_shape(lambda: (steps.row_state(main, 0), mtp and steps.row_state(mtp, 0)))
+            state = (jax.tree.structure(shapes), [(np.dtype(x.dtype).str, x.shape) for x in jax.tree.leaves(shapes)])
+        directory = Path(config.prefix_cache_dir)
+        if jax.process_count() > 1:
+            directory /= f"process-{jax.process_index()}"
+        return PrefixDisk(PrefixStore(directory, int(config.prefix_cache_disk_gb * 2**30)), page, state)
 
     # ---- any thread ----------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
@@ -249,6 +274,7 @@ class Engine:
         self.stats.peak_reserved_pages = self.stats.reserved_pages  # the warm-up request is no workload
         self.stats.prefix_queries.clear()
         self.stats.prefix_hits.clear()
+        self.stats.prefix_disk_hits.clear()
         if self.stats.steps is not None:
             self.stats.steps.clear()
 
@@ -282,12 +308,15 @@ class Engine:
         cached pages were read from) and per data shard; None with the prefix cache off."""
         if not self.prefix_cache:
             return None
-        shards = range(self.layout.size.shards)
-        queries, hits = (sum(d.values()) for d in (self.stats.prefix_queries, self.stats.prefix_hits))
+        stats, shards = self.stats, range(self.layout.size.shards)
+        queries, memory, disk = (sum(d.values()) for d in (stats.prefix_queries, stats.prefix_hits,
+                                                            stats.prefix_disk_hits))
+        hits = memory + disk
         return {"query_tokens": queries, "hit_tokens": hits, "hit_rate": hits / queries if queries else 0.0,
-                "per_tier": {"device": 0, "host": 0, "disk": 0, self.offload.prefix_tier: hits},
-                "per_shard": [{"shard": d, "query_tokens": self.stats.prefix_queries.get(d, 0),
-                               "hit_tokens": self.stats.prefix_hits.get(d, 0)} for d in shards]}
+                "per_tier": {"device": 0, "host": 0, self.offload.prefix_tier: memory, "disk": disk},
+                "per_shard": [{"shard": d, "query_tokens": stats.prefix_queries.get(d, 0),
+                               "hit_tokens": stats.prefix_hits.get(d, 0) + stats.prefix_disk_hits.get(d, 0)}
+                              for d in shards]}
 
     def offload_metrics(self) -> dict | None:
         """Tier counters (read from the device once) as the ``--json`` ``metrics.offload`` object; None

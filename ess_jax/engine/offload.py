@@ -181,7 +181,7 @@ class Ess:
         for shard, piece in group.slices.items():
             table_DX[shard] = self._scratch_table(piece.pages_X)
         starting = {shard: piece for shard, piece in group.slices.items()
-                    if piece.cached and piece.start == piece.cached}  # their first piece: past a cached prefix
+                    if piece.cached and piece.first}  # their first piece: past a cached prefix
         if starting:
             self._load_prefix(starting)
         result, self.scratch = runner.prefill(self.scratch, self.scratch_shardings, group, table_DX,

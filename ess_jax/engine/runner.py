@@ -104,7 +104,14 @@ class Runner:
         shard) with each shard's page table ``table_DX`` and batch row ``row_D`` (in its shard); the result and the
         cache. A piece past a cached prefix first resumes its row's state (and its MTP cache's) from the prefix's
         snapshot; a piece ending at its prompt's boundary takes the snapshot after it (``PrefillSlice``)."""
+        page_size = self.config.page_size
         for shard, piece in group.slices.items():
+            if piece.disk:  # pages read back from the disk store: into the request's own pages
+                at = piece.cached // page_size + np.arange(len(piece.disk))
+                cache = self._write_pages(cache, shardings, shard, table_DX[shard, at], piece.disk, 0)
+                if self.mtp_cache is not None:
+                    self.mtp_cache = self._write_pages(self.mtp_cache, self.mtp_shardings, shard, piece.pages_X[at],
+                                                       piece.disk, len(jax.tree.leaves(cache.paged_arrays())))
             if piece.resume is not None:
                 main, mtp = piece.resume
                 cache = steps.resume(cache, jnp.int32(shard * rows + row_D[shard]), main, shardings=shardings)
@@ -112,14 +119,48 @@ class Runner:
                     self.mtp_cache = steps.resume(self.mtp_cache, jnp.int32(piece.row), mtp,
                                                   shardings=self.mtp_shardings)
         result, cache = self._prefill(cache, shardings, group, table_DX, row_D)
-        states = {}
+        states, saved = {}, {}
         for shard, piece in group.slices.items():
             if piece.snapshot:
                 state = jax.device_get((steps.row_state(cache, jnp.int32(shard * rows + row_D[shard])),
                                         None if self.mtp_cache is None else
                                         steps.row_state(self.mtp_cache, jnp.int32(piece.row))))
                 states[shard] = (state, sum(x.nbytes for x in jax.tree.leaves(state)))
-        return dataclasses.replace(result, states=states), cache
+            if piece.save:  # the prompt's pages for the disk store: each page's arrays, then the MTP module's
+                at = np.asarray(piece.save)
+                pages = self._read_pages(cache, shard, table_DX[shard, at])
+                if self.mtp_cache is not None:
+                    pages = [a + b for a, b in zip(pages, self._read_pages(self.mtp_cache, shard, piece.pages_X[at]))]
+                saved[shard] = pages
+        return dataclasses.replace(result, states=states, saved=saved), cache
+
+    def _global_pages(self, cache, shard: int, local) -> jax.Array:
+        """Pages ``local`` of data shard ``shard`` as ids in ``cache``'s whole paged arrays, padded with the shard's
+        null page to a request's width (one compiled shape)."""
+        per_shard = jax.tree.leaves(cache.paged_arrays())[0].shape[1] // self.shards
+        ids = np.zeros(self.layout.pages_per_row, np.int32)
+        ids[:len(local)] = local
+        return jnp.asarray(shard * per_shard + ids)
+
+    def _read_pages(self, cache, shard: int, local) -> list[list[np.ndarray]]:
+        """The arrays of pages ``local`` of ``shard`` in ``cache``, a list per page."""
+        leaves = jax.tree.leaves(jax.device_get(steps.read_pages(cache, self._global_pages(cache, shard, local))))
+        return [[np.asarray(x[:, j]) for x in leaves] for j in range(len(local))]
+
+    def _write_pages(self, cache, shardings, shard: int, local, pages: tuple, skip: int):
+        """``cache`` with pages ``local`` of ``shard`` set to ``pages`` (a list of arrays per page, its own from
+        ``skip`` on)."""
+        structure = jax.tree.structure(cache.paged_arrays())
+        n = structure.num_leaves
+        width = self.layout.pages_per_row
+        leaves = []
+        for i in range(n):
+            stacked = np.stack([page[skip + i] for page in pages], axis=1)
+            padded = np.zeros(stacked.shape[:1] + (width,) + stacked.shape[2:], stacked.dtype)
+            padded[:, :len(pages)] = stacked
+            leaves.append(jnp.asarray(padded))
+        return steps.write_pages(cache, self._global_pages(cache, shard, local), jax.tree.unflatten(structure, leaves),
+                                 shardings=shardings)
 
     def _prefill(self, cache, shardings, group: PrefillGroup, table_DX: np.ndarray, row_D: np.ndarray):
         d, t = self.shards, group.size

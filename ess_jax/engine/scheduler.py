@@ -19,6 +19,7 @@ from ess_jax.allocator import Admission, Admitted, PageAllocator, page_keys
 from ess_jax.engine.config import EngineConfig
 from ess_jax.engine.request import Request, RequestOutput, make_output, prompt_token_logprobs
 from ess_jax.engine.steps import piece_size
+from ess_jax.prefix_store import PrefixDisk
 from ess_jax.sampling import SamplingParams
 
 
@@ -53,6 +54,9 @@ class EngineStats:
     prefix_queries: dict[int, int] = dataclasses.field(default_factory=dict)  # data shard -> prompt tokens admitted
     # there that looked up the prefix cache
     prefix_hits: dict[int, int] = dataclasses.field(default_factory=dict)  # data shard -> of them, found cached
+    # in memory
+    prefix_disk_hits: dict[int, int] = dataclasses.field(default_factory=dict)  # data shard -> of them, read from
+    # the disk store
 
 
 @dataclasses.dataclass
@@ -102,6 +106,15 @@ class PrefillSlice:
     resume: Any = None  # the row state at ``cached`` (a snapshot, ``Family.row_state``), loaded before the first
     # piece past a cached prefix of a family with row state; None: nothing to load
     snapshot: bool = False  # take the row state after this piece (it ends at the prompt's cacheable boundary)
+    loaded: int = 0  # the prompt's tokens after ``cached`` read from the disk store into its own pages
+    disk: tuple = ()  # the first piece past them: those pages' arrays (``PrefixDisk.page``), written before it
+    save: tuple[int, ...] = ()  # the last piece: the prompt pages (indices in the request's pages) to read back
+    # after it for the disk store
+
+    @property
+    def first(self) -> bool:
+        """The request's first piece: it starts where the cache left off."""
+        return self.start == self.cached + self.loaded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +140,8 @@ class PrefillResult:
     # drafts after a prompt its piece finished (speculative decoding)
     states: dict[int, tuple[Any, int]] = dataclasses.field(default_factory=dict)  # data shard -> the row state
     # after its piece and its bytes, for the pieces that take one (``PrefillSlice.snapshot``)
+    saved: dict[int, list] = dataclasses.field(default_factory=dict)  # data shard -> the arrays of the pages its
+    # piece asked for (``PrefillSlice.save``), in that order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,7 +246,8 @@ Drafter = Callable[[Request], Sequence[int]]  # a request -> the K tokens it dra
 class Scheduler:
     def __init__(self, config: EngineConfig, *, shards: int, pages: int, pages_per_row: int, max_seq_len: int,
                  stats: EngineStats, drafter: Drafter | None = None, prefix_salt: bytes | None = None,
-                 prefix_tail: int = 1, prefix_block: int | None = None, row_state: bool = False):
+                 prefix_tail: int = 1, prefix_block: int | None = None, row_state: bool = False,
+                 disk: PrefixDisk | None = None):
         """``pages``: each data shard's pool, its null page included. With speculative decoding each decode step
         verifies ``config.num_speculative_tokens`` drafts per request: ``drafter``'s (a caller's, on the host),
         else those the last decode step drafted (the MTP module's); a request reserves room for them.
@@ -241,7 +257,9 @@ class Scheduler:
         (``Family.prefix_block``; None: the page size). ``row_state``: the cache has state per batch row: each prompt
         takes a snapshot of it at its cacheable boundary (the last multiple of ``prefix_block`` before its last
         ``prefix_tail`` tokens; its pieces are cut there), kept with the pages before it (at most
-        ``config.prefix_cache_states`` per data shard), and a request sharing them resumes from it."""
+        ``config.prefix_cache_states`` per data shard), and a request sharing them resumes from it. ``disk``: the
+        prefix cache's disk store (None: none): a prompt's cached pages (and snapshot) are written there when its
+        prefill ends, and a request reads the pages past its cached prefix found there into its own pages."""
         self.config, self.stats, self.pages_per_row = config, stats, pages_per_row
         self.drafts, self.drafter = config.num_speculative_tokens, drafter
         # positions past its last token a request's steps may write: a verification step's K drafts, then the MTP
@@ -258,6 +276,9 @@ class Scheduler:
         self.prefix_block, self.row_state = prefix_block or config.page_size, row_state and prefix_salt is not None
         self._resume: dict[int, Any] = {}  # request id -> the row state its prefill resumes from (a cached prefix's)
         self._taken: dict[int, tuple[Any, int]] = {}  # request id -> the row state its prefill took at its boundary
+        self.disk = disk if prefix_salt is not None else None
+        self._loaded: dict[int, tuple[int, list]] = {}  # request id -> tokens read from the disk store and the arrays
+        # of their pages, until its first piece
         states = config.prefix_cache_states if self.row_state else None
         self.allocators = [PageAllocator(pages, config.page_size, states) for _ in range(shards)]
         self.admission = Admission(self.allocators, max_batch=config.max_batch, max_position_embeddings=max_seq_len)
@@ -320,7 +341,30 @@ class Scheduler:
                 queries, hits = self.stats.prefix_queries, self.stats.prefix_hits
                 queries[shard] = queries.get(shard, 0) + len(request.prompt_ids)
                 hits[shard] = hits.get(shard, 0) + request.prefilled
+                if self.disk is not None:
+                    loaded = self._read_disk(entry, request)
+                    request.prefilled += loaded
+                    disk_hits = self.stats.prefix_disk_hits
+                    disk_hits[shard] = disk_hits.get(shard, 0) + loaded
             self._prefilling.append(entry)
+
+    def _read_disk(self, entry: Admitted, request: Request) -> int:
+        """The pages past a request's cached prefix that the disk store has, up to its boundary (with row state: up
+        to the deepest one whose snapshot reads back, the request resuming from it), read for its first piece; the
+        tokens they hold."""
+        ps = self.config.page_size
+        keys = self._keys[entry.request_id][entry.shared:self.boundary(len(request.prompt_ids)) // ps]
+        pages = self.disk.pages(keys)
+        if self.row_state:
+            state = None
+            while pages and (not self.disk.has(keys[len(pages) - 1], ".state")
+                             or (state := self.disk.state(keys[len(pages) - 1])) is None):
+                pages.pop()
+            if pages:
+                self._resume[entry.request_id] = state
+        if pages:
+            self._loaded[entry.request_id] = (len(pages) * ps, pages)
+        return len(pages) * ps
 
     def schedule_prefill(self) -> list[PrefillGroup]:
         """Admit what fits, then this step's prefill calls: each data shard prefills its prompts in admission
@@ -358,14 +402,27 @@ class Scheduler:
         return at if at > entry.shared * self.config.page_size else 0
 
     def _slice(self, entry: Admitted, start: int, size: int) -> PrefillSlice:
-        request = self._requests[entry.request_id]
+        request_id = entry.request_id
+        request = self._requests[request_id]
         length, cached = len(request.prompt_ids), entry.shared * self.config.page_size
-        return PrefillSlice(entry.request_id, entry.row, start, tuple(request.prompt_ids[start:start + size]),
-                            self.page_table(entry.pages), length, start + size == length, request.sampling,
+        loaded, disk = self._loaded.get(request_id, (0, []))
+        first, last = start == cached + loaded, start + size == length
+        if first:
+            self._loaded.pop(request_id, None)
+        save = ()
+        if last and self.disk is not None:  # its cacheable pages the disk store does not have yet
+            save = tuple(j for j, key in enumerate(self._cacheable(request_id, length)) if not self.disk.has(key))
+        return PrefillSlice(request_id, entry.row, start, tuple(request.prompt_ids[start:start + size]),
+                            self.page_table(entry.pages), length, last, request.sampling,
                             self._wants_logits(request), tuple(request.prompt_ids[start + 1:start + size + 1]),
-                            request.prompt_logprobs, cached,
-                            self._resume.pop(entry.request_id, None) if start == cached else None,
-                            start + size == self._snapshot_at(entry))
+                            request.prompt_logprobs, cached, self._resume.pop(request_id, None) if first else None,
+                            start + size == self._snapshot_at(entry), loaded, tuple(disk) if first else (), save)
+
+    def _cacheable(self, request_id: int, prompt_len: int) -> list[bytes]:
+        """The keys of a prompt's pages cached when its prefill ends: its full pages (with row state, those before its
+        boundary)."""
+        keys = self._keys.get(request_id, [])
+        return keys[:self.boundary(prompt_len) // self.config.page_size] if self.row_state else keys
 
     def update_prefill(self, group: PrefillGroup, result: PrefillResult) -> list[Released]:
         """Record a prefill call: its prompt log-probabilities; the prompts it finished join the decode with
@@ -377,14 +434,17 @@ class Scheduler:
             self.stats.prefill_tokens += group.size
             if shard in result.states:
                 self._taken[piece.request_id] = result.states[shard]
-            if piece.last and (keys := self._keys.get(piece.request_id)):
+            if piece.last and (keys := self._cacheable(piece.request_id, piece.prompt_len)):
                 # its prompt pages, for others to share: all written now (ESS: handed off to the host store); with
                 # row state those before its boundary, with the snapshot there
-                if self.row_state:
-                    keys = keys[:self.boundary(piece.prompt_len) // self.config.page_size]
                 state = self._taken.pop(piece.request_id, None)
-                if keys and (state is not None or not self.row_state):
+                if state is not None or not self.row_state:
                     self.admission.cache_pages(piece.request_id, keys, state)
+                if self.disk is not None:
+                    for j, arrays in zip(piece.save, result.saved.get(shard, [])):
+                        self.disk.save_page(keys[j], arrays)
+                    if state is not None:
+                        self.disk.save_state(keys[-1], state[0])
             if piece.prompt_logprobs is not None:
                 request.prompt_scores += prompt_token_logprobs(piece.targets, *result.scores[shard],
                                                                piece.prompt_logprobs)
@@ -474,7 +534,7 @@ class Scheduler:
             self._prefilling = deque(e for e in self._prefilling if e.request_id != request_id)
             self._lengths[row] = 0
         del self._requests[request_id]
-        for held in (self._keys, self._resume, self._taken):
+        for held in (self._keys, self._resume, self._taken, self._loaded):
             held.pop(request_id, None)
         self.inbox.remove(request_id)
         return released

@@ -8,7 +8,8 @@ so that engines over the same model and shapes share their executables, each don
   verified, the rejected drafts' writes undone, inactive rows masked;
 - ``draft``: the MTP module's next drafts after a decode step (the prefill drafts within its own call);
 - ``handoff``, ``release``, ``flush``, ``load_prefix``: the offloaded tier's moves (``ess_jax.engine.offload``);
-- ``row_state``, ``resume``: a batch row's state (V4's window and rings) out to a prefix-cache snapshot and back.
+- ``row_state``, ``resume``: a batch row's state (V4's window and rings) out to a prefix-cache snapshot and back;
+  ``read_pages``, ``write_pages``: a prompt's pages out to the prefix cache's disk store and back.
 
 ``shardings`` (static): the cache's ``mesh.Layout`` on the engine's mesh; the steps then run per data shard
 (``mesh.per_shard``), their batch-row-major arguments split over ``data``. None: one device.
@@ -280,6 +281,19 @@ def _resume(cache, row, state, shardings=None):
     return placed(shardings, cache.with_row_arrays(arrays))
 
 
+def _read_pages(cache, pages_X):
+    """The paged arrays (``paged_arrays``) of a cache whose rows are all on the device at pages ``pages_X``
+    (``i32[X]``, global ids): ``[L, X, Z, ...]`` each, a cached prompt's pages for the prefix cache's disk store."""
+    return jax.tree.map(lambda x: x[:, pages_X], cache.paged_arrays())
+
+
+def _write_pages(cache, pages_X, arrays, shardings=None):
+    """``cache`` with ``arrays`` (``read_pages``' form) written at pages ``pages_X`` (the null page absorbs the
+    unused columns): pages read back from the disk store."""
+    new = jax.tree.map(lambda x, a: x.at[:, pages_X].set(a.astype(x.dtype)), cache.paged_arrays(), arrays)
+    return placed(shardings, cache.with_paged_arrays(new))
+
+
 # The split backend's NumPy store is part of a step's static identity (its engine's own).
 prefill = jax.jit(_prefill, static_argnums=(0, 1), static_argnames=("shardings", "mtp_shardings", "drafts"),
                   donate_argnums=(5, 7, 9))
@@ -291,6 +305,8 @@ flush = jax.jit(_flush, static_argnums=0, static_argnames="shardings", donate_ar
 release = jax.jit(_release, static_argnums=0, static_argnames="shardings", donate_argnums=1)
 row_state = jax.jit(_row_state)
 resume = jax.jit(_resume, static_argnames="shardings", donate_argnums=0)
+read_pages = jax.jit(_read_pages)
+write_pages = jax.jit(_write_pages, static_argnames="shardings", donate_argnums=0)
 load_prefix = jax.jit(_load_prefix, static_argnums=0, static_argnames=("shardings", "scratch_shardings"),
                       donate_argnums=2)
 

@@ -179,6 +179,10 @@ class PageAllocator:
                 usable = len(pages)
         return np.array(pages[:usable], np.int32)
 
+    def cached_run(self, keys: Sequence[bytes]) -> int:
+        """How many of the leading ``keys`` are cached, snapshots or not."""
+        return next((i for i, key in enumerate(keys) if key not in self._page_of), len(keys))
+
     def keep_state(self, key: bytes, state: Any, nbytes: int) -> None:
         """Keep ``state`` (``nbytes`` bytes), the row state at the end of the cached page ``key``; the least recently
         used snapshot out past ``states`` of them."""
@@ -375,6 +379,14 @@ class Admission:
             pool.cache(page, key)
         if state is not None:
             pool.keep_state(keys[-1], *state)
+
+    def keep_state(self, request_id: Hashable, key: bytes, state: tuple[Any, int]) -> None:
+        """Keep a row state (and its bytes) at the end of the cached page ``key`` in a running request's shard."""
+        self.allocators[self.shard_of(self._running[request_id].row)].keep_state(key, *state)
+
+    def cached_run(self, request_id: Hashable, keys: Sequence[bytes]) -> int:
+        """How many of the leading ``keys`` a running request's shard has cached, snapshots or not."""
+        return self.allocators[self.shard_of(self._running[request_id].row)].cached_run(keys)
 
     def shared_state(self, request_id: Hashable, keys: Sequence[bytes]) -> Any:
         """The row state at the end of the cached prefix a running request shares (``keys``: its page keys)."""

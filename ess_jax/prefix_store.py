@@ -148,11 +148,11 @@ class PrefixDisk:
     def has(self, key: bytes, suffix: str = ".page") -> bool:
         return self.store.has(key, suffix)
 
-    def state(self, key: bytes):
-        """The row state kept at the end of page ``key`` (a pytree of arrays), or None."""
+    def state(self, key: bytes) -> tuple | None:
+        """The row state kept at the end of page ``key`` (a pytree of arrays) and its bytes, or None."""
         treedef, spec = self.state_spec
         leaves = self.store.get(key, ".state", spec)
-        return None if leaves is None else jax.tree.unflatten(treedef, leaves)
+        return None if leaves is None else (jax.tree.unflatten(treedef, leaves), sum(x.nbytes for x in leaves))
 
     def save_page(self, key: bytes, arrays: list[np.ndarray]) -> None:
         self.store.put(key, ".page", arrays)

@@ -113,6 +113,27 @@ def test_v4_identical_resent_request_and_a_longer_turn_hit_at_the_last_window_bo
     assert_idle_holds_only_cached_pages(on)
 
 
+def test_v4_a_branch_point_snapshot_lets_later_prompts_share_a_common_prefix(engines):
+    """A 50-token system prompt and three distinct 40-token messages: the first prompt caches its pages to its
+    boundary 80; the second shares its first three pages but no snapshot within them, so it prefills them and also
+    takes a snapshot where it leaves the cached run (48, a branch point); the third resumes there. Tokens as without
+    the cache."""
+    on = engines["resident"]
+    rng = np.random.default_rng(31)
+    stem = rng.integers(0, 256, 50).tolist()
+    prompts = [stem + rng.integers(0, 256, 40).tolist() for _ in range(3)]
+    want = reference(engines, [(p, 4) for p in prompts])
+    states, hits = on.usage()["prefix_cache_states"], []
+    for p, tokens in zip(prompts, want):
+        before = on.prefix_cache_metrics()["hit_tokens"]
+        on.add_request(p, 4)
+        assert on.run()[0].output_ids == tokens
+        hits.append(on.prefix_cache_metrics()["hit_tokens"] - before)
+    assert hits == [0, 0, 48]
+    assert on.usage()["prefix_cache_states"] == states + 4  # 80 (first), 48 and 80 (second), 80 (third)
+    assert_idle_holds_only_cached_pages(on)
+
+
 def test_v4_a_prompt_aborted_before_its_prompt_ends_keeps_no_snapshot(engines):
     """The snapshot is taken at the boundary mid-prompt but kept only once the prompt is all prefilled: a prompt
     aborted after its boundary piece leaves no cached prefix, and the same prompt sent again prefills whole."""

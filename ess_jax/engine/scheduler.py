@@ -105,7 +105,7 @@ class PrefillSlice:
     # piece starts there
     resume: Any = None  # the row state at ``cached`` (a snapshot, ``Family.row_state``), loaded before the first
     # piece past a cached prefix of a family with row state; None: nothing to load
-    snapshot: bool = False  # take the row state after this piece (it ends at the prompt's cacheable boundary)
+    snapshot: bool = False  # take the row state after this piece (it ends at one of the prompt's snapshot points)
     loaded: int = 0  # the prompt's tokens after ``cached`` read from the disk store into its own pages
     disk: tuple = ()  # the first piece past them: those pages' arrays (``PrefixDisk.page``), written before it
     save: tuple[int, ...] = ()  # the last piece: the prompt pages (indices in the request's pages) to read back
@@ -256,8 +256,10 @@ class Scheduler:
         mode's ``computed_tail``). ``prefix_block``: the tokens a shared prefix is a multiple of
         (``Family.prefix_block``; None: the page size). ``row_state``: the cache has state per batch row: each prompt
         takes a snapshot of it at its cacheable boundary (the last multiple of ``prefix_block`` before its last
-        ``prefix_tail`` tokens; its pieces are cut there), kept with the pages before it (at most
-        ``config.prefix_cache_states`` per data shard), and a request sharing them resumes from it. ``disk``: the
+        ``prefix_tail`` tokens) and where it leaves the longest run of cached pages (a branch point: a prompt that
+        shares an earlier one's pages but not its snapshot pays their prefill once, the next ones share them); its
+        pieces are cut there, the snapshots kept with the pages before them (at most ``config.prefix_cache_states``
+        per data shard), and a request sharing them resumes from the deepest. ``disk``: the
         prefix cache's disk store (None: none): a prompt's cached pages (and snapshot) are written there when its
         prefill ends, and a request reads the pages past its cached prefix found there into its own pages."""
         self.config, self.stats, self.pages_per_row = config, stats, pages_per_row
@@ -275,7 +277,9 @@ class Scheduler:
         self._keys: dict[int, list[bytes]] = {}  # with the prefix cache, the keys of each request's full prompt pages
         self.prefix_block, self.row_state = prefix_block or config.page_size, row_state and prefix_salt is not None
         self._resume: dict[int, Any] = {}  # request id -> the row state its prefill resumes from (a cached prefix's)
-        self._taken: dict[int, tuple[Any, int]] = {}  # request id -> the row state its prefill took at its boundary
+        self._points: dict[int, list[int]] = {}  # request id -> where its prefill takes its row state
+        self._taken: dict[int, dict[int, tuple[Any, int]]] = {}  # request id -> the row states its prefill took
+        # there (and their bytes), by position
         self.disk = disk if prefix_salt is not None else None
         self._loaded: dict[int, tuple[int, list]] = {}  # request id -> tokens read from the disk store and the arrays
         # of their pages, until its first piece
@@ -346,7 +350,17 @@ class Scheduler:
                     request.prefilled += loaded
                     disk_hits = self.stats.prefix_disk_hits
                     disk_hits[shard] = disk_hits.get(shard, 0) + loaded
+            if self.row_state:
+                self._points[entry.request_id] = self._snapshot_points(entry, request)
             self._prefilling.append(entry)
+
+    def _snapshot_points(self, entry: Admitted, request: Request) -> list[int]:
+        """Where a prompt's prefill takes its row state: its boundary, and the last prefix block boundary in the run
+        of its pages its shard has cached, each past where its prefill starts."""
+        ps, length = self.config.page_size, len(request.prompt_ids)
+        keys = self._keys[entry.request_id][:self.boundary(length) // ps]
+        branch = self.admission.cached_run(entry.request_id, keys) * ps // self.prefix_block * self.prefix_block
+        return sorted({at for at in (branch, self.boundary(length)) if at > request.prefilled})
 
     def _read_disk(self, entry: Admitted, request: Request) -> int:
         """The pages past a request's cached prefix that the disk store has, up to its boundary (with row state: up
@@ -356,12 +370,14 @@ class Scheduler:
         keys = self._keys[entry.request_id][entry.shared:self.boundary(len(request.prompt_ids)) // ps]
         pages = self.disk.pages(keys)
         if self.row_state:
-            state = None
+            found = None
             while pages and (not self.disk.has(keys[len(pages) - 1], ".state")
-                             or (state := self.disk.state(keys[len(pages) - 1])) is None):
+                             or (found := self.disk.state(keys[len(pages) - 1])) is None):
                 pages.pop()
             if pages:
-                self._resume[entry.request_id] = state
+                self._resume[entry.request_id] = found[0]
+                if len(pages) == len(keys):  # resumed at its boundary: the snapshot kept there is this one
+                    self._taken[entry.request_id] = {(entry.shared + len(pages)) * ps: found}
         if pages:
             self._loaded[entry.request_id] = (len(pages) * ps, pages)
         return len(pages) * ps
@@ -379,8 +395,7 @@ class Scheduler:
             for entry in self._prefilling:
                 shard, length = self.admission.shard_of(entry.row), len(self._requests[entry.request_id].prompt_ids)
                 if shard not in heads and (done := planned[entry.request_id]) < length:
-                    end = self._snapshot_at(entry)  # pieces meet there
-                    end = end if done < end else length
+                    end = next((at for at in self._points.get(entry.request_id, ()) if at > done), length)
                     heads[shard] = (entry, piece_size(end - done, self.config.prefill_chunk))
             runs = {shard: head for shard, head in heads.items() if head[1] <= budget[shard]}
             if not runs:
@@ -393,13 +408,6 @@ class Scheduler:
                         slices[shard] = self._slice(entry, planned[entry.request_id], size)
                         planned[entry.request_id] += size
                 groups.append(PrefillGroup(size, slices))
-
-    def _snapshot_at(self, entry: Admitted) -> int:
-        """Where a prompt's prefill takes its row state: its boundary, if past what it read from the cache; else 0."""
-        if not self.row_state:
-            return 0
-        at = self.boundary(len(self._requests[entry.request_id].prompt_ids))
-        return at if at > entry.shared * self.config.page_size else 0
 
     def _slice(self, entry: Admitted, start: int, size: int) -> PrefillSlice:
         request_id = entry.request_id
@@ -416,7 +424,8 @@ class Scheduler:
                             self.page_table(entry.pages), length, last, request.sampling,
                             self._wants_logits(request), tuple(request.prompt_ids[start + 1:start + size + 1]),
                             request.prompt_logprobs, cached, self._resume.pop(request_id, None) if first else None,
-                            start + size == self._snapshot_at(entry), loaded, tuple(disk) if first else (), save)
+                            start + size in self._points.get(request_id, ()), loaded, tuple(disk) if first else (),
+                            save)
 
     def _cacheable(self, request_id: int, prompt_len: int) -> list[bytes]:
         """The keys of a prompt's pages cached when its prefill ends: its full pages (with row state, those before its
@@ -433,18 +442,23 @@ class Scheduler:
             request.prefilled += group.size
             self.stats.prefill_tokens += group.size
             if shard in result.states:
-                self._taken[piece.request_id] = result.states[shard]
+                self._taken.setdefault(piece.request_id, {})[piece.start + group.size] = result.states[shard]
             if piece.last and (keys := self._cacheable(piece.request_id, piece.prompt_len)):
                 # its prompt pages, for others to share: all written now (ESS: handed off to the host store); with
-                # row state those before its boundary, with the snapshot there
-                state = self._taken.pop(piece.request_id, None)
+                # row state those before its boundary, with the snapshots taken there and at its branch point
+                taken = self._taken.pop(piece.request_id, {})
+                state = taken.pop(len(keys) * self.config.page_size, None)
                 if state is not None or not self.row_state:
                     self.admission.cache_pages(piece.request_id, keys, state)
+                    for at, branch in taken.items():
+                        self.admission.keep_state(piece.request_id, keys[at // self.config.page_size - 1], branch)
                 if self.disk is not None:
                     for j, arrays in zip(piece.save, result.saved.get(shard, [])):
                         self.disk.save_page(keys[j], arrays)
-                    if state is not None:
-                        self.disk.save_state(keys[-1], state[0])
+                    snapshots = {**taken, len(keys) * self.config.page_size: state} if state is not None else taken
+                    for at, (snapshot, _) in snapshots.items():
+                        if not self.disk.has(key := keys[at // self.config.page_size - 1], ".state"):
+                            self.disk.save_state(key, snapshot)
             if piece.prompt_logprobs is not None:
                 request.prompt_scores += prompt_token_logprobs(piece.targets, *result.scores[shard],
                                                                piece.prompt_logprobs)
@@ -534,7 +548,7 @@ class Scheduler:
             self._prefilling = deque(e for e in self._prefilling if e.request_id != request_id)
             self._lengths[row] = 0
         del self._requests[request_id]
-        for held in (self._keys, self._resume, self._taken, self._loaded):
+        for held in (self._keys, self._resume, self._taken, self._loaded, self._points):
             held.pop(request_id, None)
         self.inbox.remove(request_id)
         return released

@@ -1,7 +1,8 @@
 """An HTTP load generator for OpenAI-compatible servers (``python -m ess_jax.bench --serve URL ...``).
 
 For each server and each concurrency level ``c`` it sends ``--requests`` streamed completions with
-at most ``c`` in flight: random token-id prompts whose lengths cycle through ``--prompt-lengths``,
+at most ``c`` in flight: random token-id prompts whose lengths cycle through ``--prompt-lengths`` (with
+``--shared-prefix N``, each after one shared N-token prefix: the prefix cache's workload),
 ``--max-tokens`` new tokens each, greedy, eos ignored (so every request decodes the same number of
 tokens). The servers run one level after another, alternating, so drift of a shared machine hits
 them alike. Per (server, level):
@@ -82,11 +83,13 @@ def _served_model(url: str, headers: dict) -> str:
 
 
 def load_test(urls: list[str], *, concurrency: list[int], prompt_lengths: list[int], requests: int, max_tokens: int,
-              vocab: int, seed: int, api_key: str | None, timeout: float, log) -> dict:
+              vocab: int, seed: int, api_key: str | None, timeout: float, log, shared_prefix: int = 0) -> dict:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     models = [_served_model(url, headers) for url in urls]
     rng = np.random.default_rng(seed)
-    prompts = [rng.integers(0, vocab, prompt_lengths[i % len(prompt_lengths)]).tolist() for i in range(requests)]
+    prefix = rng.integers(0, vocab, shared_prefix).tolist()
+    prompts = [prefix + rng.integers(0, vocab, prompt_lengths[i % len(prompt_lengths)]).tolist()
+               for i in range(requests)]
     runs: list[dict] = []
     for c in concurrency:
         for url, model in zip(urls, models):
@@ -95,7 +98,8 @@ def load_test(urls: list[str], *, concurrency: list[int], prompt_lengths: list[i
             log(f"{model} @ {url}  c={c:<3} {level['output_tokens_per_s']:8.1f} tok/s  "
                 f"TTFT p50 {level['ttft_ms_p50']:.0f} ms")
     return {"setup": {"urls": urls, "models": models, "concurrency": concurrency, "prompt_lengths": prompt_lengths,
-                      "requests": requests, "max_tokens": max_tokens, "seed": seed}, "runs": runs}
+                      "shared_prefix": shared_prefix, "requests": requests, "max_tokens": max_tokens, "seed": seed},
+            "runs": runs}
 
 
 def render(result: dict) -> str:
@@ -106,7 +110,8 @@ def render(result: dict) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
     setup = result["setup"]
-    return "\n".join([f"{setup['requests']} requests per level, prompt lengths {setup['prompt_lengths']}, "
+    shared = f"a shared {setup['shared_prefix']}-token prefix + " if setup["shared_prefix"] else ""
+    return "\n".join([f"{setup['requests']} requests per level, prompt lengths {shared}{setup['prompt_lengths']}, "
                       f"{setup['max_tokens']} new tokens each, greedy, eos ignored",
                       line(header), line(["-" * w for w in widths]), *map(line, rows)])
 

@@ -361,11 +361,24 @@ def test_bench_load_generator_against_a_running_server(servers, tmp_path, capsys
     from ess_jax import bench
 
     server = servers("v32", "wide")
+
+    def hits() -> float:  # the prefix cache's hits so far (the engine is read once idle)
+        text = httpx.get(server.url + "/metrics").text
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("ess_jax_prefix_cache_hits_total{"))
+
+    before = hits()
+    # every prompt after one shared 64-token prefix: the prefix cache's workload
     code = bench.main(["--serve", server.url, "--concurrency", "1,4", "--requests", "4", "--prompt-lengths", "8,64",
-                       "--max-tokens", "5", "--out", str(tmp_path), "--json"])
+                       "--shared-prefix", "64", "--max-tokens", "5", "--out", str(tmp_path), "--json"])
     assert code == 0
     result = json.loads(capsys.readouterr().out)
+    assert result["setup"]["shared_prefix"] == 64
     assert [(r["concurrency"], r["model"]) for r in result["runs"]] == [(1, "m"), (4, "m")]
+    deadline = time.monotonic() + DEADLINE
+    while hits() <= before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert hits() > before
     for r in result["runs"]:
         assert r["output_tokens_per_s"] * r["wall_s"] == pytest.approx(4 * 5)  # every request's usage
         assert 0 < r["ttft_ms_p50"] <= r["ttft_ms_p99"] and r["itl_ms_p50"] > 0

@@ -65,9 +65,12 @@ def load_test(args, log) -> dict:
 
     if args.requests < 1 or args.max_tokens < 1:
         raise ValueError("--requests and --max-tokens must be >= 1")
+    if args.shared_prefix is not None and args.shared_prefix < 1:
+        raise ValueError(f"--shared-prefix {args.shared_prefix} must be >= 1")
     result = loadgen.load_test([u.rstrip("/") for u in args.serve], concurrency=args.concurrency,
                                prompt_lengths=args.prompt_lengths, requests=args.requests, max_tokens=args.max_tokens,
-                               vocab=256, seed=args.seed, api_key=args.api_key, timeout=args.timeout, log=log)
+                               vocab=256, seed=args.seed, api_key=args.api_key, timeout=args.timeout, log=log,
+                               shared_prefix=args.shared_prefix or 0)
     result["files"] = loadgen.write_outputs(result, Path(args.out))
     return result
 

@@ -190,7 +190,8 @@ def _output_flags(p: argparse.ArgumentParser) -> None:
                    help="instead of the runs above: the prefix cache's workloads (ess_jax.bench.prefix), 2 x --batch "
                         "requests sharing an N-token prefix with distinct --suffix-tokens suffixes and a chat of "
                         "--chat-turns turns, each resent whole, resident and ESS (the first --ratios and --fetch), "
-                        "each with and without the prefix cache: TTFT, tokens/s, hit rate")
+                        "each with and without the prefix cache: TTFT, tokens/s, hit rate; with --serve: every "
+                        "load-test prompt after one shared N-token prefix")
     p.add_argument("--suffix-tokens", type=int, default=64,
                    help="--shared-prefix: each request's own tokens after the prefix, each chat turn's new tokens "
                         "(default 64)")

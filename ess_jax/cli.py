@@ -132,9 +132,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     cache.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                        help="share the cached pages of prompt prefixes between requests and keep them after their "
                             "requests finish (evictable, least recently used first), so a prompt that starts like an "
-                            "earlier one skips that part's prefill; same tokens either way. DeepSeek-V4 shares prefixes of "
-                            "whole compressed windows (lcm of the page size and its compress rates) and resumes from "
-                            "a snapshot of the window and compressor rings kept there (default on; "
+                            "earlier one skips that part's prefill; same tokens either way. DeepSeek-V4 shares "
+                            "prefixes of whole compressed windows (lcm of the page size and its compress rates) and "
+                            "resumes from a snapshot of the window and compressor rings kept there (default on; "
                             "--no-prefix-cache turns it off)")
     cache.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
                        help="the prefix cache's disk store: each cached prompt page (and DeepSeek-V4's window / ring "

@@ -74,7 +74,6 @@ class PrefixStore:
         files = [p for p in self.directory.iterdir() if p.suffix in SUFFIXES]  # what an earlier run left
         files.sort(key=lambda p: p.stat().st_mtime)
         self._sizes: dict[str, int] = {p.name: p.stat().st_size for p in files}  # least recently used first
-        self.reads = self.writes = self.errors = 0
 
     @property
     def bytes(self) -> int:
@@ -99,12 +98,10 @@ class PrefixStore:
                 raise ValueError(f"it holds arrays {signature(arrays)}, the engine reads {expected}")
         except (OSError, ValueError) as e:
             log.warning("prefix cache: %s is unreadable (%s); removed, its prefix is computed again", path, e)
-            self.errors += 1
             self._remove(name)
             return None
         self._sizes[name] = self._sizes.pop(name)  # the most recently used now
         os.utime(path)
-        self.reads += 1
         return arrays
 
     def put(self, key: bytes, suffix: str, arrays: Sequence[np.ndarray]) -> None:
@@ -121,7 +118,6 @@ class PrefixStore:
         tmp.write_bytes(data)
         os.replace(tmp, self.directory / name)
         self._sizes[name] = len(data)
-        self.writes += 1
 
     def _remove(self, name: str) -> None:
         if self._sizes.pop(name, None) is not None:

@@ -62,7 +62,8 @@ _KINDS: dict[str, Any] = {
     "tie_word_embeddings": "bool", "norm_topk_prob": "bool",
     "model_type": "str", "scoring_func": "str",
     "mlp_layer_types": ("list", "str"), "layer_types": ("list", "str"), "compress_ratios": ("list", ("int", 0)),
-    "mtp_layer_types": ("list", "str"),
+    "mtp_layer_types": ("list", "str"), "indexer_types": ("list", "str"),
+    "index_topk_freq": ("int", 1), "index_skip_topk_offset": ("int", 0), "index_topk_pattern": "str",
     "compress_rates": "dict", "quantization_config": "dict", "rope_parameters": "dict", "rope_scaling": "dict",
     "eos_token_id": "eos",
 }
@@ -164,7 +165,8 @@ def check_fields(cfg: ModelConfig) -> None:
             continue
         if field.name == "eos_token_id" and not isinstance(value, tuple):
             raise ConfigError(f"config field eos_token_id={_short(value)} must be a tuple of token ids")
-        if field.name in ("mlp_layer_types", "layer_types", "mtp_layer_types") and not isinstance(value, tuple):
+        if field.name in ("mlp_layer_types", "layer_types", "mtp_layer_types", "indexer_types") and not isinstance(
+                value, tuple):
             raise ConfigError(f"config field {field.name}={_short(value)} must be a tuple of strings")
         if kind is not None:
             check_value(field.name, value, kind)
@@ -292,6 +294,9 @@ class ModelConfig:
     index_n_heads: int = 64
     index_head_dim: int = 128
     index_topk: int = 2048
+    # Index Share (DOMAIN.md 1.7): per indexed layer (``index_layers``: V3.2 every layer, V4 the CSA layers)
+    # "full" (runs its indexer) or "shared" (reuses the nearest preceding full layer's top-k); () = all full
+    indexer_types: tuple[str, ...] = ()
     # mlp / moe
     intermediate_size: int = 18432
     moe_intermediate_size: int = 2048
@@ -341,6 +346,29 @@ class ModelConfig:
     def softmax_scale(self) -> float:
         return self.qk_head_dim**-0.5 * self.rope.softmax_mscale
 
+    @property
+    def index_layers(self) -> list[int]:
+        """The layers with a lightning indexer (V3.2: every layer; V4: the CSA layers), in order."""
+        if self.family == "deepseek_v4":
+            return [i for i, kind in enumerate(self.layer_types) if kind == V4Layer.CSA]
+        return list(range(self.num_hidden_layers))
+
+    def indexer_full(self, layer: int) -> bool:
+        """Whether ``layer`` runs its own indexer (a full layer of ``indexer_types``; False for a layer without one)."""
+        layers = self.index_layers
+        return layer in layers and self.indexer_types[layers.index(layer)] == "full"
+
+    @property
+    def index_pattern(self) -> str:
+        """``indexer_types`` as a pattern string, one letter per indexed layer: F (full) or S (shared)."""
+        return "".join("F" if kind == "full" else "S" for kind in self.indexer_types)
+
+    def with_index_share(self, spec: str | None) -> ModelConfig:
+        """This config with the Index Share pattern ``spec`` (``index_share_types``); None: unchanged."""
+        if spec is None:
+            return self
+        return dataclasses.replace(self, indexer_types=index_share_types(spec, len(self.index_layers)))
+
     def without_mtp(self) -> ModelConfig:
         """This config without its MTP module (a checkpoint that does not hold it)."""
         return dataclasses.replace(self, num_nextn_predict_layers=0, mtp_layer_types=())
@@ -353,8 +381,10 @@ class ModelConfig:
             raise ValueError("this config has no MTP module (num_nextn_predict_layers=0)")
         if self.family == "deepseek_v4":
             return dataclasses.replace(self.without_mtp(), num_hidden_layers=1, layer_types=self.mtp_layer_types[:1],
-                                       mlp_layer_types=("moe",))
-        return dataclasses.replace(self.without_mtp(), num_hidden_layers=1, mlp_layer_types=("sparse",))
+                                       mlp_layer_types=("moe",), indexer_types=())
+        # the MTP block keeps its own indexer (DOMAIN.md 1.6, 1.7)
+        return dataclasses.replace(self.without_mtp(), num_hidden_layers=1, mlp_layer_types=("sparse",),
+                                   indexer_types=())
 
     # ---- construction --------------------------------------------------------------------------
     def compress_rate(self, layer: int) -> int:
@@ -453,12 +483,86 @@ def _require(checks: list[tuple[bool, str]]) -> None:
             raise ConfigError(message)
 
 
+# ---- Index Share (DOMAIN.md 1.7) ---------------------------------------------------------------
+
+INDEXER_TYPES = ("full", "shared")
+_LETTERS = {"F": "full", "S": "shared"}
+
+
+def index_share_types(spec: str, layers: int, where: str = "--index-share") -> tuple[str, ...]:
+    """The ``indexer_types`` of ``layers`` indexed layers that ``spec`` names: a pattern of one letter per
+    indexed layer, F (full: runs its indexer) or S (shared: reuses the nearest preceding full layer's top-k), or
+    "every-N" (layers 0, N, 2N, ... full: the uniform pattern a distilled model serves)."""
+    if not isinstance(spec, str):
+        raise ConfigError(f"{where}={_short(spec)} must be a pattern string of F / S letters or 'every-N'")
+    if spec.startswith("every-"):
+        every = spec.removeprefix("every-")
+        if not every.isdigit() or int(every) < 1:
+            raise ConfigError(f"{where}={spec!r}: 'every-N' needs an integer N >= 1 (every-1: no sharing)")
+        return tuple("full" if i % int(every) == 0 else "shared" for i in range(layers))
+    for i, letter in enumerate(spec):
+        if letter not in _LETTERS:
+            raise ConfigError(f"{where}={_short(spec)}: letter {letter!r} at indexed layer {i} is neither F (full) "
+                              "nor S (shared)")
+    if len(spec) != layers:
+        raise ConfigError(f"{where}={_short(spec)} has {len(spec)} letters for the model's {layers} indexed "
+                          "layers (DeepSeek-V3.2: every layer; DeepSeek-V4: the CSA layers)")
+    return tuple(_LETTERS[letter] for letter in spec)
+
+
+def raw_indexer_types(raw: dict[str, Any], layers: int) -> tuple[str, ...]:
+    """A config.json's Index Share schedule for its ``layers`` indexed layers, from the keys the peers read: GLM-5.2's
+    ``indexer_types`` list, else vLLM's ``index_topk_pattern`` string, else ``index_topk_freq`` with
+    ``index_skip_topk_offset`` (default 2), by the reference formula: layer ``i`` is full iff
+    ``max(i - offset + 1, 0) % freq == 0`` -- with the default offset layers 0 *and* 1 are full, and GLM-5.2's
+    freq 4, offset 3 makes 21 of its 78 layers full. An explicit list or pattern is authoritative; given both,
+    they must agree. None of them: () (every layer full)."""
+    types, pattern = raw.get("indexer_types"), raw.get("index_topk_pattern")
+    if types is not None:
+        bad = [(i, t) for i, t in enumerate(types) if t not in INDEXER_TYPES]
+        if bad:
+            raise ConfigError(f"config field indexer_types[{bad[0][0]}]={bad[0][1]!r} is neither 'full' nor 'shared'")
+        if len(types) != layers:
+            raise ConfigError(f"config field indexer_types has {len(types)} entries for the model's {layers} indexed "
+                              "layers (DeepSeek-V3.2: every layer; DeepSeek-V4: the CSA layers)")
+        if pattern is not None and index_share_types(pattern, layers, "index_topk_pattern") != tuple(types):
+            raise ConfigError(f"config fields indexer_types and index_topk_pattern={_short(pattern)} disagree: "
+                              "keep one of them")
+        return tuple(types)
+    if pattern is not None:
+        return index_share_types(pattern, layers, "index_topk_pattern")
+    freq, offset = raw.get("index_topk_freq"), raw.get("index_skip_topk_offset")
+    if freq is None or freq == 1:
+        return ()
+    offset = 2 if offset is None else offset
+    return tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers))
+
+
+def check_index_share(cfg: ModelConfig) -> None:
+    """Fills the default ``indexer_types`` (every indexed layer full), then checks it: one entry per indexed layer,
+    each "full" or "shared", the first full (a shared layer reuses a preceding full layer's top-k)."""
+    layers = len(cfg.index_layers)
+    if not cfg.indexer_types:
+        object.__setattr__(cfg, "indexer_types", ("full",) * layers)
+    for i, kind in enumerate(cfg.indexer_types):
+        _require([(kind in INDEXER_TYPES, f"indexer_types[{i}]={_short(kind)} is neither 'full' nor 'shared'")])
+    _require([
+        (len(cfg.indexer_types) == layers,
+         f"indexer_types has {len(cfg.indexer_types)} entries for the model's {layers} indexed layers (DeepSeek-V3.2: "
+         "every layer; DeepSeek-V4: the CSA layers)"),
+        (not layers or cfg.indexer_types[0] == "full",
+         "indexer_types starts with a shared layer: the first indexed layer must be full (a shared layer reuses the "
+         "nearest preceding full layer's top-k)"),
+    ])
+
+
 # ---- deepseek_v32 ------------------------------------------------------------------------------
 
 def v32_from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
     """A ``DeepseekV32Config`` config.json -> ModelConfig."""
     check_raw(raw, _V4_ONLY_KEYS | V4_ONLY_FIELDS)
-    names = {f.name for f in dataclasses.fields(cls)} - {"rope", "eos_token_id", "mlp_layer_types"} - V4_ONLY_FIELDS
+    names = ({f.name for f in dataclasses.fields(cls)} - {"rope", "eos_token_id", "mlp_layer_types", "indexer_types"}
+             - V4_ONLY_FIELDS)
     kwargs = {k: raw[k] for k in names if raw.get(k) is not None}
     if raw.get("num_experts") is not None:
         kwargs["n_routed_experts"] = raw["num_experts"]
@@ -471,6 +575,7 @@ def v32_from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
     else:
         dense = min(int(raw.get("first_k_dense_replace", 3)), layers)
         kwargs["mlp_layer_types"] = ("dense",) * dense + ("sparse",) * (layers - dense)
+    kwargs["indexer_types"] = raw_indexer_types(raw, layers)
     rope_params = raw.get("rope_parameters") or raw.get("rope_scaling")
     kwargs["rope"] = RopeConfig.from_hf(
         rope_params, float(raw.get("rope_theta", 10000.0)), int(raw.get("max_position_embeddings", 163840))
@@ -489,6 +594,7 @@ def check_mtp(cfg: ModelConfig) -> None:
 def check_v32(cfg: ModelConfig) -> None:
     """Fills the default ``mlp_layer_types`` (3 dense layers, then MoE), then checks the config."""
     check_mtp(cfg)
+    check_index_share(cfg)
     if not cfg.mlp_layer_types:
         dense = min(3, cfg.num_hidden_layers)
         object.__setattr__(cfg, "mlp_layer_types", ("dense",) * dense + ("sparse",) * (cfg.num_hidden_layers - dense))
@@ -586,6 +692,7 @@ def v4_from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         n_hash = 3 if n_hash is None else int(n_hash)
         mlp_types = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
     kwargs["mlp_layer_types"] = tuple(mlp_types[:n])
+    kwargs["indexer_types"] = raw_indexer_types(raw, kwargs["layer_types"].count(V4Layer.CSA))
 
     head_dim = int(kwargs["head_dim"])
     if raw.get("partial_rotary_factor") is not None:
@@ -625,6 +732,8 @@ def check_v4(cfg: ModelConfig) -> None:
     n = cfg.num_hidden_layers
     if cfg.num_nextn_predict_layers and not cfg.mtp_layer_types:
         object.__setattr__(cfg, "mtp_layer_types", (str(V4Layer.SLIDING),) * cfg.num_nextn_predict_layers)
+    _require([(len(cfg.layer_types) == n, f"layer_types has {len(cfg.layer_types)} entries for num_hidden_layers={n}")])
+    check_index_share(cfg)
     checks = [
         (len(cfg.mtp_layer_types) == cfg.num_nextn_predict_layers,
          f"mtp_layer_types has {len(cfg.mtp_layer_types)} entries for num_nextn_predict_layers="

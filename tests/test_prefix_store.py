@@ -17,11 +17,12 @@ import pytest
 import ess_jax
 from ess_jax.allocator import page_keys
 from ess_jax.engine import Engine
-from ess_jax.prefix_store import PrefixStore, decode, encode, signature
+from ess_jax.prefix_store import SUBDIR, PrefixStore, decode, encode, signature
 from helpers import ONLINE, free_port, outputs, spawn
 
 FIXTURES = Path(__file__).parent / "fixtures"
 KEY = bytes(range(16))
+SALT = b"salt"
 
 
 def arrays(seed: int = 0) -> list[np.ndarray]:
@@ -30,34 +31,42 @@ def arrays(seed: int = 0) -> list[np.ndarray]:
 
 
 def test_a_file_round_trips_and_every_damage_is_named():
-    data = encode(arrays())
-    assert [a.tolist() for a in decode(data)] == [a.tolist() for a in arrays()]
+    data = encode(arrays(), KEY, SALT)
+    assert [a.tolist() for a in decode(data, KEY, SALT)] == [a.tolist() for a in arrays()]
     flipped = bytearray(data)
     flipped[len(data) // 2] ^= 0x10
     for bad, message in ((bytes(flipped), "checksum"), (data[:-40], "checksum"), (b"garbage", "not a prefix-cache"),
                          (data[:10], "not a prefix-cache")):
         with pytest.raises(ValueError, match=message):
-            decode(bad)
+            decode(bad, KEY, SALT)
+    with pytest.raises(ValueError, match="another model"):  # renamed from another engine's store
+        decode(data, KEY, b"other")
+    with pytest.raises(ValueError, match="holds page"):  # renamed from another key
+        decode(data, bytes(16), SALT)
 
 
 def test_store_reads_back_across_instances_and_treats_bad_files_as_logged_misses(tmp_path, caplog):
-    store = PrefixStore(tmp_path, 1 << 20)
+    store = PrefixStore(tmp_path, 1 << 20, SALT)
     store.put(KEY, ".page", arrays())
-    assert not list(tmp_path.glob(".*.tmp"))  # written to a temporary name, then renamed
-    again = PrefixStore(tmp_path, 1 << 20)  # a restart: the files an earlier run left
+    store.flush()
+    directory = tmp_path / SUBDIR
+    assert not list(directory.glob(".*.tmp"))  # written to a temporary name, then renamed
+    assert oct(directory.stat().st_mode & 0o777) == "0o700"
+    assert oct((directory / (KEY.hex() + ".page")).stat().st_mode & 0o777) == "0o600"
+    again = PrefixStore(tmp_path, 1 << 20, SALT)  # a restart: the files an earlier run left
     got = again.get(KEY, ".page", signature(arrays()))
     assert [a.tolist() for a in got] == [a.tolist() for a in arrays()]
     assert again.get(KEY, ".state", signature(arrays())) is None  # absent: a miss, nothing logged
     assert again.get(KEY, ".page", signature(arrays(1)[:1])) is None  # arrays the engine does not read: bad
-    path = tmp_path / (KEY.hex() + ".page")
+    path = directory / (KEY.hex() + ".page")
     assert not path.exists() and "the engine reads" in caplog.text
-    good = encode(arrays())
+    good = encode(arrays(), KEY, SALT)
     damaged = {"bit flip": bytes([good[0] ^ 1]) + good[1:], "truncated": good[:len(good) // 2],
-               "wrong size": good + b"\0" * 8}
+               "wrong size": good + b"\0" * 8, "another salt": encode(arrays(), KEY, b"other")}
     for what, data in damaged.items():
         caplog.clear()
         path.write_bytes(data)
-        store = PrefixStore(tmp_path, 1 << 20)
+        store = PrefixStore(tmp_path, 1 << 20, SALT)
         with caplog.at_level(logging.WARNING, logger="ess_jax.prefix_store"):
             assert store.get(KEY, ".page", signature(arrays())) is None, what
         assert str(path) in caplog.text and "unreadable" in caplog.text, what
@@ -65,19 +74,22 @@ def test_store_reads_back_across_instances_and_treats_bad_files_as_logged_misses
 
 
 def test_store_is_bounded_least_recently_used_first(tmp_path):
-    size = len(encode(arrays()))
-    store = PrefixStore(tmp_path, 3 * size)
+    size = len(encode(arrays(), KEY, SALT))
+    store = PrefixStore(tmp_path, 3 * size, SALT)
     keys = [bytes([i]) * 16 for i in range(4)]
     for key in keys[:3]:
         store.put(key, ".page", arrays())
+    store.flush()
     assert store.get(keys[0], ".page", signature(arrays())) is not None  # read: the most recently used now
     store.put(keys[3], ".page", arrays())  # the least recently used (keys[1]) goes
+    store.flush()
     assert [store.has(k) for k in keys] == [True, False, True, True]
-    assert store.bytes == 3 * size == sum(p.stat().st_size for p in tmp_path.iterdir())
+    assert store.bytes == 3 * size == sum(p.stat().st_size for p in (tmp_path / SUBDIR).glob("*.page"))
     store.put(b"\xff" * 16, ".page", [np.zeros(4 * size, np.uint8)])  # larger than the bound: not stored
+    store.flush()
     assert not store.has(b"\xff" * 16) and store.bytes == 3 * size
     with pytest.raises(ValueError, match="prefix-cache-disk-gb"):
-        PrefixStore(tmp_path, 0)
+        PrefixStore(tmp_path, 0, SALT)
 
 
 @pytest.mark.parametrize("family, mode", [("v4", "resident"), ("v32", "ess")])
@@ -108,10 +120,10 @@ def test_an_engine_restarted_on_the_directory_reads_its_prefixes_back(tmp_path, 
     assert tokens == want and metrics["per_tier"]["disk"] == metrics["hit_tokens"] == sum(hits)
     # the first prompt's first page truncated; with V4 the second's snapshot with a bit flipped
     keys = [page_keys(p, 16, engine.scheduler.prefix_salt) for p in prompts]
-    page = tmp_path / (keys[0][0].hex() + ".page")
+    page = tmp_path / SUBDIR / (keys[0][0].hex() + ".page")
     page.write_bytes(page.read_bytes()[:-3])
     if family == "v4":
-        state = tmp_path / (keys[1][hits[1] // 16 - 1].hex() + ".state")
+        state = tmp_path / SUBDIR / (keys[1][hits[1] // 16 - 1].hex() + ".state")
         state.write_bytes(bytes([state.read_bytes()[0] ^ 4]) + state.read_bytes()[1:])
     with caplog.at_level(logging.WARNING, logger="ess_jax.prefix_store"):
         tokens, engine = serve(config)
@@ -155,6 +167,6 @@ def test_a_server_restarted_on_the_directory_hits_on_a_prompt_it_served_before(t
         return reply.json()["choices"][0]["text"], disk
 
     first, first_disk = run_once()
-    assert first_disk == 0 and any(p.suffix == ".state" for p in tmp_path.iterdir())
+    assert first_disk == 0 and any(p.suffix == ".state" for p in (tmp_path / SUBDIR).iterdir())
     again, again_disk = run_once()
     assert again == first and again_disk == (len(prompt) - 32) // 16 * 16  # serve's default offload: ESS

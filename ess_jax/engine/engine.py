@@ -35,7 +35,7 @@ from ess_jax.engine.layout import cache_layout, check_memory
 from ess_jax.engine.request import Request, RequestOutput, check_ids, make_request
 from ess_jax.engine.runner import Runner
 from ess_jax.engine.scheduler import Drafter, EngineStats, Scheduler, StepTimes
-from ess_jax.prefix_store import PrefixDisk, PrefixStore
+from ess_jax.prefix_store import PrefixDisk, PrefixStore, weights_fingerprint
 from ess_jax.sampling import SamplingParams
 
 
@@ -94,13 +94,14 @@ class Engine:
         self.offload: offload.Mode = mode(self.runner, self.layout, self.stats)
         size = self.layout.size
         self.prefix_cache, family = config.prefix_cache, families.get(model.cfg.family)
+        salt = self._prefix_salt() if self.prefix_cache else None
         self.scheduler = Scheduler(config, shards=size.shards, pages=size.pages // size.shards,
                                    pages_per_row=self.layout.pages_per_row, max_seq_len=self.max_seq_len,
                                    stats=self.stats, drafter=drafter and self._checked(drafter),
-                                   prefix_salt=self._prefix_salt() if self.prefix_cache else None,
+                                   prefix_salt=salt,
                                    prefix_tail=mode.computed_tail,
                                    prefix_block=family.prefix_block(model.cfg, config.page_size),
-                                   row_state=family.row_state, disk=self._prefix_disk())
+                                   row_state=family.row_state, disk=self._prefix_disk(salt))
         self._step_lock = threading.Lock()  # held while the engine's state changes (step, abort)
 
     def _checked(self, drafter: Drafter) -> Drafter:
@@ -115,14 +116,15 @@ class Engine:
         return drafts
 
     def _prefix_salt(self) -> bytes:
-        """What a cached page's bytes depend on besides its tokens: the model (its config, the name it was loaded
-        by, its parameters' formats), the cache's stored formats and the kernels that write them."""
+        """What a cached page's bytes depend on besides its tokens: the weights (``prefix_store.weights_fingerprint``:
+        a checkpoint's real path and files, or the parameters' values; the ess_jax version), the model's config, its
+        parameters' formats, the cache's stored formats and the kernels that write them."""
         params = jax.tree.map(lambda x: f"{x.dtype}{x.shape}", self.model.params)
-        what = (self.model.name, repr(self.model.cfg), str(jax.tree.leaves(params)), repr(self.layout.parts),
-                self.config.kernels)
+        what = (weights_fingerprint(self.model.name, self.model.params).hex(), repr(self.model.cfg),
+                str(jax.tree.leaves(params)), repr(self.layout.parts), self.config.kernels)
         return hashlib.blake2b(repr(what).encode(), digest_size=16).digest()
 
-    def _prefix_disk(self) -> PrefixDisk | None:
+    def _prefix_disk(self, salt: bytes | None) -> PrefixDisk | None:
         """The prefix cache's disk store (``--prefix-cache-dir``; a process of several: its own subdirectory), with
         what a page holds (the resident cache's paged arrays at one page, then the MTP module's) and, with row state,
         the snapshot's structure; None without one."""
@@ -143,7 +145,7 @@ class Engine:
         directory = Path(config.prefix_cache_dir)
         if jax.process_count() > 1:
             directory /= f"process-{jax.process_index()}"
-        return PrefixDisk(PrefixStore(directory, int(config.prefix_cache_disk_gb * 2**30)), page, state)
+        return PrefixDisk(PrefixStore(directory, int(config.prefix_cache_disk_gb * 2**30), salt), page, state)
 
     # ---- any thread ----------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
@@ -249,6 +251,8 @@ class Engine:
         while self.has_unfinished():
             bar.update(sum(len(out.new_token_ids) for out in self.step()))
         self.offload.flush()  # the last step's rows reach the host store too
+        if self.scheduler.disk is not None:
+            self.scheduler.disk.store.flush()  # and the prompts' pages the disk store
         bar.close()
         return [requests[i] for i in sorted(requests)]
 

@@ -364,20 +364,22 @@ class Scheduler:
 
     def _read_disk(self, entry: Admitted, request: Request) -> int:
         """The pages past a request's cached prefix that the disk store has, up to its boundary (with row state: up
-        to the deepest one whose snapshot reads back, the request resuming from it), read for its first piece; the
-        tokens they hold."""
+        to the deepest one whose snapshot reads back, found before any page is read, the request resuming from it),
+        read for its first piece; the tokens they hold."""
         ps = self.config.page_size
         keys = self._keys[entry.request_id][entry.shared:self.boundary(len(request.prompt_ids)) // ps]
-        pages = self.disk.pages(keys)
+        run, found = next((i for i, key in enumerate(keys) if not self.disk.has(key)), len(keys)), None
         if self.row_state:
-            found = None
-            while pages and (not self.disk.has(keys[len(pages) - 1], ".state")
-                             or (found := self.disk.state(keys[len(pages) - 1])) is None):
-                pages.pop()
-            if pages:
-                self._resume[entry.request_id] = found[0]
-                if len(pages) == len(keys):  # resumed at its boundary: the snapshot kept there is this one
-                    self._taken[entry.request_id] = {(entry.shared + len(pages)) * ps: found}
+            while run and (not self.disk.has(keys[run - 1], ".state")
+                           or (found := self.disk.state(keys[run - 1])) is None):
+                run -= 1
+        pages = self.disk.pages(keys[:run])
+        if self.row_state and len(pages) < run:  # a page before the snapshot did not read back: nothing to resume
+            pages = []
+        if pages and self.row_state:
+            self._resume[entry.request_id] = found[0]
+            if len(pages) == len(keys):  # resumed at its boundary: the snapshot kept there is this one
+                self._taken[entry.request_id] = {(entry.shared + len(pages)) * ps: found}
         if pages:
             self._loaded[entry.request_id] = (len(pages) * ps, pages)
         return len(pages) * ps
@@ -453,8 +455,7 @@ class Scheduler:
                     for at, branch in taken.items():
                         self.admission.keep_state(piece.request_id, keys[at // self.config.page_size - 1], branch)
                 if self.disk is not None:
-                    for j, arrays in zip(piece.save, result.saved.get(shard, [])):
-                        self.disk.save_page(keys[j], arrays)
+                    self.disk.save_pages([keys[j] for j in piece.save], result.saved.get(shard, []))
                     snapshots = {**taken, len(keys) * self.config.page_size: state} if state is not None else taken
                     for at, (snapshot, _) in snapshots.items():
                         if not self.disk.has(key := keys[at // self.config.page_size - 1], ".state"):

@@ -17,7 +17,8 @@ parent is a salt naming everything else that changes the page's bytes: model, ca
 such a page may be *shared*: every request whose prompt starts with the same pages reads them (read only; its
 partial last page, and every page it writes, are its own). Pages are reference-counted; a page no request holds
 any more stays cached under its key, evictable least-recently-used: ``allocate`` takes free pages first, then
-the least recently released cached ones. A cached page counts as free (``num_free``), so admission counts a
+the least recently released cached ones (a request's pages are released in reverse token order, vLLM's, so a prefix
+loses its last pages first and its first ones stay usable). A cached page counts as free (``num_free``), so admission counts a
 shared page once: a request that shares pages another running request holds costs only its own pages.
 
 Row states. Where a request's cache also has state per batch row (DeepSeek-V4's sliding window and compressor
@@ -146,8 +147,9 @@ class PageAllocator:
         return pages
 
     def free(self, pages: np.ndarray) -> None:
-        """Drop one reference to each of ``pages``: a page no request holds any more goes back to the pool, or
-        stays cached (evictable, most recently released last) if it has a key. Raises ``ValueError`` (freeing
+        """Drop one reference to each of ``pages`` (a request's, in token order): a page no request holds any more
+        goes back to the pool, or stays cached (evictable, most recently released last, ``pages`` in reverse order:
+        a prefix's tail goes before its head) if it has a key. Raises ``ValueError`` (freeing
         nothing) on the null page, an out-of-range page, a page listed twice or a page no request holds (a
         double free)."""
         pages = np.asarray(pages, np.int64).reshape(-1)
@@ -161,7 +163,7 @@ class PageAllocator:
             raise ValueError(f"pages {pages[self._refs[pages] <= 0].tolist()} are not allocated (double free?)")
         self._refs[pages] -= 1
         released = [int(p) for p in pages if self._refs[p] == 0]
-        for page in released:
+        for page in reversed(released):  # a prefix's last pages are evicted first: its first ones stay usable
             if page in self._key_of:
                 self._evictable[page] = None
         self._free.extend(reversed([p for p in released if p not in self._key_of]))

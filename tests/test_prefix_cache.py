@@ -71,6 +71,20 @@ def test_shared_pages_are_counted_once_and_stay_cached_until_evicted_lru():
         pool.share(taken[:1])
 
 
+def test_eviction_takes_a_prefix_from_its_tail():
+    """Evicting 2 pages of a cached 16-page prefix leaves its first 14 usable (pages are released in reverse token
+    order, so its last pages are the least recently released)."""
+    pool = PageAllocator(num_pages=17, page_size=2)
+    keys = page_keys(list(range(32)), 2, SALT)
+    pages = pool.allocate(16)
+    for page, key in zip(pages.tolist(), keys):
+        pool.cache(page, key)
+    pool.free(pages)
+    taken = pool.allocate(2)
+    assert sorted(taken.tolist()) == sorted(pages[14:].tolist())
+    assert pool.match(keys).tolist() == pages[:14].tolist()
+
+
 def test_eviction_never_takes_a_page_a_running_request_reads():
     """Requests whose prompts share prefixes, on a pool filled past its size many times over: every page a
     running request holds is its own or a cached page of its own prompt, and no page is in two requests

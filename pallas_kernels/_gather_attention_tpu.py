@@ -52,11 +52,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ess_jax.pallas_kernels.row_layout import Chunk, RowLayout
+from ess_jax.pallas_kernels.row_layout import WORD_BYTES, RowLayout, as_words, is_words, words_per_row
 from ess_jax.pallas_kernels.split_k import deal_ids, finish_softmax, merge_splits, pad_axis, round_up
 
 NEG_INF = float("-inf")
@@ -68,6 +69,7 @@ class _Plan:
     """Everything static about one kernel instance."""
 
     layout: RowLayout
+    words: _Words
     sources: int
     has_key: bool
     has_sink: bool
@@ -98,30 +100,94 @@ def _e4m3(b):
     return jnp.where(b >= 128, -magnitude, magnitude)
 
 
-def _chunk_values(raw, chunk: Chunk):
-    """One chunk of the stored rows ``raw [bk, X]`` (the pool's dtype) as float32 ``[bk, width]``."""
-    w = chunk.width
-    if chunk.kind == "plain":
-        return raw[:, chunk.start:chunk.start + w].astype(jnp.float32)
-    b = raw.astype(jnp.int32)
-    if chunk.kind == "e4m3":
-        if chunk.scale_kind == "f32":
-            s = chunk.scale_start
-            bits = b[:, s:s + 1] | (b[:, s + 1:s + 2] << 8) | (b[:, s + 2:s + 3] << 16) | (b[:, s + 3:s + 4] << 24)
-        elif chunk.scale_kind == "e8m0":
-            bits = b[:, chunk.scale_start:chunk.scale_start + 1] << 23
-        else:
-            raise ValueError(f"{chunk.scale_kind=} is not a scale format")
-        return _e4m3(b[:, chunk.start:chunk.start + w]) * lax.bitcast_convert_type(bits, jnp.float32)
-    if chunk.kind == "bf16":  # little-endian byte pairs: lo at 2k, hi at 2k + 1
-        pairs = b[:, chunk.start:chunk.start + 2 * w].astype(jnp.float32)
-        row = lax.broadcasted_iota(jnp.int32, (2 * w, w), 0)
-        col = lax.broadcasted_iota(jnp.int32, (2 * w, w), 1)
-        pick = lambda parity: lax.dot_general(pairs, (row == 2 * col + parity).astype(jnp.float32),
-                                              (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
-                                              preferred_element_type=jnp.float32).astype(jnp.int32)
-        return lax.bitcast_convert_type((pick(0) | (pick(1) << 8)) << 16, jnp.float32)
-    raise ValueError(f"{chunk.kind=} is not a chunk kind")
+@dataclasses.dataclass(frozen=True)
+class _Plane:
+    """``width`` columns of the float32 rows (from ``column``) decoded from ``width`` consecutive words of
+    the stored row (from ``word``; of a float32 pool: its elements). ``kind``: ``"f32"`` the elements
+    themselves; ``"bf16"`` half ``part`` of each word (0: the low half, the pair's even column; 1: the high
+    one); ``"e4m3"`` byte ``part`` of each word, times the chunk's scale at byte ``scale_byte`` of word
+    ``scale_word``, of format ``scale_kind`` (``"f32"``: the whole word; ``"e8m0"``: one exponent byte)."""
+
+    column: int
+    width: int
+    word: int
+    kind: str
+    part: int = 0
+    scale_word: int = 0
+    scale_byte: int = 0
+    scale_kind: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Words:
+    """How the kernel decodes a ``RowLayout``'s rows from 32-bit words: its ``planes``, the stored row's
+    ``width`` in words (float32 elements for float32 rows) and the logical column each column of the
+    float32 rows holds (``value_order`` of ``q_value`` / ``out``, ``key_order`` of ``q_key``)."""
+
+    planes: tuple[_Plane, ...]
+    width: int
+    value_order: tuple[int, ...]
+    key_order: tuple[int, ...]
+
+
+def _words(layout: RowLayout) -> _Words:
+    """The planes of ``layout``: a float32 chunk is one plane; a bf16 chunk (bf16 elements, or byte
+    pairs) is two, the even columns then the odd ones; an e4m3 chunk is four, byte 0 of each of its
+    words then byte 1, 2, 3. So a chunk's columns come plane-major, and the queries' columns are put
+    in that order (and the output's taken back out of it) rather than interleaving lanes in the kernel."""
+    if layout.dtype not in ("float32", "bfloat16", "uint8"):
+        raise ValueError(f"the mosaic_tpu kernels read float32, bfloat16 or uint8 (FP8) rows, got {layout.dtype} "
+                         f"rows: cast the pool to bfloat16 or float32")
+    f32, item = layout.dtype == "float32", jnp.dtype(layout.dtype).itemsize
+    planes, orders = [], ([], [])
+    value_width = sum(c.width for c in layout.values)
+    for part, chunks in enumerate((layout.values, layout.keys)):
+        order, base = orders[part], (0, value_width)[part]
+        for chunk in chunks:
+            if f32:
+                kind, per = "f32", 1
+            else:
+                kind, per = ("e4m3", 4) if chunk.kind == "e4m3" else ("bf16", 2)
+            if not f32 and (chunk.start * item % WORD_BYTES or chunk.width % per):
+                raise ValueError(f"a {chunk.kind} chunk of {chunk.width} columns at byte {chunk.start * item} of "
+                                 f"the row is not whole 32-bit words, which the mosaic_tpu kernels read")
+            word, n = (chunk.start, chunk.width) if f32 else (chunk.start * item // WORD_BYTES, chunk.width // per)
+            scale = {}
+            if kind == "e4m3":
+                if chunk.scale_kind == "f32" and chunk.scale_start % WORD_BYTES:
+                    raise ValueError(f"a float32 scale at byte {chunk.scale_start} is not a whole 32-bit word")
+                scale = dict(scale_word=chunk.scale_start // WORD_BYTES, scale_byte=chunk.scale_start % WORD_BYTES,
+                             scale_kind=chunk.scale_kind)
+            for k in range(per):
+                planes.append(_Plane(base + len(order), n, word, kind, k, **scale))
+                order.extend(chunk.column + per * j + k for j in range(n))
+    width = layout.row_width if f32 else words_per_row(layout)
+    return _Words(tuple(planes), width, tuple(orders[0]), tuple(orders[1]))
+
+
+def _plane_values(raw, plane: _Plane):
+    """One plane of the stored rows ``raw [bk, words]`` (int32 words, or float32 elements) as float32."""
+    x = raw[:, plane.word:plane.word + plane.width]
+    if plane.kind == "f32":
+        return x.astype(jnp.float32)
+    if plane.kind == "bf16":
+        return lax.bitcast_convert_type(x << 16 if plane.part == 0 else x & -65536, jnp.float32)
+    if plane.kind != "e4m3":
+        raise ValueError(f"{plane.kind=} is not a plane kind")
+    byte = lambda w, k: (w >> 8 * k) & 255 if k else w & 255
+    s = raw[:, plane.scale_word:plane.scale_word + 1]
+    if plane.scale_kind == "f32":
+        bits = s
+    elif plane.scale_kind == "e8m0":
+        bits = byte(s, plane.scale_byte) << 23
+    else:
+        raise ValueError(f"{plane.scale_kind=} is not a scale format")
+    return _e4m3(byte(x, plane.part)) * lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _permute(x, order: tuple[int, ...]):
+    """``x``'s last axis in ``order`` (no copy when it is the identity)."""
+    return x if order == tuple(range(x.shape[-1])) else jnp.take(x, np.asarray(order), axis=-1)
 
 
 def _dot(a, b, contract_b: int, plan: _Plan):
@@ -139,18 +205,17 @@ def _kernel(*refs, plan: _Plan):
     q_value_ref = refs.pop(0)  # [1, Np, Cv] query columns that meet value chunks (MLA: q_latent; V4: q)
     q_key_ref = refs.pop(0) if plan.has_key else None  # [1, Np, Rk] columns of key-only chunks (MLA: q_rope)
     sink_ref = refs.pop(0) if plan.has_sink else None  # f32[Np, 1] per-head sink logits
-    pools = [refs.pop(0) for _ in range(plan.sources)]  # HBM [Ps, X] each
+    pools = [refs.pop(0) for _ in range(plan.sources)]  # HBM [Ps, words] each (u32, or f32 rows)
     out_ref, lse_ref = refs.pop(0), refs.pop(0)  # f32[1, 1, Np, Cv], f32[1, 1, Np, 1]
-    # [2, bk, X] rows (two buffers), DMA semaphores [2], f32[bk, Cv + Rk], f32[Np, 1] m and l, f32[Np, Cv]
+    # [2, bk, words] rows (two buffers), DMA semaphores [2], f32[bk, Cv + Rk], f32[Np, 1] m and l, f32[Np, Cv]
     rows_ref, sems, rows_f32, m_ref, l_ref, acc_ref = refs
-    lay, bk, cv = plan.layout, plan.block_k, plan.value_width
+    bk, cv = plan.block_k, plan.value_width
     bt, split = pl.program_id(0), pl.program_id(1)
     q_value = q_value_ref[0]
     q_key = q_key_ref[0] if plan.has_key else None
     m_ref[...] = jnp.full(m_ref.shape, NEG_INF, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-    columns = [c.column for c in lay.values] + [cv + c.column for c in lay.keys]  # of rows_f32
 
     for (ids_ref, count_ref), pool_ref in zip(sources, pools):
         ks = ids_ref.shape[0] // (count_ref.shape[0] * plan.splits)  # ids per part
@@ -182,9 +247,12 @@ def _kernel(*refs, plan: _Plan):
             copies(j, slot, "wait")
             n = jnp.minimum(in_split - j * bk, bk)  # valid rows of this block: the first n
             raw = rows_ref[slot]
+            if raw.dtype != jnp.float32:
+                raw = lax.bitcast_convert_type(raw, jnp.int32)
             valid_rows = lax.broadcasted_iota(jnp.int32, (bk, 1), 0) < n
-            for chunk, column in zip(lay.chunks, columns):
-                rows_f32[:, column:column + chunk.width] = jnp.where(valid_rows, _chunk_values(raw, chunk), 0.0)
+            for plane in plan.words.planes:
+                rows_f32[:, plane.column:plane.column + plane.width] = jnp.where(valid_rows, _plane_values(raw, plane),
+                                                                                 0.0)
             values = rows_f32[:, :cv]
             s = _dot(q_value, values, 1, plan)
             if plan.has_key:
@@ -218,7 +286,8 @@ def gather_attention(q_value_BTNC, q_key_BTNR, sources, sinks_N, *, layout: RowL
     in_kernel_sink = sinks_N is not None and splits == 1
     float_inputs = [q_value_BTNC.dtype] + ([q_key_BTNR.dtype] if q_key_BTNR is not None else [])
     bf16_dots = layout.dtype in ("bfloat16", "uint8") and all(d == jnp.bfloat16 for d in float_inputs)
-    plan = _Plan(layout, len(sources), q_key_BTNR is not None, in_kernel_sink, float(scale), block_k, splits,
+    words = _words(layout)
+    plan = _Plan(layout, words, len(sources), q_key_BTNR is not None, in_kernel_sink, float(scale), block_k, splits,
                  bf16_dots)
     n_pad = round_up(n, HEAD_ALIGN)
     bt = b * t
@@ -228,14 +297,17 @@ def gather_attention(q_value_BTNC, q_key_BTNR, sources, sinks_N, *, layout: RowL
         prefetch += [ids.reshape(-1), count]
     whole = lambda shape: pl.BlockSpec(shape, lambda i, s, *_: (0,) * len(shape))
     per_query = lambda x: pl.BlockSpec((1, *x.shape[1:]), lambda i, s, *_: (i, 0, 0))
+    q_value_BTNC = _permute(q_value_BTNC, words.value_order)  # in the planes' column order
     inputs = [pad_axis(q_value_BTNC, 2, n_pad, 0).reshape(bt, n_pad, cv)]
     if q_key_BTNR is not None:
+        q_key_BTNR = _permute(q_key_BTNR, words.key_order)
         inputs.append(pad_axis(q_key_BTNR, 2, n_pad, 0).reshape(bt, n_pad, q_key_BTNR.shape[-1]))
     specs = [per_query(x) for x in inputs]
     if in_kernel_sink:
         inputs.append(pad_axis(sinks_N.astype(jnp.float32), 0, n_pad, 0.0)[:, None])
         specs.append(whole((n_pad, 1)))
-    inputs += [pool for pool, _ in sources]
+    f32_rows = layout.dtype == "float32"
+    inputs += [pool if f32_rows or is_words(pool) else as_words(pool) for pool, _ in sources]
     specs += [pl.BlockSpec(memory_space=pl.ANY)] * len(sources)
     key_width = sum(c.width for c in layout.keys)
     out_shape = (jax.ShapeDtypeStruct((bt, splits, n_pad, cv), jnp.float32),
@@ -249,7 +321,7 @@ def gather_attention(q_value_BTNC, q_key_BTNR, sources, sinks_N, *, layout: RowL
             in_specs=specs,
             out_specs=[pl.BlockSpec((1, 1, n_pad, cv), lambda i, s, *_: (i, s, 0, 0)),
                        pl.BlockSpec((1, 1, n_pad, 1), lambda i, s, *_: (i, s, 0, 0))],
-            scratch_shapes=[pltpu.VMEM((2, block_k, layout.row_width), jnp.dtype(layout.dtype)),
+            scratch_shapes=[pltpu.VMEM((2, block_k, words.width), jnp.float32 if f32_rows else jnp.uint32),
                             pltpu.SemaphoreType.DMA((2,)),
                             pltpu.VMEM((block_k, cv + key_width), jnp.float32),
                             pltpu.VMEM((n_pad, 1), jnp.float32), pltpu.VMEM((n_pad, 1), jnp.float32),
@@ -267,5 +339,7 @@ def gather_attention(q_value_BTNC, q_key_BTNR, sources, sinks_N, *, layout: RowL
     out_BTSNC = out_BTSNC.reshape(b, t, splits, n_pad, cv)[..., :n, :]
     lse_BTSN = lse_BTSN1.reshape(b, t, splits, n_pad)[..., :n]
     if splits == 1:
-        return out_BTSNC[:, :, 0], lse_BTSN[:, :, 0]
-    return merge_splits(out_BTSNC, lse_BTSN, sinks_N)
+        out_BTNC, lse_BTN = out_BTSNC[:, :, 0], lse_BTSN[:, :, 0]
+    else:
+        out_BTNC, lse_BTN = merge_splits(out_BTSNC, lse_BTSN, sinks_N)
+    return _permute(out_BTNC, tuple(np.argsort(words.value_order))), lse_BTN  # the columns back in order

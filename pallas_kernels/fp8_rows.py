@@ -47,8 +47,9 @@ each gathered chunk in the kernel (e4m3 bytes bitcast to float8, times a scale a
 bytes; the bf16 rope values assembled from byte pairs). Same sentinels, returns, targets and lowering status as
 their float versions. The Hopper kernel copies each row from the flattened byte pool in pieces of a
 multiple of 128 bytes (its TMA copies address bytes, not rows), so rows need no alignment (the 584-
-and 88-byte V4 rows included); the TPU kernel DMAs whole byte rows and decodes them with 32-bit
-integer arithmetic; none has run on a device.
+and 88-byte V4 rows included); the TPU kernel reads the rows as 32-bit words (every format here is a
+whole number of words: 656 B = 164, 584 B = 146, 100 B = 25, 88 B = 22; ``row_layout.as_words``), one
+row per DMA, and decodes them with 32-bit integer arithmetic; none has run on a device.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ess_jax.pallas_kernels.row_layout import (KNOBS, Chunk, RowLayout, check_float, check_ids, check_knobs,
-                                               check_mla_queries, check_rank)
+                                               check_mla_queries, check_rank, check_words_target, is_words)
 from ess_jax.pallas_kernels.sparse_mla import sparse_mla_reference
 from ess_jax.pallas_kernels.sparse_v4_attention import check_v4_inputs, sparse_v4_attention_reference
 from ess_jax.pallas_kernels.target import gather_attention
@@ -269,11 +270,17 @@ def dequantize_fp4_keys(rows_X: jax.Array, *, width: int, dtype=jnp.float32) -> 
 # ---- kernels over FP8 rows ------------------------------------------------------------------------
 
 
-def _check_mla(q_latent_BTNC, q_rope_BTNR, pool_PX, ids_BTK):
+def _check_mla(q_latent_BTNC, q_rope_BTNR, pool_PX, ids_BTK, target: str | None):
+    """The inputs of ``target``'s kernel (``None``: the reference's); returns ``(C, R)``."""
     b, t, _, c, r = check_mla_queries(q_latent_BTNC, q_rope_BTNR)
     check_rank("pool_PX", pool_PX, 2, "u8[P, row_bytes]")
+    check_words_target("pool_PX", pool_PX, target)
     x = mla_row_bytes(c, r)
-    if pool_PX.dtype != jnp.uint8 or pool_PX.shape[1] != x or pool_PX.shape[0] < 1:
+    if is_words(pool_PX):
+        if 4 * pool_PX.shape[1] != x or pool_PX.shape[0] < 1:
+            raise ValueError(f"pool_PX as words must be u32[P >= 1, {x} / 4] (V3.2 FP8 rows for C={c}, R={r}), "
+                             f"got {list(pool_PX.shape)}")
+    elif pool_PX.dtype != jnp.uint8 or pool_PX.shape[1] != x or pool_PX.shape[0] < 1:
         raise ValueError(f"pool_PX must be u8[P >= 1, {x}] (V3.2 FP8 rows for C={c}, R={r}), got "
                          f"{pool_PX.dtype}{list(pool_PX.shape)}")
     check_ids("ids_BTK", ids_BTK, b, t)
@@ -284,10 +291,12 @@ def _check_mla(q_latent_BTNC, q_rope_BTNR, pool_PX, ids_BTK):
 def sparse_mla_fp8(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, pool_PX: jax.Array, ids_BTK: jax.Array, *,
                    scale: float, block_k: int = 64, num_splits: int | None = None, target: str = "mosaic_gpu",
                    interpret: Interpret = False) -> tuple[jax.Array, jax.Array]:
-    """``sparse_mla`` over a pool of V3.2 FP8 rows ``u8[P, mla_row_bytes(C, R)]``, dequantized in the
-    kernel. Returns ``(out f32[B, T, N, C], lse f32[B, T, N])``; ids, sentinels and knobs as
-    ``sparse_mla``."""
-    c, r = _check_mla(q_latent_BTNC, q_rope_BTNR, pool_PX, ids_BTK)
+    """``sparse_mla`` over a pool of V3.2 FP8 rows ``u8[P, mla_row_bytes(C, R)]`` (or for
+    ``target="mosaic_tpu"`` those rows as words ``u32[P, mla_row_bytes(C, R) / 4]``, ``row_layout.as_words``:
+    the form that kernel reads; byte rows given to it are viewed as words by a relayout copy of the whole
+    pool on every call), dequantized in the kernel. Returns ``(out f32[B, T, N, C], lse f32[B, T, N])``;
+    ids, sentinels and knobs as ``sparse_mla``."""
+    c, r = _check_mla(q_latent_BTNC, q_rope_BTNR, pool_PX, ids_BTK, target)
     check_knobs(block_k=block_k, num_splits=num_splits, target=target)
     return gather_attention(q_latent_BTNC, q_rope_BTNR if r else None, [(pool_PX, ids_BTK)], None,
                             layout=mla_fp8_layout(c, r), scale=scale, block_k=block_k,
@@ -298,7 +307,7 @@ def sparse_mla_fp8(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, pool_PX: ja
 def sparse_mla_fp8_reference(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, pool_PX: jax.Array,
                              ids_BTK: jax.Array, *, scale: float) -> tuple[jax.Array, jax.Array]:
     """``sparse_mla_fp8`` in plain jnp: dequantize the pool, then ``sparse_mla_reference``."""
-    c, r = _check_mla(q_latent_BTNC, q_rope_BTNR, pool_PX, ids_BTK)
+    c, r = _check_mla(q_latent_BTNC, q_rope_BTNR, pool_PX, ids_BTK, None)
     return sparse_mla_reference(q_latent_BTNC, q_rope_BTNR, dequantize_mla_rows(pool_PX, latent_dim=c, rope_dim=r),
                                 ids_BTK, scale=scale)
 
@@ -309,11 +318,13 @@ def sparse_v4_attention_fp8(q_BTNH: jax.Array, window_PX: jax.Array, window_ids_
                             scale: float, rope_dim: int, block_k: int = 64, num_splits: int | None = None,
                             target: str = "mosaic_gpu",
                             interpret: Interpret = False) -> tuple[jax.Array, jax.Array]:
-    """``sparse_v4_attention`` over pools of V4 FP8 rows ``u8[rows, v4_row_bytes(H, rope_dim)]``,
+    """``sparse_v4_attention`` over pools of V4 FP8 rows ``u8[rows, v4_row_bytes(H, rope_dim)]`` (or for
+    ``target="mosaic_tpu"`` as words ``u32[rows, v4_row_bytes(H, rope_dim) / 4]``, as ``sparse_mla_fp8``),
     dequantized in the kernel. Returns ``(out f32[B, T, N, H], lse f32[B, T, N])``."""
     h = _v4_head_dim(q_BTNH, rope_dim)
     sources = check_v4_inputs(q_BTNH, window_PX, window_ids_BTK, entries_MX, entry_ids_BTK, sinks_N,
-                              row_width=v4_row_bytes(h, rope_dim), pool_names=("window_PX", "entries_MX"))
+                              row_width=v4_row_bytes(h, rope_dim), pool_names=("window_PX", "entries_MX"),
+                              target=target)
     check_knobs(block_k=block_k, num_splits=num_splits, target=target)
     return gather_attention(q_BTNH, None, sources, sinks_N, layout=v4_fp8_layout(h, rope_dim), scale=scale,
                             block_k=block_k, num_splits=num_splits, target=target, interpret=interpret,
@@ -336,7 +347,7 @@ def sparse_v4_attention_fp8_reference(q_BTNH: jax.Array, window_PX: jax.Array, w
     """``sparse_v4_attention_fp8`` in plain jnp: dequantize the pools, then ``sparse_v4_attention_reference``."""
     h = _v4_head_dim(q_BTNH, rope_dim)
     check_v4_inputs(q_BTNH, window_PX, window_ids_BTK, entries_MX, entry_ids_BTK, sinks_N,
-                    row_width=v4_row_bytes(h, rope_dim), pool_names=("window_PX", "entries_MX"))
+                    row_width=v4_row_bytes(h, rope_dim), pool_names=("window_PX", "entries_MX"), target=None)
     decode = lambda pool: None if pool is None else dequantize_v4_rows(pool, head_dim=h, rope_dim=rope_dim)
     return sparse_v4_attention_reference(q_BTNH, decode(window_PX), window_ids_BTK, decode(entries_MX),
                                          entry_ids_BTK, sinks_N, scale=scale)

@@ -3,6 +3,13 @@
 Everything here is plain JAX / Python: a ``RowLayout`` describes how a kernel reads one stored row
 (``Chunk`` by chunk), so callers describe their formats (FP8 rows, ``ess_jax.pallas_kernels.fp8_rows``)
 and check inputs without loading the Mosaic GPU toolchain, which ``_gather_attention`` loads.
+
+**Word pools.** The ``mosaic_tpu`` kernels read every pool as rows of 32-bit elements: float32 rows as
+they are, bf16 and byte rows as ``u32[P, row_bytes / 4]`` words (``as_words``; byte ``k`` of word ``j`` is
+the row's byte ``4j + k``, so a bf16 pair's even column is the word's low half). A TPU packs two bf16 or
+four uint8 rows into each 32-bit sublane word of a tile, so a one-row DMA at an arbitrary row exists only
+for 32-bit rows. The wrappers take either form for ``target="mosaic_tpu"``; the GPU targets read the
+rows in their own dtype and refuse words.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import dataclasses
 import itertools
 
 import jax.numpy as jnp
+from jax import lax
 
 from ess_jax.pallas_kernels.target import check_target
 
@@ -100,6 +108,46 @@ def plain_layout(value_width: int, key_width: int, dtype) -> RowLayout:
     values = tuple(Chunk(c, min(VALUE_CHUNK, value_width - c), c) for c in range(0, value_width, VALUE_CHUNK))
     keys = (Chunk(0, key_width, value_width),) if key_width else ()
     return RowLayout(values, keys, value_width + key_width, jnp.dtype(dtype).name)
+
+
+WORD_BYTES = 4  # a TPU sublane word: the element of the pools the mosaic_tpu kernels read
+
+
+def words_per_row(layout: RowLayout) -> int:
+    """32-bit words of one stored row of ``layout`` (its bytes / 4): 288 for V3.2's bf16 576-wide row,
+    164 for its 656-byte FP8 row, 146 for V4's 584-byte one."""
+    row_bytes = layout.row_width * jnp.dtype(layout.dtype).itemsize
+    if row_bytes % WORD_BYTES:
+        raise ValueError(f"a {layout.dtype} row of {layout.row_width} elements is {row_bytes} bytes, not whole "
+                         f"{WORD_BYTES}-byte words: the mosaic_tpu kernels read rows as 32-bit words")
+    return row_bytes // WORD_BYTES
+
+
+def as_words(pool):
+    """Rows ``[P, X]`` of a 16- or 8-bit dtype (bf16 rows, FP8 byte rows) as ``u32[P, X * itemsize / 4]``
+    words, the pool form the ``mosaic_tpu`` kernels read (word ``j`` holds the row's bytes ``4j .. 4j + 3``,
+    little-endian). On a TPU this is a relayout copy of the whole pool (packed tiles to 32-bit ones), paid
+    on every call that passes bf16 / uint8 rows; a cache that stores its rows as words passes them as
+    they are."""
+    item = jnp.dtype(pool.dtype).itemsize
+    per_word = WORD_BYTES // item
+    if pool.ndim != 2 or item not in (1, 2) or pool.shape[1] % per_word:
+        raise ValueError(f"as_words takes rows [P, X] of a 1- or 2-byte dtype with X * itemsize a multiple of "
+                         f"{WORD_BYTES}, got {pool.dtype}{list(pool.shape)}")
+    return lax.bitcast_convert_type(pool.reshape(pool.shape[0], -1, per_word), jnp.uint32)
+
+
+def is_words(pool) -> bool:
+    return pool.dtype == jnp.uint32
+
+
+def check_words_target(name: str, pool, target: str | None):
+    """Word pools are the ``mosaic_tpu`` kernels' form; every other reader (``target=None``: the
+    references) takes the rows themselves."""
+    if is_words(pool) and target != "mosaic_tpu":
+        reader = "the reference" if target is None else f"target={target!r}"
+        raise ValueError(f"{name} holds 32-bit words (as_words: the mosaic_tpu kernels' pool form), but {reader} "
+                         f"reads rows in their own dtype: pass the bf16 / uint8 rows")
 
 
 def check_rank(name: str, x, rank: int, shape_doc: str):

@@ -40,22 +40,29 @@ import jax
 import jax.numpy as jnp
 
 from ess_jax.pallas_kernels.row_layout import (KNOBS, check_float, check_ids, check_knobs, check_mla_queries,
-                                               check_rank, plain_layout)
+                                               check_rank, check_words_target, is_words, plain_layout)
 from ess_jax.pallas_kernels.target import gather_attention
 
 if TYPE_CHECKING:
     from ess_jax.pallas_kernels.target import Interpret
 
 
-def _check(q_latent_BTNC, q_rope_BTNR, pool_PW, ids_BTK):
+def _check(q_latent_BTNC, q_rope_BTNR, pool_PW, ids_BTK, target: str | None):
+    """The inputs of ``target``'s kernel (``None``: the reference's); returns ``(C, R)``."""
     b, t, _, c, r = check_mla_queries(q_latent_BTNC, q_rope_BTNR)
     check_rank("pool_PW", pool_PW, 2, "[P, W = C + R]")
-    if pool_PW.shape[1] != c + r:
+    check_words_target("pool_PW", pool_PW, target)
+    if is_words(pool_PW):
+        if 2 * pool_PW.shape[1] != c + r:
+            raise ValueError(f"pool_PW as words must be u32[P, (C + R) / 2] (bf16 pairs) with C + R = {c} + {r}, "
+                             f"got {pool_PW.shape}")
+    elif pool_PW.shape[1] != c + r:
         raise ValueError(f"pool_PW must be [P, W] with W = C + R = {c} + {r}, got {pool_PW.shape}")
     if pool_PW.shape[0] < 1:
         raise ValueError(f"pool_PW must hold at least one row, got {pool_PW.shape}")
     check_ids("ids_BTK", ids_BTK, b, t)
-    check_float("pool_PW", pool_PW)
+    if not is_words(pool_PW):
+        check_float("pool_PW", pool_PW)
     return c, r
 
 
@@ -74,11 +81,16 @@ def sparse_mla(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, pool_PW: jax.Ar
     Ampere / Ada, ``"mosaic_tpu"`` TPU); ``interpret`` (``True`` or the target interpreter's params,
     ``plgpu.InterpretGPUParams`` / ``pltpu.InterpretParams``) runs the kernel in that interpreter
     instead of compiling it (the only way it runs on a CPU).
+
+    ``pool_PW``: float rows ``[P, C + R]``, or for ``target="mosaic_tpu"`` bf16 rows as 32-bit words
+    ``u32[P, (C + R) / 2]`` (``row_layout.as_words``: the form that kernel reads; bf16 rows given to it
+    are viewed as words by a relayout copy of the whole pool on every call).
     """
-    c, r = _check(q_latent_BTNC, q_rope_BTNR, pool_PW, ids_BTK)
+    c, r = _check(q_latent_BTNC, q_rope_BTNR, pool_PW, ids_BTK, target)
     check_knobs(block_k=block_k, num_splits=num_splits, target=target)
+    dtype = jnp.bfloat16 if is_words(pool_PW) else pool_PW.dtype
     return gather_attention(q_latent_BTNC, q_rope_BTNR if r else None, [(pool_PW, ids_BTK)], None,
-                            layout=plain_layout(c, r, pool_PW.dtype), scale=scale, block_k=block_k,
+                            layout=plain_layout(c, r, dtype), scale=scale, block_k=block_k,
                             num_splits=num_splits, target=target, interpret=interpret, name="sparse_mla")
 
 
@@ -104,7 +116,7 @@ def absorbed_mla_reference(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, row
 def sparse_mla_reference(q_latent_BTNC: jax.Array, q_rope_BTNR: jax.Array, pool_PW: jax.Array, ids_BTK: jax.Array,
                          *, scale: float) -> tuple[jax.Array, jax.Array]:
     """``sparse_mla`` in plain jnp: gather (zero where invalid), then ``absorbed_mla_reference``."""
-    _check(q_latent_BTNC, q_rope_BTNR, pool_PW, ids_BTK)
+    _check(q_latent_BTNC, q_rope_BTNR, pool_PW, ids_BTK, None)
     valid_BTK = ids_BTK >= 0
     rows_BTKW = pool_PW[jnp.where(valid_BTK, ids_BTK, 0)].astype(jnp.float32)
     rows_BTKW = jnp.where(valid_BTK[..., None], rows_BTKW, 0.0)

@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
-from ess_jax.pallas_kernels.row_layout import KNOBS, check_float, check_ids, check_knobs, check_rank, plain_layout
+from ess_jax.pallas_kernels.row_layout import (KNOBS, check_float, check_ids, check_knobs, check_rank,
+                                               check_words_target, is_words, plain_layout)
 from ess_jax.pallas_kernels.target import gather_attention
 
 if TYPE_CHECKING:
@@ -42,14 +43,17 @@ if TYPE_CHECKING:
 
 
 def check_v4_inputs(q_BTNH, window_PX, window_ids_BTK, entries_MX, entry_ids_BTK, sinks_N, *,
-                    row_width: int | None, pool_names: tuple[str, str]):
+                    row_width: int | None, pool_names: tuple[str, str], target: str | None):
     """Shared by the float and FP8 wrappers: float pools of width H (``row_width=None``) or uint8
-    pools of ``row_width`` bytes. Returns the sources ``[(pool, ids), ...]`` that select rows."""
+    pools of ``row_width`` bytes, or (``target="mosaic_tpu"``) either as 32-bit words (bf16 pairs /
+    bytes: ``u32[rows, 2H / 4]`` / ``u32[rows, row_width / 4]``). ``target=None``: the reference's
+    inputs. Returns the sources ``[(pool, ids), ...]`` that select rows."""
     check_rank("q_BTNH", q_BTNH, 4, "[B, T, N, H]")
     check_float("q_BTNH", q_BTNH)
     b, t, n, h = q_BTNH.shape
     float_pools = row_width is None
     row_width = h if float_pools else row_width
+    row_bytes = 2 * h if float_pools else row_width  # of the bf16 / byte rows that words hold
     check_rank("sinks_N", sinks_N, 1, "[N]")
     if sinks_N.shape != (n,):
         raise ValueError(f"sinks_N must be [N] with N = {n} query heads, got {sinks_N.shape}")
@@ -61,12 +65,18 @@ def check_v4_inputs(q_BTNH, window_PX, window_ids_BTK, entries_MX, entry_ids_BTK
     out = []
     for pool_name, pool, ids_name, ids in sources:
         check_rank(pool_name, pool, 2, f"[rows, {row_width}]")
-        if pool.shape[1] != row_width or pool.shape[0] < 1:
-            raise ValueError(f"{pool_name} must be [rows >= 1, {row_width}], got {pool.shape}")
-        if float_pools:
-            check_float(pool_name, pool)
-        elif pool.dtype != jnp.uint8:
-            raise ValueError(f"{pool_name} must hold uint8 FP8 rows, got dtype {pool.dtype}")
+        check_words_target(pool_name, pool, target)
+        if is_words(pool):
+            if 4 * pool.shape[1] != row_bytes or pool.shape[0] < 1:
+                raise ValueError(f"{pool_name} as words must be u32[rows >= 1, {row_bytes} / 4] ({row_bytes}-byte "
+                                 f"{'bf16' if float_pools else 'FP8'} rows), got {pool.shape}")
+        else:
+            if pool.shape[1] != row_width or pool.shape[0] < 1:
+                raise ValueError(f"{pool_name} must be [rows >= 1, {row_width}], got {pool.shape}")
+            if float_pools:
+                check_float(pool_name, pool)
+            elif pool.dtype != jnp.uint8:
+                raise ValueError(f"{pool_name} must hold uint8 FP8 rows, got dtype {pool.dtype}")
         check_ids(ids_name, ids, b, t)
         if ids.shape[2] > 0:  # an empty selection contributes nothing
             out.append((pool, ids))
@@ -84,11 +94,13 @@ def sparse_v4_attention(q_BTNH: jax.Array, window_PH: jax.Array, window_ids_BTK:
                         scale: float, block_k: int = 64, num_splits: int | None = None, target: str = "mosaic_gpu",
                         interpret: Interpret = False) -> tuple[jax.Array, jax.Array]:
     """V4 attention over window rows + compressed entries with a sink. Returns ``(out f32[B, T, N, H],
-    lse f32[B, T, N])``. Knobs as ``sparse_mla``."""
+    lse f32[B, T, N])``. Knobs as ``sparse_mla``; pools float ``[rows, H]``, or for ``target="mosaic_tpu"``
+    bf16 rows as words ``u32[rows, H / 2]`` (``row_layout.as_words``, as ``sparse_mla``'s pool)."""
     sources = check_v4_inputs(q_BTNH, window_PH, window_ids_BTK, entries_MH, entry_ids_BTK, sinks_N,
-                              row_width=None, pool_names=("window_PH", "entries_MH"))
+                              row_width=None, pool_names=("window_PH", "entries_MH"), target=target)
     check_knobs(block_k=block_k, num_splits=num_splits, target=target)
-    layout = plain_layout(q_BTNH.shape[-1], 0, window_PH.dtype)  # the entries share its dtype (checked)
+    dtype = jnp.bfloat16 if is_words(window_PH) else window_PH.dtype  # the entries share its dtype (checked)
+    layout = plain_layout(q_BTNH.shape[-1], 0, dtype)
     return gather_attention(q_BTNH, None, sources, sinks_N, layout=layout, scale=scale, block_k=block_k,
                             num_splits=num_splits, target=target, interpret=interpret, name="sparse_v4_attention")
 
@@ -120,7 +132,7 @@ def sparse_v4_attention_reference(q_BTNH: jax.Array, window_PH: jax.Array, windo
                                   *, scale: float) -> tuple[jax.Array, jax.Array]:
     """``sparse_v4_attention`` in plain jnp: gather both row sets, concatenate, softmax with the sink."""
     sources = check_v4_inputs(q_BTNH, window_PH, window_ids_BTK, entries_MH, entry_ids_BTK, sinks_N,
-                              row_width=None, pool_names=("window_PH", "entries_MH"))
+                              row_width=None, pool_names=("window_PH", "entries_MH"), target=None)
     gathered = [gather_rows_reference(pool, ids) for pool, ids in sources]
     rows_BTKH = jnp.concatenate([r for r, _ in gathered], axis=2)
     valid_BTK = jnp.concatenate([v for _, v in gathered], axis=2)

@@ -151,6 +151,34 @@ def param_spec(names: list[str], shape: tuple[int, ...]) -> PartitionSpec:
     return PartitionSpec()
 
 
+def expert_shards() -> int:
+    """Devices along the ``expert`` axis of the mesh the step is traced on, when the partitioner splits the routed
+    experts over it (an ``Auto`` axis); 1 without a mesh, without the axis, or where it is manual."""
+    abstract = jax.sharding.get_abstract_mesh()
+    if abstract.empty or "expert" not in abstract.axis_names or "expert" in abstract.manual_axes:
+        return 1
+    return abstract.shape["expert"]
+
+
+def over_experts(fn: Callable, tokens, experts):
+    """Expert parallelism: ``fn(tokens, experts, first) -> f32[A, D]``, a sum over the routed experts ``experts``
+    holds (a pytree of arrays, each with its expert axis third from last, the ``param_spec`` rule; ``first``: the
+    id of the first), run on each device of the ``expert`` axis over the experts it holds (``jax.shard_map``:
+    ``tokens`` the same on every device of the axis, as the replicated attention leaves them), the partial sums
+    added over the axis: one all-reduce of the result per call, and no expert's weights leave their device.
+    Without an expert axis to split (``expert_shards``): ``fn(tokens, experts, 0)``."""
+    if expert_shards() == 1:
+        return fn(tokens, experts, 0)
+    specs = jax.tree.map(lambda x: PartitionSpec(*[None] * (x.ndim - 3), "expert"), experts)
+
+    def held(tokens, experts):
+        first = jax.lax.axis_index("expert") * jax.tree.leaves(experts)[0].shape[-3]
+        return jax.lax.psum(fn(tokens, experts, first), "expert")
+
+    return jax.shard_map(held, in_specs=(PartitionSpec(), specs), out_specs=PartitionSpec(), axis_names={"expert"},
+                         check_vma=False)(tokens, experts)
+
+
 def param_bytes_per_device(params, shape: MeshShape) -> int:
     """Bytes of ``params`` (an NNX state) on each device of a mesh of ``shape`` (``param_spec``)."""
     return sum(int(x.nbytes) // (shape.expert if param_spec(path_names(p), x.shape) else 1)

@@ -19,8 +19,10 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.experimental.pallas.ops.tpu import megablox
 
 from ess_jax.config import RopeConfig
+from ess_jax.mesh import over_experts
 
 
 def _normal(rngs: nnx.Rngs, shape, std: float, dtype) -> jax.Array:
@@ -213,7 +215,11 @@ class Router(nnx.Module):
 
 
 class Experts(nnx.Module):
-    """Routed SwiGLU experts, packed: ``gate_up_proj [E, 2F, D]`` (gate rows first), ``down_proj [E, D, F]``."""
+    """Routed SwiGLU experts, packed: ``gate_up_proj [E, 2F, D]`` (gate rows first), ``down_proj [E, D, F]``.
+
+    On a mesh whose ``expert`` axis splits them, expert parallelism: each device runs the experts it holds
+    over the tokens routed to them and the partial sums are added over the axis (``mesh.over_experts``), so
+    the tokens move (one all-reduce of ``f32[A, D]`` per MoE layer) and the weights stay where they are."""
 
     def __init__(self, hidden: int, intermediate: int, n_experts: int, *, limit: float | None = None, dtype,
                  rngs: nnx.Rngs):
@@ -222,19 +228,54 @@ class Experts(nnx.Module):
         self.limit = limit
 
     def __call__(self, x_AD: jax.Array, weights_AK: jax.Array, experts_AK: jax.Array) -> jax.Array:
-        """Grouped matmuls over expert-sorted token copies; returns the weighted sum ``f32[A, D]``."""
-        tokens, k = experts_AK.shape
-        flat_experts = experts_AK.reshape(-1)
-        order = jnp.argsort(flat_experts, stable=True)
-        token_of = order // k
-        group_sizes = jnp.bincount(flat_experts, length=self.gate_up_proj.shape[0]).astype(jnp.int32)
+        """The weighted sum ``f32[A, D]`` of each token's routed experts."""
+        def held(routing, weights, first):
+            return routed_experts(*routing, *weights, limit=self.limit, first=first)
+
+        weights = (self.gate_up_proj.get_value(), self.down_proj.get_value())  # arrays, or quant's release values
+        return over_experts(held, (x_AD, weights_AK, experts_AK), weights)
+
+
+def routed_experts(x_AD: jax.Array, weights_AK: jax.Array, experts_AK: jax.Array, gate_up, down, *,
+                   limit: float | None, first: jax.Array | int) -> jax.Array:
+    """The weighted sum ``f32[A, D]`` over each token's routed experts among those held here: ``gate_up [G, 2F, D]``
+    and ``down [G, D, F]`` (arrays or ``quant`` values, read dequantized) are experts ``first .. first + G - 1``;
+    the others contribute nothing. Grouped matmuls (``grouped_matmul``) over the token copies sorted by expert, the
+    copies for experts held elsewhere last and outside every group."""
+    tokens, k = experts_AK.shape
+    held = gate_up.shape[0]
+    local = experts_AK.reshape(-1) - first
+    mine = (local >= 0) & (local < held)
+    key = jnp.where(mine, local, held)
+    order = jnp.argsort(key, stable=True)
+    token_of = order // k
+    group_sizes = jnp.bincount(key, length=held + 1)[:held].astype(jnp.int32)
+    h = grouped_matmul(x_AD[token_of], gate_up[...], group_sizes)
+    gate, up = jnp.split(h, 2, axis=-1)
+    y = grouped_matmul(swiglu(gate, up, limit), down[...], group_sizes)
+    y = jnp.where(mine[order][:, None], y.astype(jnp.float32) * weights_AK.reshape(-1)[order][:, None], 0)
+    return jnp.zeros((tokens, x_AD.shape[-1]), jnp.float32).at[token_of].add(y)
+
+
+def grouped_matmul(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array) -> jax.Array:
+    """``lhs_MK``'s rows in consecutive groups of ``group_sizes_G``, each times its group's ``rhs_GNK`` transposed:
+    ``[M, N]`` (rows past the groups: undefined). The weights are read in their stored ``[G, N, K]`` layout: on
+    TPU by the Pallas grouped matmul (megablox ``gmm``, ``transpose_rhs``), not by ``ragged_dot``, whose TPU kernel
+    wants ``[G, K, N]`` and would copy every expert's weights into that layout each step; elsewhere
+    ``lax.ragged_dot_general``."""
+    def tpu(lhs, rhs, sizes):
+        (m, k), n = lhs.shape, rhs.shape[1]
+        tm = 128 if m >= 128 else -(-m // 16) * 16  # row tiles: a multiple of 16 rows (bf16 packs two a sublane)
+        padded = jnp.pad(lhs, ((0, -m % tm), (0, 0)))
+        tile = lambda size: next((t for t in (512, 256, 128) if size % t == 0), size)  # noqa: E731
+        return megablox.gmm(padded, rhs, sizes, lhs.dtype, (tm, tile(k), tile(n)), None, None, True)[:m]
+
+    def xla(lhs, rhs, sizes):
         dims = jax.lax.RaggedDotDimensionNumbers(
             dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-        h = jax.lax.ragged_dot_general(x_AD[token_of], self.gate_up_proj[...], group_sizes, dims)
-        gate, up = jnp.split(h, 2, axis=-1)
-        y = jax.lax.ragged_dot_general(swiglu(gate, up, self.limit), self.down_proj[...], group_sizes, dims)
-        y = y.astype(jnp.float32) * weights_AK.reshape(-1)[order][:, None]
-        return jnp.zeros((tokens, x_AD.shape[-1]), jnp.float32).at[token_of].add(y)
+        return jax.lax.ragged_dot_general(lhs, rhs, sizes, dims)
+
+    return jax.lax.platform_dependent(lhs_MK, rhs_GNK, group_sizes_G, tpu=tpu, default=xla)
 
 
 class MoE(nnx.Module):

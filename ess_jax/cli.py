@@ -112,6 +112,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                        help="ess: how missed rows reach the device: 'inline' gathers them host-side inside the "
                             "compiled step and moves them with an in-step device_put; 'split' calls back to the "
                             "host at each layer's fetch point and gathers from a NumPy store (default inline)")
+    cache.add_argument("--miss-budget", action=_EssOnly, type=float, default=0.25,
+                       help="ess: rows a decode step fetches per request and layer, as a fraction of the top-k ids "
+                            "it looks up (every request's misses share one buffer); a step that misses more fetches "
+                            "every id's row, so tokens stay exact (default 0.25; 1: always every id)")
     cache.add_argument("--host-cache-mb", action=_EssOnly, type=float, default=None,
                        help="ess: host store budget in MiB per --mesh data shard; sets the page count (default: "
                             "enough for the shard's --max-batch / D requests of --max-seq-len tokens)")
@@ -247,7 +251,7 @@ def flags_config(args: argparse.Namespace, **overrides):
     return EngineConfig(**dict(dict(
         max_batch=args.max_batch, page_size=args.page_size, num_pages=args.num_pages, max_seq_len=args.max_seq_len,
         prefill_chunk=args.prefill_chunk, offload=args.offload, pool_size=args.pool_size, pool_ratio=args.pool_ratio,
-        fetch=args.fetch, host_cache_mb=args.host_cache_mb, rings=args.rings, kernels=args.kernels,
+        fetch=args.fetch, miss_budget=args.miss_budget, host_cache_mb=args.host_cache_mb, rings=args.rings, kernels=args.kernels,
         cache_dtype=args.cache_dtype, index_dtype=args.index_dtype, mesh=args.mesh, prefix_cache=args.prefix_cache,
         prefix_cache_states=args.prefix_cache_states, prefix_cache_dir=args.prefix_cache_dir,
         prefix_cache_disk_gb=args.prefix_cache_disk_gb,

@@ -46,6 +46,8 @@ class EngineConfig:
     pool_size: int | None = None  # ess: pool slots per (layer, request); wins over pool_ratio
     pool_ratio: float = 0.2  # ess: pool slots as a fraction of the longest request's entries
     fetch: Fetch = Fetch.INLINE  # ess: how misses reach the device (ess_jax.tier)
+    miss_budget: float = 0.25  # ess: rows a decode step fetches per batch row and layer, a fraction of the ids it
+    # looks up (every row's misses in one buffer); a step that misses more fetches every id's row (exact)
     host_cache_mb: float | None = None  # ess: host store budget per data shard; sets the page count when given
     rings: str | None = None  # ess: DeepSeek-V4's HCA compressor rings in host memory ("host") or on the device;
     # None: ring_placement's default
@@ -78,6 +80,9 @@ class EngineConfig:
         if (isinstance(self.pool_ratio, bool) or not isinstance(self.pool_ratio, (int, float))
                 or not 0 < self.pool_ratio <= 1):
             raise ValueError(f"--pool-ratio {self.pool_ratio!r} must be a number in (0, 1]")
+        if (isinstance(self.miss_budget, bool) or not isinstance(self.miss_budget, (int, float))
+                or not 0 < self.miss_budget <= 1):
+            raise ValueError(f"--miss-budget {self.miss_budget!r} must be a number in (0, 1]")
         if self.host_cache_mb is not None and (
                 isinstance(self.host_cache_mb, bool) or not isinstance(self.host_cache_mb, (int, float))
                 or not math.isfinite(self.host_cache_mb) or self.host_cache_mb <= 0):

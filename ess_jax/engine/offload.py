@@ -160,9 +160,11 @@ class Ess:
 
     @staticmethod
     def decode_cache(module, size: families.CacheSize, config: EngineConfig, layout: CacheLayout):
-        return families.get(module.cfg.family).offloaded_cache(
+        family = families.get(module.cfg.family)
+        cache = family.offloaded_cache(
             module, size, layout.offloaded, entry_dtype(module, config), slots=layout.pool_slots, fetch=config.fetch,
             index=config.index_dtype, rings=config.ring_placement, tokens=1 + config.num_speculative_tokens)
+        return family.with_store(cache, dataclasses.replace(family.store_of(cache), miss_budget=config.miss_budget))
 
     def __init__(self, runner: Runner, layout: CacheLayout, stats: EngineStats):
         self.runner, self.layout, self.stats = runner, layout, stats

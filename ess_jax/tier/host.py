@@ -3,8 +3,15 @@ pages), behind one contract with two backends (DESIGN.md §5), tested for identi
 
 - ``PinnedHostStore`` (``--fetch inline``): a jax array in pinned host memory. ``fetch`` gathers the rows
   on the host under ``compute_on("device_host")`` and transfers them inside the step; ``backup`` and
-  ``store_prompt`` scatter on the host side, ``load`` (a cached prefix's whole pages) gathers there. One compiled
-  step, no host round trip.
+  ``store_prompt`` send only their rows to the host and write them there in place (dynamic updates of the donated
+  store), ``load`` (a cached prefix's whole pages) gathers there. One compiled step, no host round trip; the
+  store itself never passes through device memory.
+
+  Its array is page-major, ``[G, Z * L * W]``: a page's rows, each offset's rows of every layer side by side. A
+  step's new row of every layer is then one contiguous update, and the array's shape gets the row-major layout
+  from XLA:TPU's default layout chooser (a 4-d ``[L, G, Z, W]`` store gets a tiled layout with the page axis
+  minor-most, which the host computations inside the step's scan over layers do not share: XLA then relays the
+  whole store out through device memory every step).
 - ``NumpyHostStore`` (``--fetch split``): a NumPy array. ``fetch`` is a host callback at the fetch point
   (one batched transfer per layer); ``backup``, ``store_prompt`` and ``load`` are ordered io callbacks. Portable.
 
@@ -35,50 +42,86 @@ _ON_HOST = compute_on(compute_type="device_host", out_memory_spaces=jax.memory.S
 
 
 class PinnedHostStore:
-    """``--fetch inline``: the rows in a pinned-host jax array."""
+    """``--fetch inline``: the rows ``[L, G, Z, W]`` in a pinned-host jax array laid out ``[G, Z * L * W]``."""
 
-    def __init__(self, array: jax.Array):
-        self.array = array  # [L, G, Z, W] in pinned host memory
+    def __init__(self, array: jax.Array, layers: int, width: int):
+        self.array = array  # [G, Z * L * W] in pinned host memory: row (l, g, z) at [g, (z * L + l) * W ...]
+        self.layers, self.width = layers, width  # L, W
 
     @classmethod
     def zeros(cls, shape: tuple[int, ...], dtype) -> PinnedHostStore:
         # zeros computed on the host side: the store never passes through device memory
-        return cls(jax.jit(_ON_HOST(lambda: jnp.zeros(shape, dtype)))())
+        l, g, z, w = shape
+        return cls(jax.jit(_ON_HOST(lambda: jnp.zeros((g, z * l * w), dtype)))(), l, w)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``[L, G, Z, W]``, the rows' shape."""
+        g, zlw = self.array.shape
+        z = zlw // (self.layers * self.width)
+        return self.layers, g, z, self.width
+
+    @property
+    def dtype(self):
+        return self.array.dtype
 
     @property
     def nbytes(self) -> int:
         return self.array.nbytes
 
     def rows(self) -> np.ndarray:
-        """Every row, on the host (tests, figures)."""
-        return np.asarray(self.array)
+        """Every row ``[L, G, Z, W]``, on the host (tests, figures)."""
+        l, g, z, w = self.shape
+        return np.asarray(self.array).reshape(g, z, l, w).transpose(2, 0, 1, 3)
 
     def fetch(self, layer, page_BK: jax.Array, offset_BK: jax.Array) -> jax.Array:
         """Rows of layer ``layer`` (an int or i32[], traced inside a scan over layers) at (page, offset)
-        ``[B, K, W]`` on the device."""
+        ``[..., W]`` on the device (any leading shape)."""
+        l, w = self.layers, self.width
         # every operand of a host computation must live in host memory, the layer index included
-        index = jax.device_put((jnp.full_like(page_BK, layer), page_BK, offset_BK), jax.memory.Space.Host)
-        rows = _ON_HOST(lambda store, l, p, o: store[l, p, o])(self.array, *index)
+        column_BK = (offset_BK * l + layer) * w
+        index = jax.device_put((page_BK, column_BK, jnp.arange(w, dtype=jnp.int32)), jax.memory.Space.Host)
+        rows = _ON_HOST(lambda store, p, c, x: store[p[..., None], c[..., None] + x])(self.array, *index)
         return jax.device_put(rows, jax.memory.Space.Device)
 
     def backup(self, page_B: jax.Array, offset_B: jax.Array, rows_LBW: jax.Array) -> PinnedHostStore:
-        """Every layer's row of each batch row at (page, offset)."""
-        operands = jax.device_put((page_B, offset_B, rows_LBW), jax.memory.Space.Host)
-        return PinnedHostStore(_ON_HOST(lambda store, p, o, rows: store.at[:, p, o].set(rows))(self.array, *operands))
+        """Every layer's row of each batch row at (page, offset) (``B``: any leading shape): each batch row's ``L``
+        rows one update, only the rows sent to the host."""
+        l, w = self.layers, self.width
+        rows_BX = jnp.swapaxes(rows_LBW.reshape(l, -1, w), 0, 1).reshape(-1, l * w).astype(self.array.dtype)
+        b = rows_BX.shape[0]
+        operands = jax.device_put((page_B.reshape(-1), offset_B.reshape(-1) * (l * w), rows_BX), jax.memory.Space.Host)
+
+        def write(store, p_B, c_B, rows_BX):
+            for i in range(b):
+                store = jax.lax.dynamic_update_slice(store, rows_BX[i][None], (p_B[i], c_B[i]))
+            return store
+
+        return PinnedHostStore(_ON_HOST(write)(self.array, *operands), l, w)
 
     def store_prompt(self, rows_LXZW: jax.Array, pages_X: jax.Array) -> PinnedHostStore:
-        """Whole pages of rows at ``pages_X``."""
-        operands = jax.device_put((rows_LXZW, pages_X), jax.memory.Space.Host)
-        return PinnedHostStore(_ON_HOST(lambda store, r, p: store.at[:, p].set(r))(self.array, *operands))
+        """Whole pages of rows at ``pages_X``: each page one update."""
+        l, x, z, w = rows_LXZW.shape
+        pages_XR = jnp.transpose(rows_LXZW, (1, 2, 0, 3)).reshape(x, z * l * w).astype(self.array.dtype)
+        operands = jax.device_put((pages_X, pages_XR), jax.memory.Space.Host)
+
+        def write(store, p_X, pages_XR):
+            for i in range(x):
+                store = jax.lax.dynamic_update_slice(store, pages_XR[i][None], (p_X[i], 0))
+            return store
+
+        return PinnedHostStore(_ON_HOST(write)(self.array, *operands), l, w)
 
     def load(self, pages_X: jax.Array) -> jax.Array:
         """Whole pages ``pages_X`` of rows on the device ``[L, X, Z, W]``, gathered on the host side."""
-        rows = _ON_HOST(lambda store, p: store[:, p])(self.array, jax.device_put(pages_X, jax.memory.Space.Host))
-        return jax.device_put(rows, jax.memory.Space.Device)
+        l, _, z, w = self.shape
+        rows = _ON_HOST(lambda store, p: store[p])(self.array, jax.device_put(pages_X, jax.memory.Space.Host))
+        rows = jax.device_put(rows, jax.memory.Space.Device)
+        return jnp.transpose(rows.reshape(-1, z, l, w), (2, 0, 1, 3))
 
 
-jax.tree_util.register_pytree_node(PinnedHostStore, lambda s: ((s.array,), None),
-                                   lambda _, children: PinnedHostStore(*children))
+jax.tree_util.register_pytree_node(PinnedHostStore, lambda s: ((s.array,), (s.layers, s.width)),
+                                   lambda aux, children: PinnedHostStore(*children, *aux))
 
 
 class NumpyHostStore:
@@ -87,6 +130,14 @@ class NumpyHostStore:
 
     def __init__(self, shape: tuple[int, ...], dtype):
         self.array = np.zeros(shape, jnp.dtype(dtype))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.array.shape
+
+    @property
+    def dtype(self):
+        return self.array.dtype
 
     @property
     def nbytes(self) -> int:

@@ -59,9 +59,9 @@ class HostRings:
         """The rings ``[B, U, Y]`` of layer ``layer`` (an int, or i32[] inside a scan over layers) for the rows
         where ``closes_B``, with the newest rows over their slots (other rows: zeros and the newest row)."""
         b = closes_B.shape[0]
-        u, y = self.kv.array.shape[2:]
+        u, y = self.kv.shape[2:]
         budget = fetch_budget(b)
-        empty = (jnp.zeros((b, u, y), self.kv.array.dtype), jnp.zeros((b, u, y), self.gate.array.dtype))
+        empty = (jnp.zeros((b, u, y), self.kv.dtype), jnp.zeros((b, u, y), self.gate.dtype))
 
         def fetch(rows_C):  # whole rings of batch rows rows_C (index b: none), scattered back to [B, U, Y]
             c = rows_C.shape[0]

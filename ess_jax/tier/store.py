@@ -6,7 +6,9 @@ A decode step, per sparse layer (``Tier.read``, one token per batch row):
 
 1. the indexer's top-k entries resolve to slots through the residency map (``lru.LruPool``);
 2. the new entry and every miss take the least recently used slots that no hit of this step holds;
-3. missed rows are fetched from the host store (``host``: inline or split);
+3. missed rows are fetched from the host store (``host``: inline or split) through a buffer of the miss budget's
+   rows (``miss_budget``: a fraction of the ids looked up per batch row, every batch row's misses compacted into
+   it), or, on a step that misses more, every looked-up id's row (exact at any pool size);
 4. the sources handed to attention: the pool with the hits and the new entry (ready), the fetched rows
    (in flight); ``ops.dual_attention`` attends over both and merges them by log-sum-exp (ESS
    Dual-Attention), so the transfer can hide behind the hit half; ``settle`` then writes the misses
@@ -21,6 +23,7 @@ With ``P >=`` a request's entries nothing is ever evicted and the tier equals th
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -48,6 +51,8 @@ class Tier:
     host: Any  # host.PinnedHostStore | host.NumpyHostStore: [L, G, Z, W]
     page_size: int = dataclasses.field(metadata=dict(static=True))  # tokens per page (Z)
     rate: int = dataclasses.field(metadata=dict(static=True))  # tokens per entry (m)
+    miss_budget: float = dataclasses.field(default=1.0, metadata=dict(static=True))  # rows fetched per batch row
+    # and step, a fraction of the ids it looks up (1: every id, no compaction)
 
     @property
     def dtype(self):
@@ -75,7 +80,7 @@ class Tier:
             # every read of the old maps happens before their in-place updates in settle
             evicted_BK1, old = jax.lax.optimization_barrier((evicted_BK1, self.lru))
         with jax.named_scope("fetch"):
-            fetched_BUW = self.host.fetch(layer, jnp.where(res.miss_K, page_BU, 0), jnp.where(res.miss_K, offset_BU, 0))
+            fetched_BUW = self._fetch(layer, res.miss_K, page_BU, offset_BU)
         # the step's arrivals: its new rows, then the fetched misses (A = M + U rows per batch row)
         arrivals_BAW = jnp.concatenate([new_rows_BMW.astype(fetched_BUW.dtype), fetched_BUW], axis=1)
         new_of_BU = jnp.argmax(ids_BU[:, :, None] == new_ids_BM[:, None, :], axis=2)
@@ -111,6 +116,31 @@ class Tier:
 
         ready = [RowSource(self.pool.reshape(-1, w), picked(hit_BU))]
         return Sources(ready, [RowSource(arrivals_BAW.reshape(b * (m + u), w), picked(inflight_BU))], settle)
+
+    def _fetch(self, layer, miss_BU: jax.Array, page_BU: jax.Array, offset_BU: jax.Array) -> jax.Array:
+        """The missed rows ``[B, U, W]`` (zeros elsewhere) of layer ``layer`` from the host store: the misses of
+        every batch row compacted into a buffer of ``fetch_rows`` rows when they fit it, else every looked-up id's
+        row (the non-missed ones from the null page)."""
+        b, u = miss_BU.shape
+        w = self.pool.shape[-1]
+        n = fetch_rows(b, u, self.miss_budget)
+
+        def every():
+            return self.host.fetch(layer, jnp.where(miss_BU, page_BU, 0), jnp.where(miss_BU, offset_BU, 0))
+
+        if n == b * u:
+            return every()
+        miss_X = miss_BU.reshape(-1)
+
+        def compact():
+            at_N = jnp.nonzero(miss_X, size=n, fill_value=b * u)[0]  # b * u: no miss
+            source_N = jnp.minimum(at_N, b * u - 1)
+            used_N = at_N < b * u
+            rows_NW = self.host.fetch(layer, jnp.where(used_N, page_BU.reshape(-1)[source_N], 0),
+                                      jnp.where(used_N, offset_BU.reshape(-1)[source_N], 0))
+            return jnp.zeros((b * u, w), rows_NW.dtype).at[at_N].set(rows_NW, mode="drop").reshape(b, u, w)
+
+        return jax.lax.cond(miss_X.sum() <= n, compact, every)
 
     def rollback(self, meta: StepMeta, length_B: jax.Array) -> Tier:
         """Forget the entries past each row's ``length_B`` tokens, written by a verification step's rejected
@@ -181,6 +211,12 @@ def union(ids_TK: jax.Array) -> tuple[jax.Array, jax.Array]:
     first_ordered = order[jax.lax.cummax(jnp.where(starts, jnp.arange(flat.size), 0))]
     first = jnp.zeros(flat.size, jnp.int32).at[order].set(first_ordered.astype(jnp.int32))
     return jnp.where(first == jnp.arange(flat.size), flat, -1), first.reshape(t, k)
+
+
+def fetch_rows(rows: int, ids: int, miss_budget: float) -> int:
+    """Rows of the miss buffer a step fetches into for ``rows`` batch rows looking up ``ids`` ids each: the budget's
+    fraction of the ids, at least one row, per batch row."""
+    return rows * min(ids, max(1, math.ceil(miss_budget * ids)))
 
 
 def init_tier(*, layers: int, rows: int, slots: int, pages: int, page_size: int, rate: int, width: int, dtype,

@@ -181,6 +181,14 @@ class PageAllocator:
                 usable = len(pages)
         return np.array(pages[:usable], np.int32)
 
+    def has(self, key: bytes) -> bool:
+        """A page is cached under ``key``."""
+        return key in self._page_of
+
+    def has_state(self, key: bytes) -> bool:
+        """A row-state snapshot is kept at the end of page ``key``."""
+        return key in self._states
+
     def cached_run(self, keys: Sequence[bytes]) -> int:
         """How many of the leading ``keys`` are cached, snapshots or not."""
         return next((i for i, key in enumerate(keys) if key not in self._page_of), len(keys))
@@ -225,12 +233,16 @@ class PageAllocator:
 
 class Admitted(NamedTuple):
     """A running request: its batch row and its reserved pages ``i32[pages_for(prompt + max_new)]`` (ids in
-    the pool of the row's data shard), the first ``shared`` of them cached pages it shares (read only)."""
+    the pool of the row's data shard), the first ``shared`` of them cached pages it shares (read only); with row
+    states, ``points``: the page counts past ``shared`` at whose end its prefill keeps a snapshot besides its
+    boundary's (where it leaves its shard's cached run, and the longest run a request waiting when it was admitted
+    shares with it: branch points later prompts resume from)."""
 
     request_id: Hashable
     row: int
     pages: np.ndarray
     shared: int = 0
+    points: tuple[int, ...] = ()
 
 
 class _Waiting(NamedTuple):
@@ -248,8 +260,10 @@ class Admission:
     are refused by ``submit``, so the head of the queue always fits once enough requests finish.
     """
 
-    def __init__(self, allocators: list[PageAllocator], *, max_batch: int, max_position_embeddings: int):
-        """``allocators``: one pool per data shard (equal sizes); ``max_batch`` rows, divided evenly over them."""
+    def __init__(self, allocators: list[PageAllocator], *, max_batch: int, max_position_embeddings: int,
+                 block: int = 1):
+        """``allocators``: one pool per data shard (equal sizes); ``max_batch`` rows, divided evenly over them;
+        ``block``: the pages a shared prefix with row states is a multiple of (where snapshots are taken)."""
         if max_batch < 1:
             raise ValueError(f"{max_batch=} must be >= 1")
         if not allocators or max_batch % len(allocators):
@@ -257,6 +271,11 @@ class Admission:
         if len({(a.num_pages, a.page_size) for a in allocators}) != 1:
             raise ValueError("every data shard's pool must have the same pages")
         self.allocators = list(allocators)
+        self.block = block
+        # per shard, the keys the prefills running there will cache (pages) and snapshot at (row states), by request
+        self._pending: list[dict[bytes, Hashable]] = [{} for _ in allocators]
+        self._pending_states: list[dict[bytes, Hashable]] = [{} for _ in allocators]
+        self._expected: dict[Hashable, tuple[int, list[bytes], list[bytes]]] = {}
         self.rows_per_shard = max_batch // len(allocators)
         self.max_batch = max_batch
         self.max_position_embeddings = max_position_embeddings
@@ -339,38 +358,91 @@ class Admission:
         self._waiting_ids.remove(request_id)
         self._queue = deque(w for w in self._queue if w.request_id != request_id)
 
-    def _shard_for(self, waiting: _Waiting) -> tuple[int, np.ndarray] | None:
+    def _reach(self, shard: int, keys: Sequence[bytes]) -> int:
+        """How many of ``keys`` a request could share on ``shard`` once the prefills running there cache what they
+        will (their pages, and with row states their snapshots)."""
+        pool, pages, states = self.allocators[shard], self._pending[shard], self._pending_states[shard]
+        usable = 0
+        for i, key in enumerate(keys):
+            if not (pool.has(key) or key in pages):
+                break
+            if pool.max_states is None or pool.has_state(key) or key in states:
+                usable = i + 1
+        return usable
+
+    def _shard_for(self, waiting: _Waiting) -> tuple[int, np.ndarray] | None | bool:
         """The shard with a free row and the pages ``waiting`` takes there that holds the longest cached prefix of
-        it, the least loaded among equals; with the cached pages it shares there (None: no shard fits it)."""
-        fits = []
+        it, the least loaded among equals; with the cached pages it shares there (None: no shard fits it; False: it
+        waits for a running prefill that will cache more of its prefix than any shard holds now)."""
+        fits, now, later = [], 0, 0
         for d, a in enumerate(self.allocators):
             shared = a.match(waiting.keys)
+            now, later = max(now, shared.size), max(later, self._reach(d, waiting.keys))
             if self._free_rows[d] and a.cost(shared, waiting.pages) <= a.num_free:
                 fits.append((-shared.size, -a.num_free, -len(self._free_rows[d]), d, shared))
+        if later > now:
+            return False
         best = min(fits, key=lambda f: f[:4], default=None)
         return None if best is None else best[3:]
 
     def admit(self, max_new: int) -> list[Admitted]:
         """Admit up to ``max_new`` requests from the head of the queue while pages and batch rows allow;
         each goes to the least-loaded shard that fits it and gets that shard's lowest free batch row and
-        its pages, reserved in full."""
+        its pages, reserved in full. A request whose prefix a running prefill will cache waits for it, keeping its
+        place (SGLang's in-batch prefix sharing); those behind it go on."""
         if max_new < 0:
             raise ValueError(f"{max_new=} must be >= 0")
-        admitted = []
+        admitted, deferred = [], []
         while len(admitted) < max_new and self._queue:
             found = self._shard_for(self._queue[0])
+            if found is False:
+                deferred.append(self._queue.popleft())
+                continue
             if found is None:
                 break
-            (shard, shared), (request_id, pages, _) = found, self._queue.popleft()
+            (shard, shared), waiting = found, self._queue.popleft()
+            request_id = waiting.request_id
             self._waiting_ids.remove(request_id)
             pool = self.allocators[shard]
+            points = self._points(pool, waiting.keys, shared.size, [w.keys for w in (*deferred, *self._queue)])
             pool.share(shared)  # before allocate, which may evict cached pages no request holds
-            own = pool.allocate(pages - shared.size)
+            own = pool.allocate(waiting.pages - shared.size)
             entry = Admitted(request_id, heapq.heappop(self._free_rows[shard]), np.concatenate([shared, own]),
-                             shared.size)
+                             shared.size, points)
             self._running[request_id] = entry
+            self._expect(request_id, shard, waiting.keys[shared.size:],
+                         [waiting.keys[n - 1] for n in (*points, len(waiting.keys)) if n > shared.size])
             admitted.append(entry)
+        self._queue.extendleft(reversed(deferred))
         return admitted
+
+    def _points(self, pool: PageAllocator, keys: Sequence[bytes], shared: int,
+                waiting: list[Sequence[bytes]]) -> tuple[int, ...]:
+        """With row states, a request's branch points (``Admitted.points``) past the ``shared`` pages it shares:
+        where it leaves ``pool``'s cached run, and the longest run of its keys one of the ``waiting`` requests' keys
+        start with."""
+        if pool.max_states is None:
+            return ()
+        common = max((next((i for i, (a, b) in enumerate(zip(keys, other)) if a != b), min(len(keys), len(other)))
+                      for other in waiting), default=0)
+        runs = {n // self.block * self.block for n in (pool.cached_run(keys), common)}
+        return tuple(sorted(n for n in runs if shared < n < len(keys)))
+
+    def _expect(self, request_id: Hashable, shard: int, pages: Sequence[bytes], states: Sequence[bytes]) -> None:
+        """A running prefill will cache ``pages`` and keep snapshots at ``states`` (until ``settle``)."""
+        pages = [k for k in pages if k not in self._pending[shard]]
+        states = [k for k in states if k not in self._pending_states[shard]]
+        self._pending[shard].update(dict.fromkeys(pages, request_id))
+        self._pending_states[shard].update(dict.fromkeys(states, request_id))
+        self._expected[request_id] = (shard, pages, states)
+
+    def settle(self, request_id: Hashable) -> None:
+        """A running request's prefill has cached what it will (or ended): requests waiting for it go on."""
+        shard, pages, states = self._expected.pop(request_id, (0, [], []))
+        for key in pages:
+            self._pending[shard].pop(key, None)
+        for key in states:
+            self._pending_states[shard].pop(key, None)
 
     def cache_pages(self, request_id: Hashable, keys: Sequence[bytes], state: tuple[Any, int] | None = None) -> None:
         """Cache a running request's first ``len(keys)`` pages (fully written prompt pages) under ``keys``; with
@@ -381,6 +453,7 @@ class Admission:
             pool.cache(page, key)
         if state is not None:
             pool.keep_state(keys[-1], *state)
+        self.settle(request_id)
 
     def keep_state(self, request_id: Hashable, key: bytes, state: tuple[Any, int]) -> None:
         """Keep a row state (and its bytes) at the end of the cached page ``key`` in a running request's shard."""
@@ -400,6 +473,7 @@ class Admission:
         if request_id not in self._running:
             raise KeyError(f"request {request_id!r} is not running")
         entry = self._running.pop(request_id)
+        self.settle(request_id)
         shard = self.shard_of(entry.row)
         self.allocators[shard].free(entry.pages)
         heapq.heappush(self._free_rows[shard], entry.row)

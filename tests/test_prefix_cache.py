@@ -264,6 +264,26 @@ def test_shared_prefix_workloads_give_the_tokens_of_no_prefix_cache(engines, mod
 
 
 @pytest.mark.parametrize("mode, tail", [("resident", 1), ("ess inline", 32)])
+def test_prompts_submitted_together_share_their_prefix(engines, mode, tail):
+    """Four prompts of one 48-token stem and 8 tokens of their own, submitted at once to three batch rows: the first
+    prefills the stem, the others wait for its pages instead of computing them too (in-batch prefix sharing), each
+    then reading the stem's pages before its boundary; identical prompts likewise. Tokens as without the cache."""
+    on = engines[mode]
+    rng = np.random.default_rng(17)
+    stem = rng.integers(0, 256, 48).tolist()
+    prompts = [stem + rng.integers(0, 256, 8).tolist() for _ in range(3)]
+    prompts.append(prompts[0])
+    want = reference(engines, [(p, 4) for p in prompts])
+    before, prefilled = on.prefix_cache_metrics()["hit_tokens"], on.stats.prefill_tokens
+    ids = [on.add_request(p, 4) for p in prompts]
+    assert [r.output_ids for r in on.run()] == want and ids == sorted(ids)
+    shared = (56 - tail) // 8 * 8
+    assert on.prefix_cache_metrics()["hit_tokens"] - before == 3 * shared
+    assert on.stats.prefill_tokens - prefilled == 4 * 56 - 3 * shared
+    assert_idle_holds_only_cached_pages(on)
+
+
+@pytest.mark.parametrize("mode, tail", [("resident", 1), ("ess inline", 32)])
 def test_identical_resent_request_hits_all_but_its_last_tokens(engines, mode, tail):
     """Re-sent, a prompt reads its whole pages from the cache but those holding its last ``tail`` tokens (the last
     one's logits give the first token; ESS: the last 32 queries' top-k warm the pool)."""

@@ -9,6 +9,7 @@ row's shard (``ess_jax.allocator``)."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import threading
 from collections import deque
 from typing import Any, Callable, Sequence
@@ -285,7 +286,8 @@ class Scheduler:
         # of their pages, until its first piece
         states = config.prefix_cache_states if self.row_state else None
         self.allocators = [PageAllocator(pages, config.page_size, states) for _ in range(shards)]
-        self.admission = Admission(self.allocators, max_batch=config.max_batch, max_position_embeddings=max_seq_len)
+        self.admission = Admission(self.allocators, max_batch=config.max_batch, max_position_embeddings=max_seq_len,
+                                   block=self.prefix_block // config.page_size)
         self.inbox = Inbox(stats)
         self._requests: dict[int, Request] = {}  # the requests taken from the inbox and not finished
         self._prefilling: deque[Admitted] = deque()  # admitted requests whose prompt is not all cached
@@ -321,8 +323,10 @@ class Scheduler:
         its prompt (each position's logits are computed)."""
         if self.prefix_salt is None:
             return []
-        prompt = request.prompt_ids
-        self._keys[request_id] = page_keys(prompt, self.config.page_size, self.prefix_salt, self.prefix_lookahead)
+        prompt, salt = request.prompt_ids, self.prefix_salt
+        if request.cache_salt is not None:  # its pages named apart from every other salt's
+            salt = hashlib.blake2b(salt + b"\0cache_salt\0" + request.cache_salt.encode(), digest_size=16).digest()
+        self._keys[request_id] = page_keys(prompt, self.config.page_size, salt, self.prefix_lookahead)
         if request.prompt_logprobs is not None:
             return []
         return self._keys[request_id][:self.boundary(len(prompt)) // self.config.page_size]
@@ -355,12 +359,11 @@ class Scheduler:
             self._prefilling.append(entry)
 
     def _snapshot_points(self, entry: Admitted, request: Request) -> list[int]:
-        """Where a prompt's prefill takes its row state: its boundary, and the last prefix block boundary in the run
-        of its pages its shard has cached, each past where its prefill starts."""
+        """Where a prompt's prefill takes its row state: its boundary, and its branch points (``Admitted.points``:
+        where it leaves its shard's cached run, and where a waiting prompt's pages part from its own), each past where
+        its prefill starts."""
         ps, length = self.config.page_size, len(request.prompt_ids)
-        keys = self._keys[entry.request_id][:self.boundary(length) // ps]
-        branch = self.admission.cached_run(entry.request_id, keys) * ps // self.prefix_block * self.prefix_block
-        return sorted({at for at in (branch, self.boundary(length)) if at > request.prefilled})
+        return sorted({at for at in (*(n * ps for n in entry.points), self.boundary(length)) if at > request.prefilled})
 
     def _read_disk(self, entry: Admitted, request: Request) -> int:
         """The pages past a request's cached prefix that the disk store has, up to its boundary (with row state: up
@@ -445,6 +448,8 @@ class Scheduler:
             self.stats.prefill_tokens += group.size
             if shard in result.states:
                 self._taken.setdefault(piece.request_id, {})[piece.start + group.size] = result.states[shard]
+            if piece.last:
+                self.admission.settle(piece.request_id)  # (cache_pages settles it too)
             if piece.last and (keys := self._cacheable(piece.request_id, piece.prompt_len)):
                 # its prompt pages, for others to share: all written now (ESS: handed off to the host store); with
                 # row state those before its boundary, with the snapshots taken there and at its branch point

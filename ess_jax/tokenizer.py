@@ -167,25 +167,30 @@ def load_tokenizer(directory: str | Path | None, cfg: ModelConfig) -> Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """The text of a growing token sequence, handed out in deltas.
+    """The text of a growing token sequence, handed out in deltas, in time linear in the sequence.
 
-    Each ``push`` decodes every id so far and returns the new text past what was handed out, holding
-    back trailing replacement characters (U+FFFD): the bytes of an unfinished UTF-8 character, or the
-    first bytes of a multi-byte piece split across tokens, wait for the tokens that complete them. With
-    ``final=True`` nothing is held back, so the deltas concatenate to ``decode(all ids)`` exactly (for
-    decoders whose text of a prefix is a prefix of the text: byte-level ones, both tokenizers here).
+    Each ``push`` decodes only a window (vLLM's prefix and read offsets): the ids from the start of the last delta's
+    tokens (``prefix``, their text the context for decoders that read a token's neighbour, such as a leading space)
+    to the end; the delta is that text past the context's. While the window's text ends in replacement characters
+    (U+FFFD: the bytes of an unfinished UTF-8 character, or the first bytes of a multi-byte piece split across tokens)
+    nothing is handed out, until the tokens that complete them come. With ``final=True`` nothing is held back, so the
+    deltas concatenate to ``decode(all ids)`` exactly (for decoders whose text of a prefix is a prefix of the text:
+    byte-level ones, both tokenizers here).
     """
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.text = ""  # handed out so far
+        self.prefix = 0  # the window's start: the last delta's first token
+        self.read = 0  # ids handed out: the window's context ends here
+        self.context = ""  # the text of ids[prefix:read]
 
     def push(self, ids: list[int], *, final: bool = False) -> str:
         self.ids.extend(ids)
-        full = self.tokenizer.decode(self.ids)
-        ready = full if final else full.rstrip("\ufffd")
-        if not ready.startswith(self.text):  # a decoder that rewrote earlier text (not byte-level): hand out nothing
+        text = self.tokenizer.decode(self.ids[self.prefix:])
+        if (not final and text.endswith("\ufffd")) or len(text) < len(self.context):
             return ""
-        delta, self.text = ready[len(self.text):], ready
+        delta = text[len(self.context):]
+        self.prefix, self.read = self.read, len(self.ids)
+        self.context = self.tokenizer.decode(self.ids[self.prefix:self.read])
         return delta

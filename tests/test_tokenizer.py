@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from ess_jax.config import ConfigError, ModelConfig
-from ess_jax.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from ess_jax.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDetokenizer, load_tokenizer
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"  # DeepSeek's special tokens
 CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, héllo wörld", "你好，世界", "byte-level BPE"]
@@ -102,3 +102,21 @@ def test_load_tokenizer_picks_tokenizer_json_when_present(checkpoint_dir, cfg, t
     assert isinstance(load_tokenizer(str(checkpoint_dir), cfg), HFTokenizer)
     assert isinstance(load_tokenizer(tmp_path, cfg), ByteTokenizer)  # a checkpoint without tokenizer.json
     assert isinstance(load_tokenizer(None, cfg), ByteTokenizer)  # a preset
+
+
+def test_incremental_detokenization_is_linear_in_the_reply(cfg):
+    """A 16K-token reply pushed one token at a time decodes each token a bounded number of times (vLLM's offsets):
+    the decoder reads O(n) ids in all, not O(n^2), and the deltas concatenate to the whole text."""
+    class Counting(ByteTokenizer):
+        read = 0
+
+        def decode(self, ids):
+            Counting.read += len(ids)
+            return super().decode(ids)
+
+    tokenizer = Counting(cfg)
+    ids = list(("héllo wörld 🙂 " * 1200).encode())[:16384]
+    detok = IncrementalDetokenizer(tokenizer)
+    text = "".join(detok.push([t], final=i == len(ids) - 1) for i, t in enumerate(ids))
+    assert text == ByteTokenizer(cfg).decode(ids)
+    assert Counting.read < 8 * len(ids)

@@ -186,6 +186,24 @@ jax.tree_util.register_pytree_node(NumpyHostStore, lambda s: ((), s), lambda s, 
 HOST_STORES = (PinnedHostStore, NumpyHostStore)
 
 
+def fetch_wanted(read, want_X: jax.Array, chunk: int, like):
+    """Rows of every item ``want_X`` marks, ``like``'s shapes (a pytree of ``[X, ...]`` shapes; zeros where not
+    wanted), read ``chunk`` items at a time by ``read(at_C)`` (``i32[C]`` item ids, ``X`` = none; a pytree like
+    ``like`` of ``[C, ...]`` rows): the wanted items compacted, as many chunks as they fill, none when nothing is
+    wanted. A step then moves its wanted rows rounded up to a chunk, exact however many it wants. (A loop, not a
+    conditional: XLA:TPU places host computations inside loops, not inside conditionals.)"""
+    x = want_X.shape[0]
+    order_X = jnp.nonzero(want_X, size=x + chunk, fill_value=x)[0].astype(jnp.int32)
+
+    def body(carry):
+        start, out = carry
+        at_C = jax.lax.dynamic_slice(order_X, (start,), (chunk,))
+        return start + chunk, jax.tree.map(lambda o, r: o.at[at_C].set(r.astype(o.dtype), mode="drop"), out, read(at_C))
+
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), like)
+    return jax.lax.while_loop(lambda c: c[0] < want_X.sum(), body, (jnp.zeros((), jnp.int32), zeros))[1]
+
+
 def host_store(fetch: str, shape: tuple[int, ...], dtype) -> PinnedHostStore | NumpyHostStore:
     """An empty host store of ``shape`` for the fetch backend ``fetch``."""
     if fetch not in FETCH_BACKENDS:

@@ -10,9 +10,9 @@ positions, slot ``position % U``); the device holds the newest position's row an
   step (the tier's backup path, ``host.*.backup``); a row written again unchanged is harmless, so nothing
   marks rows pending;
 - ``read``: the rings of one layer for the rows whose window closes this step, fetched from the host (one
-  fetch per closed window: none when no row closes, a compacted fetch of at most ``budget`` rows, or every
-  row when more close at once), with the newest row laid over its slot from the device, so the fetch never
-  waits for this step's backup;
+  fetch per closed window: none when no row closes, else the closing rows compacted, ``fetch_budget`` rows a
+  fetch, as many fetches as they fill), with the newest row laid over its slot from the device, so the fetch
+  never waits for this step's backup;
 - ``appended``: the slots of the rows that ran this step;
 - ``store_prompt``: a prefilled prompt's whole ring into its batch row.
 
@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ess_jax.tier.host import host_store
+from ess_jax.tier.host import fetch_wanted, host_store
 
 
 def fetch_budget(rows: int) -> int:
@@ -60,21 +60,15 @@ class HostRings:
         where ``closes_B``, with the newest rows over their slots (other rows: zeros and the newest row)."""
         b = closes_B.shape[0]
         u, y = self.kv.shape[2:]
-        budget = fetch_budget(b)
-        empty = (jnp.zeros((b, u, y), self.kv.dtype), jnp.zeros((b, u, y), self.gate.dtype))
 
-        def fetch(rows_C):  # whole rings of batch rows rows_C (index b: none), scattered back to [B, U, Y]
+        def read(rows_C):  # whole rings of batch rows rows_C (index b: none)
             c = rows_C.shape[0]
             page_CU = jnp.broadcast_to(jnp.minimum(rows_C, b - 1)[:, None], (c, u))
             slot_CU = jnp.broadcast_to(jnp.arange(u, dtype=jnp.int32), (c, u))
-            return tuple(jnp.zeros_like(z).at[rows_C].set(store.fetch(layer, page_CU, slot_CU), mode="drop")
-                         for store, z in ((self.kv, empty[0]), (self.gate, empty[1])))
+            return self.kv.fetch(layer, page_CU, slot_CU), self.gate.fetch(layer, page_CU, slot_CU)
 
-        count = closes_B.sum()
-        closing_C = jnp.nonzero(closes_B, size=budget, fill_value=b)[0].astype(jnp.int32)
-        branch = jnp.where(count == 0, 0, jnp.where(count <= budget, 1, 2))
-        kv_BUY, gate_BUY = jax.lax.switch(branch, [lambda: empty, lambda: fetch(closing_C),
-                                                   lambda: fetch(jnp.arange(b, dtype=jnp.int32))])
+        kv_BUY, gate_BUY = fetch_wanted(read, closes_B, fetch_budget(b), tuple(
+            jax.ShapeDtypeStruct((b, u, y), store.dtype) for store in (self.kv, self.gate)))
         rows_B = jnp.arange(b)
         return (kv_BUY.at[rows_B, self.slot].set(newest_kv_BY.astype(kv_BUY.dtype)),
                 gate_BUY.at[rows_B, self.slot].set(newest_gate_BY.astype(gate_BUY.dtype)))

@@ -8,7 +8,7 @@ A decode step, per sparse layer (``Tier.read``, one token per batch row):
 2. the new entry and every miss take the least recently used slots that no hit of this step holds;
 3. missed rows are fetched from the host store (``host``: inline or split) through a buffer of the miss budget's
    rows (``miss_budget``: a fraction of the ids looked up per batch row, every batch row's misses compacted into
-   it), or, on a step that misses more, every looked-up id's row (exact at any pool size);
+   it), once per buffer they fill: a step that misses more takes more rounds (exact at any pool size);
 4. the sources handed to attention: the pool with the hits and the new entry (ready), the fetched rows
    (in flight); ``ops.dual_attention`` attends over both and merges them by log-sum-exp (ESS
    Dual-Attention), so the transfer can hide behind the hit half; ``settle`` then writes the misses
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from ess_jax.cache import RowSource, Sources, StepMeta, entries_per_page, locate
 from ess_jax.tier import lru
-from ess_jax.tier.host import host_store
+from ess_jax.tier.host import fetch_wanted, host_store
 
 
 @jax.tree_util.register_dataclass
@@ -118,29 +118,21 @@ class Tier:
         return Sources(ready, [RowSource(arrivals_BAW.reshape(b * (m + u), w), picked(inflight_BU))], settle)
 
     def _fetch(self, layer, miss_BU: jax.Array, page_BU: jax.Array, offset_BU: jax.Array) -> jax.Array:
-        """The missed rows ``[B, U, W]`` (zeros elsewhere) of layer ``layer`` from the host store: the misses of
-        every batch row compacted into a buffer of ``fetch_rows`` rows when they fit it, else every looked-up id's
-        row (the non-missed ones from the null page)."""
+        """The missed rows ``[B, U, W]`` (zeros elsewhere) of layer ``layer`` from the host store: every batch row's
+        misses compacted, fetched through a buffer of ``fetch_rows`` rows, once per buffer they fill (none when
+        nothing misses; a step that misses more than the budget takes more, exact at any pool size)."""
         b, u = miss_BU.shape
-        w = self.pool.shape[-1]
-        n = fetch_rows(b, u, self.miss_budget)
+        x, w = b * u, self.pool.shape[-1]
+        page_X, offset_X = page_BU.reshape(-1), offset_BU.reshape(-1)
 
-        def every():
-            return self.host.fetch(layer, jnp.where(miss_BU, page_BU, 0), jnp.where(miss_BU, offset_BU, 0))
+        def read(at_N):
+            used_N, source_N = at_N < x, jnp.minimum(at_N, x - 1)
+            return self.host.fetch(layer, jnp.where(used_N, page_X[source_N], 0),
+                                   jnp.where(used_N, offset_X[source_N], 0))
 
-        if n == b * u:
-            return every()
-        miss_X = miss_BU.reshape(-1)
-
-        def compact():
-            at_N = jnp.nonzero(miss_X, size=n, fill_value=b * u)[0]  # b * u: no miss
-            source_N = jnp.minimum(at_N, b * u - 1)
-            used_N = at_N < b * u
-            rows_NW = self.host.fetch(layer, jnp.where(used_N, page_BU.reshape(-1)[source_N], 0),
-                                      jnp.where(used_N, offset_BU.reshape(-1)[source_N], 0))
-            return jnp.zeros((b * u, w), rows_NW.dtype).at[at_N].set(rows_NW, mode="drop").reshape(b, u, w)
-
-        return jax.lax.cond(miss_X.sum() <= n, compact, every)
+        rows_XW = fetch_wanted(read, miss_BU.reshape(-1), fetch_rows(b, u, self.miss_budget),
+                               jax.ShapeDtypeStruct((x, w), self.host.dtype))
+        return rows_XW.reshape(b, u, w)
 
     def rollback(self, meta: StepMeta, length_B: jax.Array) -> Tier:
         """Forget the entries past each row's ``length_B`` tokens, written by a verification step's rejected

@@ -75,7 +75,7 @@ class Model:
 
 
 def load_model(name_or_dir: str | Path, dtype: str = "float32", *, seed: int = 0,
-               weights: str = "dequantized", mesh: str | None = None) -> Model:
+               weights: str = "dequantized", mesh: str | None = None, index_share: str | None = None) -> Model:
     """A shipped checkpoint (``config.CHECKPOINTS``: trained tiny models), a preset name (random weights
     from ``seed``) or a HuggingFace checkpoint directory.
 
@@ -85,17 +85,21 @@ def load_model(name_or_dir: str | Path, dtype: str = "float32", *, seed: int = 0
     release's bytes, not the dequantized model's). ``mesh`` (``"data=D,expert=E"``): the parameters made on
     that device mesh by ``ess_jax.mesh``'s rules, so an engine on the same mesh uses them as they are: a
     checkpoint's read part by part, each process reading only what its devices hold
-    (``checkpoint.load_into``); a preset's placed there once made."""
-    return _load(name_or_dir, dtype, seed, weights, device_mesh.make(device_mesh.parse(mesh)) if mesh else None)
+    (``checkpoint.load_into``); a preset's placed there once made. ``index_share``: an Index Share pattern
+    ("every-N" or F / S letters per indexed layer, ``config.index_share_types``) served instead of the config's:
+    its shared layers' indexers are not read."""
+    return _load(name_or_dir, dtype, seed, weights, device_mesh.make(device_mesh.parse(mesh)) if mesh else None,
+                 index_share)
 
 
-def _load(name_or_dir: str | Path, dtype: str, seed: int, weights: str, mesh: jax.sharding.Mesh | None) -> Model:
+def _load(name_or_dir: str | Path, dtype: str, seed: int, weights: str, mesh: jax.sharding.Mesh | None,
+          index_share: str | None = None) -> Model:
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; use one of {', '.join(DTYPES)}")
     if weights not in checkpoint.WEIGHTS:
         raise ValueError(f"weights={weights!r} is not supported; use one of {', '.join(checkpoint.WEIGHTS)}")
     jdtype = DTYPES[dtype]
-    source = resolve_model(name_or_dir)
+    source = resolve_model(name_or_dir, index_share)
     if source.checkpoint is None and weights == "release":
         raise ValueError(f"weights='release' keeps a checkpoint's quantized tensors as stored; preset "
                          f"{source.name!r} has random weights and no checkpoint: load it dequantized")

@@ -535,6 +535,7 @@ def load_into(model_fn, cfg: ModelConfig, directory: Path, dtype, weights: str =
     if unknown:
         raise CheckpointError(f"checkpoint {directory} has tensors this model does not use: {unknown[:5]}"
                               f"{' ...' if len(unknown) > 5 else ''} (a checkpoint of another model or config.json?)")
+    _check_indexers(ckpt, cfg, expected_names)
     kinds = {}
     for _, variable, names, expected in flat:
         for name in names:
@@ -678,9 +679,28 @@ def _holds_mtp(ckpt: Checkpoint, abstract: nnx.Module) -> bool:
     return bool(held)
 
 
+_INDEXER = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(compressor\.)?indexer\.")
+
+
+def _check_indexers(ckpt: Checkpoint, cfg: ModelConfig, expected: set[str]) -> None:
+    """Every full layer's indexer (Index Share, ``ModelConfig.indexer_types``) is in the checkpoint: CheckpointError
+    naming the first layer whose indexer is missing (a checkpoint of a shared layout, or another pattern)."""
+    for name in sorted(expected, key=lambda n: int(_INDEXER.match(n).group(1)) if _INDEXER.match(n) else -1):
+        match = _INDEXER.match(name)
+        if match and int(match.group(1)) < cfg.num_hidden_layers and not _stored(ckpt, name):
+            raise CheckpointError(
+                f"checkpoint {ckpt.directory} has no indexer for layer {match.group(1)} ({name} is missing), a full "
+                f"layer of the Index Share pattern {cfg.index_pattern}: serve it with the checkpoint's own pattern "
+                "(its config.json's indexer_types / index_topk_pattern), or a --index-share whose full layers have "
+                "indexers")
+
+
 def _ignorable(key: str, cfg: ModelConfig, expected: set[str]) -> bool:
     if key in expected or key.endswith("weight_scale_inv"):
         return True
+    indexer = _INDEXER.match(key)
+    if indexer and int(indexer.group(1)) < cfg.num_hidden_layers:
+        return not cfg.indexer_full(int(indexer.group(1)))  # a shared layer's (Index Share): not read
     if re.match(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$", key):
         return True  # per-expert release names, stacked at load
     layer = _LAYER.match(key)

@@ -87,6 +87,15 @@ def add_model_flag(p: argparse.ArgumentParser) -> None:
                         "directory (config.json + *.safetensors [+ tokenizer.json]). Default: tiny-v32-code")
 
 
+def add_index_share_flag(p: argparse.ArgumentParser) -> None:
+    """``--index-share``: the Index Share pattern a loaded model serves (``api.load_model``'s ``index_share``)."""
+    p.add_argument("--index-share", default=None, metavar="PATTERN|every-N",
+                   help="Index Share (DOMAIN.md 1.7): serve with this pattern instead of the config's: one letter per "
+                        "indexed layer (DeepSeek-V3.2: every layer, DeepSeek-V4: the CSA layers), F runs its indexer, "
+                        "S reuses the nearest preceding F layer's top-k and keeps no indexer keys; every-N: every "
+                        "N-th full")
+
+
 class _EssOnly(argparse.Action):
     """Store the value and remember the flag was given: these apply to ``--offload ess`` only, and
     ``engine_config`` refuses them with ``--offload none``."""
@@ -326,7 +335,7 @@ def check_before_load(args: argparse.Namespace, config) -> None:
     model = getattr(args, "model", None)
     if model is None:
         return
-    source = resolve_model(model)
+    source = resolve_model(model, getattr(args, "index_share", None))
     if getattr(args, "weights", None) == "release" and source.checkpoint is None:
         raise ValueError(f"--weights release keeps a checkpoint's quantized tensors as stored; the preset {model} "
                          "has random weights and no checkpoint: drop --weights release or pass a checkpoint")

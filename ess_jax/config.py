@@ -445,6 +445,7 @@ class ModelSource:
 
     name: str  # a shipped checkpoint's or a preset's name, or the checkpoint directory
     checkpoint: Path | None  # the checkpoint directory; None: the preset ``name``
+    index_share: str | None = None  # an Index Share pattern overriding the config's (``index_share_types``)
 
     def raw_config(self) -> dict[str, Any]:
         """The config.json as a dict."""
@@ -452,20 +453,21 @@ class ModelSource:
 
     def config(self) -> ModelConfig:
         if self.checkpoint is None:
-            return ModelConfig.from_preset(self.name)
-        return ModelConfig.from_json(self.checkpoint / "config.json")
+            return ModelConfig.from_preset(self.name).with_index_share(self.index_share)
+        return ModelConfig.from_json(self.checkpoint / "config.json").with_index_share(self.index_share)
 
 
-def resolve_model(name: str | Path) -> ModelSource:
+def resolve_model(name: str | Path, index_share: str | None = None) -> ModelSource:
     """A shipped checkpoint's name (``CHECKPOINTS``), a checkpoint directory or a preset's name (``PRESETS``),
-    looked for in that order; ConfigError naming the three for anything else."""
+    looked for in that order; ConfigError naming the three for anything else. ``index_share``: an Index Share
+    pattern served instead of the config's (``--index-share``: "every-N" or F / S letters)."""
     name = str(name)
     if name in CHECKPOINTS:
-        return ModelSource(name, shipped_checkpoint(name))
+        return ModelSource(name, shipped_checkpoint(name), index_share)
     if Path(name).is_dir():
-        return ModelSource(str(Path(name)), Path(name))
+        return ModelSource(str(Path(name)), Path(name), index_share)
     if name in PRESETS:
-        return ModelSource(name, None)
+        return ModelSource(name, None, index_share)
     raise ConfigError(f"{name!r} is neither a shipped checkpoint ({', '.join(CHECKPOINTS)}), a preset "
                       f"({', '.join(PRESETS)}) nor a checkpoint directory")
 

@@ -45,7 +45,7 @@ from typing import Sequence
 import numpy as np
 
 from ess_jax.api import load_model
-from ess_jax.cli import Parser, add_engine_flags, add_model_flag, engine_config
+from ess_jax.cli import Parser, add_engine_flags, add_index_share_flag, add_model_flag, engine_config
 from ess_jax.engine import Engine, EngineConfig
 
 PATHS = ("full", "resident", "ess")
@@ -148,6 +148,7 @@ def evaluate(model, ids: Sequence[int], *, context: int, paths: Sequence[str] = 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = Parser("python -m ess_jax.eval", __doc__)
     add_model_flag(p)
+    add_index_share_flag(p)
     p.add_argument("--text", required=True, metavar="FILE", help="the UTF-8 text file to score")
     p.add_argument("--context", type=int, default=None,
                    help="tokens per window; each window is scored independently from its own start, its first "
@@ -199,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         paths = _paths(args)
         text = read_text(args.text)
         engine = engine_config(args)
-        model = load_model(args.model, args.dtype, seed=args.weights_seed, weights=args.weights)
+        model = load_model(args.model, args.dtype, seed=args.weights_seed, weights=args.weights,
+                           index_share=args.index_share)
         ids = model.tokenizer.encode(text)[: args.max_tokens]
         if len(ids) < 2:
             raise ValueError(f"--text {args.text} has {len(ids)} token(s); scoring needs at least 2")

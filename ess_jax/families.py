@@ -303,10 +303,10 @@ class _DeepseekV32(Family):
     """Per layer and token one latent row (offloaded) and one indexer key, in the engine's pages."""
 
     def cache_parts(self, cfg, formats):
-        n = cfg.num_hidden_layers
+        n, full = cfg.num_hidden_layers, cfg.indexer_types.count("full")  # Index Share: keys of full layers only
         latent = _mla_row_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim, formats.entries)
         return [Part("latent [c | k_rope]", "offloaded", n, latent, 1, cfg.index_topk),
-                Part("indexer key", "resident", n, _index_key_bytes(cfg.index_head_dim, formats.index), 1)]
+                Part("indexer key", "resident", full, _index_key_bytes(cfg.index_head_dim, formats.index), 1)]
 
     def stored_formats(self, entries, model, index=None):
         if index == "fp4":  # what init_cache refuses, refused before a model loads
@@ -349,17 +349,19 @@ class _DeepseekV4(Family):
 
     def cache_parts(self, cfg, formats):
         n_csa, n_hca = cfg.layer_types.count(V4Layer.CSA), cfg.layer_types.count(V4Layer.HCA)
+        n_index = cfg.indexer_types.count("full")  # the CSA layers with an indexer (Index Share: the full ones)
         h, r, j = cfg.head_dim, cfg.qk_rope_head_dim, cfg.index_head_dim
         m, m_h = cfg.compress_rate_csa, cfg.compress_rate_hca
         row = _v4_row_bytes(h, r, formats.rows)
         ring = 2 * _ITEMSIZE[formats.ring]  # per value: the ring input and its gate projection
         # the rings hold [coff * m, coff * D] values, coff = 2 for CSA (overlapping windows), 1 for HCA
-        csa_tail, hca_tail = (2 * m) * (2 * h + 2 * j) * ring, m_h * h * ring
+        csa_tail, index_tail, hca_tail = (2 * m) * (2 * h) * ring, (2 * m) * (2 * j) * ring, m_h * h * ring
         parts = [Part("CSA main rows", "offloaded", n_csa, _v4_row_bytes(h, r, formats.entries), m, cfg.index_topk),
-                 Part("CSA indexer keys", "resident", n_csa, _index_key_bytes(j, formats.index), m),
+                 Part("CSA indexer keys", "resident", n_index, _index_key_bytes(j, formats.index), m),
                  Part("HCA rows", "resident", n_hca, row, m_h),
                  Part("SWA window", "fixed", cfg.num_hidden_layers, cfg.sliding_window * row, 0),
                  Part(f"CSA compressor tails ({_SHORT[formats.ring]})", "fixed", n_csa, csa_tail, 0),
+                 Part(f"CSA indexer compressor tails ({_SHORT[formats.ring]})", "fixed", n_index, index_tail, 0),
                  Part(f"HCA compressor tails ({_SHORT[formats.ring]})", "fixed", n_hca, hca_tail, 0, ring=m_h)]
         return parts
 

@@ -19,13 +19,15 @@ import sys
 import types
 
 from ess_jax.api import generate, load_model
-from ess_jax.cli import Parser, add_engine_flags, add_model_flag, add_process_flags, engine_config, start_processes
+from ess_jax.cli import (Parser, add_engine_flags, add_index_share_flag, add_model_flag, add_process_flags,
+                         engine_config, start_processes)
 from ess_jax.sampling import SamplingParams
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = Parser("python -m ess_jax.generate", __doc__)
     add_model_flag(p)
+    add_index_share_flag(p)
     # All prompt flags append to one list, so requests keep their command-line order.
     p.add_argument("--prompt", dest="prompts", action="append", type=lambda s: ("text", s),
                    help="a text prompt (repeatable); tokenized with the checkpoint's tokenizer.json, or byte-level")
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                     for i in range(len(prompts))]
         engine = engine_config(args)
         model = load_model(args.model, args.dtype, seed=args.weights_seed, weights=args.weights,
-                           mesh=args.mesh)
+                           mesh=args.mesh, index_share=args.index_share)
         result = generate(model, prompts, args.max_new_tokens, sampling=sampling, engine=engine,
                           progress=not args.json and processes.index == 0)
     except (ValueError, OSError) as e:

@@ -203,6 +203,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "ring's newest row) or on the device (repeatable; default: host)")
     p.add_argument("--accounting", choices=ACCOUNTINGS, default="ess_jax",
                    help="ess_jax (default): KV rows + the tier's residency map and slot tables; paper: KV rows only")
+    p.add_argument("--index-share", action="append", metavar="PATTERN|every-N|none",
+                   help="Index Share (DOMAIN.md 1.7): plan the model with this pattern of full (F) / shared (S) "
+                        "indexed layers, or every N-th full; shared layers keep no indexer keys (repeatable; "
+                        "default: the config's own)")
     p.add_argument("--json", action="store_true", help='print {"models": [...], "rows": [...]} as one JSON object')
     return p.parse_args(argv)
 
@@ -234,8 +238,11 @@ def _check(args: argparse.Namespace) -> None:
 def plan(args: argparse.Namespace) -> dict:
     """The planner's result: ``{"models": [...], "rows": [...]}`` (the ``--json`` object)."""
     models, rows = [], []
-    for name in args.model:
-        cfg = _load_config(name)
+    shares = getattr(args, "index_share", None) or [None]
+    for name, share in itertools.product(args.model, shares):
+        cfg = _load_config(name).with_index_share(None if share == "none" else share)
+        if share is not None:  # the model as planned with this Index Share pattern
+            name = f"{name} [index-share {share}]"
         # ESS's EP 32 by default, or the most experts per device under it that divide a smaller model's
         shape = mesh.parse(args.mesh) if args.mesh else mesh.MeshShape(expert=math.gcd(32, cfg.n_routed_experts))
         too_long = [c for c in args.context if c > cfg.max_position_embeddings]

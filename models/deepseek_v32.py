@@ -14,6 +14,8 @@ rows match the 656-byte FlashMLA row layout.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -53,13 +55,16 @@ class Indexer(nnx.Module):
 
 
 class MLA(nnx.Module):
-    """Multi-head latent attention with DSA sparse selection."""
+    """Multi-head latent attention with DSA sparse selection. A shared layer of Index Share (``indexer`` None,
+    DOMAIN.md 1.7) has no indexer: it attends over its own latent rows at the top-k of the nearest preceding full
+    layer."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
         self.n_heads = cfg.num_attention_heads
         self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_rank = cfg.kv_lora_rank
         self.scale = cfg.softmax_scale
+        self.top_k = cfg.index_topk
         eps = cfg.rms_norm_eps
         self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype=dtype, rngs=rngs)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps, dtype=dtype)
@@ -69,7 +74,7 @@ class MLA(nnx.Module):
         self.kv_b_proj = Linear(cfg.kv_lora_rank, cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
                                 dtype=dtype, rngs=rngs)
         self.o_proj = Linear(cfg.num_attention_heads * cfg.v_head_dim, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.indexer = Indexer(cfg, dtype=dtype, rngs=rngs)
+        self.indexer = Indexer(cfg, dtype=dtype, rngs=rngs) if cfg.indexer_full(layer) else None
 
     def _project(self, x_BTD, cos, sin):
         """Queries (nope, rope), the q-LoRA residual and the new latent rows ``[B, T, W]``."""
@@ -89,22 +94,30 @@ class MLA(nnx.Module):
         w = self.kv_b_proj.weight[...].reshape(self.n_heads, self.nope_dim + self.v_dim, self.kv_rank)  # [N, H + V, C]
         return w[:, : self.nope_dim], w[:, self.nope_dim:]
 
-    def __call__(self, x_BTD: jax.Array, cos: jax.Array, sin: jax.Array, stage: str | None = None
-                 ) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x_BTD: jax.Array, cos: jax.Array, sin: jax.Array, stage: str | None = None,
+                 picks: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array, tuple]:
         """Full causal forward: expanded keys / values, the indexer's top-k as a mask (``stage`` None or
-        "sparse"; "dense" / "warmup": every causal position, ``layers.STAGES``). Returns the output and
-        the indexer's loss (``layers.indexer_kl``; 0 for None / "dense")."""
+        "sparse"; "dense" / "warmup": every causal position, ``layers.STAGES``). ``picks``: the top-k ids
+        ``i32[B, T, K]`` and index scores ``f32[B, T, T]`` of the nearest preceding full layer, what a shared
+        layer selects by (``index_picks``: placeholders for a full layer). Returns the output, the indexer's loss
+        (``layers.indexer_kl``; 0 for None / "dense") and the picks the next layer shares (a full layer's own). A
+        shared layer's loss is the full layer's indexer against this layer's attention: Index Share's multi-layer
+        distillation, each kept indexer trained for every layer it serves."""
         b, t, _ = x_BTD.shape
         q_nope_BTNH, q_rope_BTNR, q_resid_BTQ, rows_BTW = self._project(x_BTD, cos, sin)
         causal_TS = jnp.tril(jnp.ones((t, t), bool))
         mask_BTS = jnp.broadcast_to(causal_TS, (b, t, t))
+        if picks is None:
+            picks = index_picks(b, t, t, self.top_k)
         if stage != "dense":
-            with jax.named_scope("indexer"):
-                if stage is not None:  # the indexer's loss reaches no other parameter
-                    x_BTD, q_resid_BTQ = jax.lax.stop_gradient(x_BTD), jax.lax.stop_gradient(q_resid_BTQ)
-                keys_BSJ = self.indexer.keys(x_BTD, cos, sin)
-                scores_BTS = self.indexer.scores(x_BTD, q_resid_BTQ, keys_BSJ, causal_TS[None], cos, sin)
-                ids_BTK = index_topk(scores_BTS, self.indexer.top_k)
+            if self.indexer is not None:
+                with jax.named_scope("indexer"):
+                    if stage is not None:  # the indexer's loss reaches no other parameter
+                        x_BTD, q_resid_BTQ = jax.lax.stop_gradient(x_BTD), jax.lax.stop_gradient(q_resid_BTQ)
+                    keys_BSJ = self.indexer.keys(x_BTD, cos, sin)
+                    scores_BTS = self.indexer.scores(x_BTD, q_resid_BTQ, keys_BSJ, causal_TS[None], cos, sin)
+                    picks = (index_topk(scores_BTS, self.top_k), scores_BTS)
+            ids_BTK, scores_BTS = picks
             if stage != "warmup":
                 selected_BTS = jnp.zeros((b, t, t + 1), bool)
                 selected_BTS = selected_BTS.at[jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None],
@@ -122,29 +135,20 @@ class MLA(nnx.Module):
         kl = jnp.zeros((), jnp.float32)
         if stage in ("warmup", "sparse"):
             kl = indexer_kl(probs_BNTS.sum(1), scores_BTS, mask_BTS)
-        return self.o_proj(out_BTNV.reshape(b, t, -1)), kl
+        return self.o_proj(out_BTNV.reshape(b, t, -1)), kl, picks
 
-    def step(self, x_BTD, cos, sin, meta: StepMeta, layer: jax.Array, cache: PagedCacheV32, kernels: str):
+    def step(self, x_BTD, cos, sin, meta: StepMeta, layer: jax.Array, cache: PagedCacheV32, kernels: str,
+             ids_BTK: jax.Array | None = None, key_layer: jax.Array | None = None):
         """Cached forward for ``T`` new tokens per request: ``(out, top-k ids i32[B, T, K], cache)``; ``layer``
-        (i32[], traced in the scan over layers) indexes the cache's ``[L, ...]`` arrays, the latent store gives
-        the row sources, ``ops`` attends over them (``kernels``: the ops kernel choice)."""
+        (i32[], traced in the scan over layers) indexes the latent store's ``[L, ...]`` arrays and ``key_layer``
+        (default ``layer``) the indexer keys' (full layers only: ``PagedCacheV32.index_keys``), the latent store
+        gives the row sources, ``ops`` attends over them (``kernels``: the ops kernel choice). A shared layer
+        (no indexer) reads its rows at ``ids_BTK``, the nearest preceding full layer's top-k."""
         b, t, _ = x_BTD.shape
         q_nope_BTNH, q_rope_BTNR, q_resid_BTQ, rows_BTW = self._project(x_BTD, cos, sin)
-        with jax.named_scope("indexer"):
-            page_BT, offset_BT = write_slots(meta, cache.page_size)
-            # FP8 keys (uint8 pages) are V3.2 FP8 rows without a rope part: 128 e4m3 + one float32 scale
-            new_keys_BTJ = self.indexer.keys(x_BTD, cos, sin)
-            j = new_keys_BTJ.shape[-1]
-            index_keys = cache.index_keys.at[layer, page_BT, offset_BT].set(
-                ops.encode_mla_rows(new_keys_BTJ, cache.index_keys.dtype, latent_dim=j))
-            positions = meta.page_table.shape[1] * cache.page_size
-            keys_BSJ = ops.decode_mla_rows(request_rows(index_keys, layer, meta.page_table, positions,
-                                                        page_size=cache.page_size), x_BTD.dtype, latent_dim=j,
-                                           rope_dim=0)
-            visible_BTS = ((jnp.arange(keys_BSJ.shape[1])[None, None, :] <= meta.positions[..., None])
-                           & meta.valid[..., None])
-            scores_BTS = self.indexer.scores(x_BTD, q_resid_BTQ, keys_BSJ, visible_BTS, cos, sin)
-            ids_BTK = index_topk(scores_BTS, self.indexer.top_k)
+        if self.indexer is not None:
+            ids_BTK, cache = self._select(x_BTD, q_resid_BTQ, cos, sin, meta, layer if key_layer is None else
+                                          key_layer, cache)
         with jax.named_scope("sparse_mla"):
             w_uk_NHC, w_uv_NVC = self._kv_b()
             q_latent_BTNC = jnp.einsum("btnh,nhc->btnc", q_nope_BTNH, w_uk_NHC)
@@ -154,13 +158,32 @@ class MLA(nnx.Module):
                                                            scale=self.scale, kernels=kernels)
             out_BTNC, latent = ops.dual_attention(attend, sources)
             out_BTNV = jnp.einsum("btnc,nvc->btnv", out_BTNC.astype(x_BTD.dtype), w_uv_NVC)
-        return self.o_proj(out_BTNV.reshape(b, t, -1)), ids_BTK, PagedCacheV32(index_keys, latent)
+        return self.o_proj(out_BTNV.reshape(b, t, -1)), ids_BTK, PagedCacheV32(cache.index_keys, latent)
+
+    def _select(self, x_BTD, q_resid_BTQ, cos, sin, meta: StepMeta, key_layer, cache: PagedCacheV32):
+        """The indexer of a full layer: its new keys written at ``key_layer`` of the indexer keys, its top-k ids
+        ``i32[B, T, K]`` over every visible position, and the cache."""
+        with jax.named_scope("indexer"):
+            page_BT, offset_BT = write_slots(meta, cache.page_size)
+            # FP8 keys (uint8 pages) are V3.2 FP8 rows without a rope part: 128 e4m3 + one float32 scale
+            new_keys_BTJ = self.indexer.keys(x_BTD, cos, sin)
+            j = new_keys_BTJ.shape[-1]
+            index_keys = cache.index_keys.at[key_layer, page_BT, offset_BT].set(
+                ops.encode_mla_rows(new_keys_BTJ, cache.index_keys.dtype, latent_dim=j))
+            positions = meta.page_table.shape[1] * cache.page_size
+            keys_BSJ = ops.decode_mla_rows(request_rows(index_keys, key_layer, meta.page_table, positions,
+                                                        page_size=cache.page_size), x_BTD.dtype, latent_dim=j,
+                                           rope_dim=0)
+            visible_BTS = ((jnp.arange(keys_BSJ.shape[1])[None, None, :] <= meta.positions[..., None])
+                           & meta.valid[..., None])
+            scores_BTS = self.indexer.scores(x_BTD, q_resid_BTQ, keys_BSJ, visible_BTS, cos, sin)
+            return index_topk(scores_BTS, self.top_k), dataclasses.replace(cache, index_keys=index_keys)
 
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.self_attn = MLA(cfg, dtype=dtype, rngs=rngs)
+        self.self_attn = MLA(cfg, layer, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         if cfg.mlp_layer_types[layer] == "sparse":
             router = Router(cfg.hidden_size, cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, scoring="sigmoid",
@@ -171,13 +194,15 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
-    def __call__(self, h, cos, sin, stage: str | None = None):
-        out, kl = self.self_attn(self.input_layernorm(h), cos, sin, stage)
+    def __call__(self, h, cos, sin, stage: str | None = None, picks=None):
+        out, kl, picks = self.self_attn(self.input_layernorm(h), cos, sin, stage, picks)
         h = h + out
-        return h + self.mlp(self.post_attention_layernorm(h)), kl
+        return h + self.mlp(self.post_attention_layernorm(h)), kl, picks
 
-    def step(self, h, cos, sin, meta: StepMeta, layer: jax.Array, cache: PagedCacheV32, kernels: str):
-        out, ids_BTK, cache = self.self_attn.step(self.input_layernorm(h), cos, sin, meta, layer, cache, kernels)
+    def step(self, h, cos, sin, meta: StepMeta, layer: jax.Array, cache: PagedCacheV32, kernels: str,
+             ids_BTK: jax.Array | None = None, key_layer: jax.Array | None = None):
+        out, ids_BTK, cache = self.self_attn.step(self.input_layernorm(h), cos, sin, meta, layer, cache, kernels,
+                                                  ids_BTK, key_layer)
         h = h + out
         return h + self.mlp(self.post_attention_layernorm(h)), ids_BTK, cache
 
@@ -220,11 +245,12 @@ class DeepseekV32(MTPHost, nnx.Module):
         h = self.embed_tokens[...][tokens_BT]
 
         def body(layer, index, carry):
-            h, kl = carry
-            h, layer_kl = layer(h, cos, sin, stage)
-            return (h, kl + layer_kl), None
+            h, kl, picks = carry
+            h, layer_kl, picks = layer(h, cos, sin, stage, picks)
+            return (h, kl + layer_kl, picks), None
 
-        (h, kl), _ = scan_runs(self.runs, body, (h, jnp.zeros((), jnp.float32)))
+        (h, kl, _), _ = scan_runs(self.runs, body, (h, jnp.zeros((), jnp.float32),
+                                                    index_picks(b, t, t, self.cfg.index_topk)))
         return h, kl
 
     def head(self, h_BTD: jax.Array) -> jax.Array:
@@ -260,13 +286,16 @@ class DeepseekV32(MTPHost, nnx.Module):
         arrays are carried whole and read and written at the layer index, so the compiled step does not grow
         with depth."""
         cos, sin = self._cos_sin(meta.positions)
+        b, t = tokens_BT.shape
+        key_layers = jnp.asarray(index_key_layers(self.cfg), jnp.int32)  # each layer's place among the full ones
+        ids_BTK, _ = index_picks(b, t, meta.page_table.shape[1] * cache.page_size, self.cfg.index_topk)
 
         def body(layer, index, carry):
-            h, cache = carry
-            h, ids_BTK, cache = layer.step(h, cos, sin, meta, index, cache, kernels)
-            return (h, cache), ids_BTK
+            h, cache, ids_BTK = carry
+            h, ids_BTK, cache = layer.step(h, cos, sin, meta, index, cache, kernels, ids_BTK, key_layers[index])
+            return (h, cache, ids_BTK), ids_BTK
 
-        (h, cache), ids_LBTK = scan_runs(self.runs, body, (self.embed_tokens[...][tokens_BT], cache))
+        (h, cache, _), ids_LBTK = scan_runs(self.runs, body, (self.embed_tokens[...][tokens_BT], cache, ids_BTK))
         return self.head(h), h, ids_LBTK, cache
 
     # ---- the MTP module (models.mtp) -------------------------------------------------------------
@@ -274,6 +303,22 @@ class DeepseekV32(MTPHost, nnx.Module):
                        index_dtype: str | None = None) -> PagedCacheV32:
         """The MTP module's empty cache: ``init_cache`` of its one block (``L = 1``), in the same pages."""
         return _init_cache(self.cfg.mtp_block(), self.dtype, num_pages, page_size, latent_dtype, index_dtype)
+
+
+def index_picks(b: int, t: int, s: int, top_k: int) -> tuple[jax.Array, jax.Array]:
+    """Placeholder picks (no top-k ids ``i32[B, T, K]``, -inf scores ``f32[B, T, S]``, ``K = min(top_k, S)``)
+    before the first full layer: the scan over layers carries the picks a shared layer reuses."""
+    return jnp.full((b, t, min(top_k, s)), -1, jnp.int32), jnp.full((b, t, s), -jnp.inf, jnp.float32)
+
+
+def index_key_layers(cfg: ModelConfig) -> list[int]:
+    """Each layer's index into the indexer keys ``[Lf, ...]`` (only full layers store keys): its place among the
+    full layers (a shared layer: the preceding full layer's, never read)."""
+    places, full = [], -1
+    for i in range(cfg.num_hidden_layers):
+        full += cfg.indexer_full(i)
+        places.append(max(full, 0))
+    return places
 
 
 def _init_cache(cfg: ModelConfig, dtype, num_pages: int, page_size: int, latent_dtype, index_dtype: str | None
@@ -288,6 +333,6 @@ def _init_cache(cfg: ModelConfig, dtype, num_pages: int, page_size: int, latent_
     index_dtype = index_dtype or ("fp8" if jnp.dtype(latent_dtype) == jnp.uint8 else jnp.dtype(dtype).name)
     key_width, key_dtype = ops.index_key_storage(cfg.index_head_dim, index_dtype)
     return PagedCacheV32(
-        index_keys=jnp.zeros((n, num_pages, page_size, key_width), key_dtype),
+        index_keys=jnp.zeros((cfg.indexer_types.count("full"), num_pages, page_size, key_width), key_dtype),
         latent=ResidentPages(jnp.zeros((n, num_pages, page_size, width), latent_dtype), page_size=page_size, rate=1),
     )

@@ -86,9 +86,11 @@ class Attention(nnx.Module):
                                       dtype=dtype, rngs=rngs)
         self.o_b_proj = Linear(cfg.o_groups * cfg.o_lora_rank, d, dtype=dtype, rngs=rngs)
         self.sinks = nnx.Param(jnp.zeros((self.n_heads,), jnp.float32))
-        if self.layer_type == CSA:
+        self.top_k = cfg.index_topk
+        if self.layer_type == CSA:  # a shared CSA layer of Index Share (DOMAIN.md 1.7) has no indexer
             indexer = Indexer(d, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim, cfg.compress_rate_csa,
-                              cfg.index_topk, rope=self.rope, eps=eps, dtype=dtype, rngs=rngs)
+                              cfg.index_topk, rope=self.rope, eps=eps, dtype=dtype,
+                              rngs=rngs) if cfg.indexer_full(layer) else None
             self.compressor = CSACompressor(d, self.head_dim, cfg.compress_rate_csa, indexer=indexer, rope=self.rope,
                                             eps=eps, dtype=dtype, rngs=rngs)
         elif self.layer_type == HCA:
@@ -113,11 +115,15 @@ class Attention(nnx.Module):
         grouped = self.o_a_proj(out_BTNH.reshape(b, t, self.o_groups, -1))  # [B, T, o_groups, o_lora_rank]
         return self.o_b_proj(grouped.reshape(b, t, -1))
 
-    def __call__(self, x_BTD: jax.Array, stage: str | None = None) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x_BTD: jax.Array, stage: str | None = None, picks: tuple[jax.Array, jax.Array] | None = None
+                 ) -> tuple[jax.Array, jax.Array, tuple | None]:
         """Full causal forward over a whole sequence: dense logits, window / compressed / top-k masks
         (a CSA layer's top-k at ``stage`` None or "sparse"; "dense" / "warmup": every visible entry,
-        ``layers.STAGES``). Returns the output and a CSA layer's indexer loss over its entries
-        (``layers.indexer_kl``; 0 elsewhere and for None / "dense")."""
+        ``layers.STAGES``). ``picks``: the top-k entry ids ``i32[B, T, K]`` and index scores ``f32[B, T, M]`` of
+        the nearest preceding full CSA layer, what a shared CSA layer (no indexer, Index Share) selects by.
+        Returns the output, a CSA layer's indexer loss over its entries (``layers.indexer_kl``; 0 elsewhere and
+        for None / "dense"; a shared layer's: the full layer's indexer against this layer's attention, Index
+        Share's multi-layer distillation) and the picks the next CSA layer shares (a full layer's own)."""
         b, t, _ = x_BTD.shape
         positions_BT = jnp.broadcast_to(jnp.arange(t), (b, t))
         cos, sin = self.rope.cos_sin(positions_BT)
@@ -132,13 +138,16 @@ class Attention(nnx.Module):
             n = entries_BMH.shape[1]
             visible_BTM = visible_entries(positions_BT, n, self.compressor.rate)
             if self.layer_type == CSA and stage != "dense":
+                indexer = self.compressor.indexer
+                if indexer is not None:
+                    with jax.named_scope("indexer"):
+                        x_in, q_in = x_BTD, q_resid_BTQ
+                        if stage is not None:  # the indexer's loss reaches no other parameter
+                            x_in, q_in = jax.lax.stop_gradient(x_BTD), jax.lax.stop_gradient(q_resid_BTQ)
+                        scores_BTM = indexer.scores(x_in, q_in, indexer(x_in), visible_BTM, cos, sin)
+                        picks = (index_topk(scores_BTM, self.top_k), scores_BTM)
+                ids_BTK, scores_BTM = picks
                 with jax.named_scope("indexer"):
-                    indexer = self.compressor.indexer
-                    x_in, q_in = x_BTD, q_resid_BTQ
-                    if stage is not None:  # the indexer's loss reaches no other parameter
-                        x_in, q_in = jax.lax.stop_gradient(x_BTD), jax.lax.stop_gradient(q_resid_BTQ)
-                    scores_BTM = indexer.scores(x_in, q_in, indexer(x_in), visible_BTM, cos, sin)
-                    ids_BTK = index_topk(scores_BTM, indexer.top_k)
                     if stage != "warmup":
                         picked = jnp.zeros((b, t, n + 1), bool).at[
                             jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None],
@@ -154,7 +163,7 @@ class Attention(nnx.Module):
         kl = jnp.zeros((), jnp.float32)
         if scores_BTM is not None and stage in ("warmup", "sparse"):
             kl = indexer_kl(probs_BTNS[..., t:].sum(2), scores_BTM, visible_BTS[..., t:])
-        return self._output(out_BTNH, cos, sin, x_BTD.dtype), kl
+        return self._output(out_BTNH, cos, sin, x_BTD.dtype), kl, picks
 
     def _hca_rings(self, record: HcaCache, index, meta: StepMeta):
         """The HCA compressor's rings ``[B, m', H]`` for this step, and the host rings (None: on the device). With
@@ -175,15 +184,17 @@ class Attention(nnx.Module):
         newest = lambda ring: jnp.take_along_axis(ring, slot_B[:, None, None], axis=1)  # noqa: E731
         return newest(kv_ring_BUH), newest(gate_ring_BUH)
 
-    def step(self, x_BTD, meta: StepMeta, window_BSH, record, index, kernels: str):
+    def step(self, x_BTD, meta: StepMeta, window_BSH, record, index, kernels: str, ids_BTK=None, key_index=None):
         """Cached forward for ``T`` new tokens per request at ``meta.positions``.
 
         ``window_BSH`` is the request's window ring ``[B, n_win, H]``; ``record`` the layer kind's cache
         (``CsaCache`` / ``HcaCache``, rings already this step's batch rows; None for sliding layers) and
         ``index`` this layer's place in it (an int, or i32[] inside the scan over layers). Rows that do not run
-        (``meta.valid`` False) write their entries to the null page. ``kernels``: the ops kernel choice. Returns
-        ``(out, window, record, ids)``, ``ids`` the CSA indexer's picks ``i32[B, T, K]`` (None for other layers
-        or before the first entry)."""
+        (``meta.valid`` False) write their entries to the null page. ``kernels``: the ops kernel choice. A full
+        CSA layer's indexer state (its rings, its keys) is at ``key_index`` of the record's indexer arrays (default
+        ``index``; only full layers have them); a shared one (no indexer, Index Share) selects its entries at
+        ``ids_BTK``, the nearest preceding full CSA layer's picks. Returns ``(out, window, record, ids)``, ``ids``
+        the CSA layer's picks ``i32[B, T, K]`` (None for other layers or before the first entry)."""
         b, t, _ = x_BTD.shape
         n_win, positions_BT = self.window, meta.positions
         run_B1 = meta.valid[:, :1]
@@ -199,7 +210,9 @@ class Attention(nnx.Module):
         window = RowSource(keys_BSH.reshape(-1, keys_BSH.shape[-1]), jnp.where(key_pos_BTS >= 0, row_BTS, -1))
         attend = functools.partial(ops.sink_attention, q_BTNH, scale=self.scale, rope_dim=self.rope.dim,
                                    kernels=kernels)
-        sinks_N, ids_BTK, out_BTNH = self.sinks[...], None, None
+        sinks_N, out_BTNH = self.sinks[...], None
+        ids_BTK = ids_BTK if self.layer_type == CSA else None
+        key_index = index if key_index is None else key_index
         if self.layer_type == CSA:
             page_size, m = record.entries.page_size, self.compressor.rate
             geometry = dict(page_size=page_size, rate=m)
@@ -211,23 +224,28 @@ class Attention(nnx.Module):
                 new_BMW = ops.encode_v4_rows(new_BMH, record.entries.dtype, rope_dim=self.rope.dim)
             key_format = record.index_format
             fp4 = key_format == "fp4"
-            with jax.named_scope("indexer"):
-                keys_BMJ, key_BM, key_closes_BM, index_kv, index_gate = indexer.close(
-                    x_BTD, positions_BT, record.index_kv_ring[index], record.index_gate_ring[index])
-                key_page_BM, key_offset_BM = locate(meta.page_table, jnp.where(key_closes_BM & run_B1, key_BM, -1),
-                                                    **geometry)
-                index_keys = record.index_keys.at[index, key_page_BM, key_offset_BM].set(
-                    ops.encode_index_keys(hadamard(keys_BMJ) if fp4 else keys_BMJ, key_format))
+            index_keys, index_kv_ring, index_gate_ring = record.index_keys, record.index_kv_ring, record.index_gate_ring
+            if indexer is not None:
+                with jax.named_scope("indexer"):
+                    keys_BMJ, key_BM, key_closes_BM, index_kv, index_gate = indexer.close(
+                        x_BTD, positions_BT, index_kv_ring[key_index], index_gate_ring[key_index])
+                    index_kv_ring = index_kv_ring.at[key_index].set(index_kv)
+                    index_gate_ring = index_gate_ring.at[key_index].set(index_gate)
+                    key_page_BM, key_offset_BM = locate(meta.page_table,
+                                                        jnp.where(key_closes_BM & run_B1, key_BM, -1), **geometry)
+                    index_keys = index_keys.at[key_index, key_page_BM, key_offset_BM].set(
+                        ops.encode_index_keys(hadamard(keys_BMJ) if fp4 else keys_BMJ, key_format))
             entries = record.entries
             count = reach(meta.page_table, page_size, m)
             if count > 0:  # a cache too small for one entry has nothing to select
-                with jax.named_scope("indexer"):
-                    keys_BMJ = ops.decode_index_keys(request_rows(index_keys, index, meta.page_table, count,
-                                                                  **geometry), key_format, x_BTD.dtype,
-                                                     width=indexer.dim)
-                    scores_BTM = indexer.scores(x_BTD, q_resid_BTQ, keys_BMJ,
-                                                visible_entries(positions_BT, count, m), cos, sin, fp4=fp4)
-                    ids_BTK = index_topk(scores_BTM, indexer.top_k)
+                if indexer is not None:
+                    with jax.named_scope("indexer"):
+                        keys_BMJ = ops.decode_index_keys(request_rows(index_keys, key_index, meta.page_table, count,
+                                                                      **geometry), key_format, x_BTD.dtype,
+                                                         width=indexer.dim)
+                        scores_BTM = indexer.scores(x_BTD, q_resid_BTQ, keys_BMJ,
+                                                    visible_entries(positions_BT, count, m), cos, sin, fp4=fp4)
+                        ids_BTK = index_topk(scores_BTM, self.top_k)
                 with jax.named_scope("sparse_attention"):  # HiSparse: window + resident entries, fetched entries
                     sources = entries.read(index, meta, new_ids_BM, new_BMW, ids_BTK)
                     no_sink_N = jnp.full(sinks_N.shape, -jnp.inf, jnp.float32)
@@ -235,8 +253,7 @@ class Attention(nnx.Module):
                         lambda srcs, ready: attend(window if ready else None, srcs, sinks_N if ready else no_sink_N),
                         sources)
             record = CsaCache(record.kv_ring.at[index].set(kv_ring), record.gate_ring.at[index].set(gate_ring),
-                              record.index_kv_ring.at[index].set(index_kv),
-                              record.index_gate_ring.at[index].set(index_gate), entries, index_keys, key_format)
+                              index_kv_ring, index_gate_ring, entries, index_keys, key_format)
         elif self.layer_type == HCA:
             geometry = dict(page_size=record.page_size, rate=self.compressor.rate)
             with jax.named_scope("compressor"):
@@ -288,16 +305,17 @@ class DecoderLayer(nnx.Module):
         post, comb, x_BTD = self.ffn_hc(streams_BTOD)
         return mhc.merge(post, comb, self.mlp(self.post_attention_layernorm(x_BTD), tokens_BT), streams_BTOD)
 
-    def __call__(self, streams_BTOD: jax.Array, tokens_BT: jax.Array, stage: str | None = None):
+    def __call__(self, streams_BTOD: jax.Array, tokens_BT: jax.Array, stage: str | None = None, picks=None):
         post, comb, x_BTD = self.attn_hc(streams_BTOD)
-        out, kl = self.self_attn(self.input_layernorm(x_BTD), stage)
+        out, kl, picks = self.self_attn(self.input_layernorm(x_BTD), stage, picks)
         streams_BTOD = mhc.merge(post, comb, out, streams_BTOD)
-        return self._ffn(streams_BTOD, tokens_BT), kl
+        return self._ffn(streams_BTOD, tokens_BT), kl, picks
 
-    def step(self, streams_BTOD, tokens_BT, meta: StepMeta, window_BSH, record, index, kernels: str):
+    def step(self, streams_BTOD, tokens_BT, meta: StepMeta, window_BSH, record, index, kernels: str, ids_BTK=None,
+             key_index=None):
         post, comb, x_BTD = self.attn_hc(streams_BTOD)
         out, window_BSH, record, ids_BTK = self.self_attn.step(self.input_layernorm(x_BTD), meta, window_BSH, record,
-                                                               index, kernels)
+                                                               index, kernels, ids_BTK, key_index)
         streams_BTOD = mhc.merge(post, comb, out, streams_BTOD)
         return self._ffn(streams_BTOD, tokens_BT), window_BSH, record, ids_BTK
 
@@ -346,13 +364,17 @@ class DeepseekV4(MTPHost, nnx.Module):
         """The full causal forward up to ``hc_head``: the last layer's residual streams ``[B, T, O, D]`` (what
         the MTP module reads) and the CSA indexers' loss summed over layers."""
         check_stage(stage)
+        b, t = tokens_BT.shape
 
         def body(layer, index, carry):
-            streams_BTOD, kl = carry
-            streams_BTOD, layer_kl = layer(streams_BTOD, tokens_BT, stage)
-            return (streams_BTOD, kl + layer_kl), None
+            streams_BTOD, kl, picks = carry
+            streams_BTOD, layer_kl, picks = layer(streams_BTOD, tokens_BT, stage, picks)
+            return (streams_BTOD, kl + layer_kl, picks), None
 
-        return scan_runs(self.runs, body, (self._embed(tokens_BT), jnp.zeros((), jnp.float32)))[0]
+        n = t // self.cfg.compress_rate_csa  # the CSA layers' entries: what their picks select from
+        carry = (self._embed(tokens_BT), jnp.zeros((), jnp.float32), index_picks(b, t, n, self.cfg.index_topk))
+        streams_BTOD, kl, _ = scan_runs(self.runs, body, carry)[0]
+        return streams_BTOD, kl
 
     def layer_groups(self) -> tuple[list[int], list[int]]:
         """Layer indices of the CSA and of the HCA layers (the order of their cache stacks)."""
@@ -395,25 +417,30 @@ class DeepseekV4(MTPHost, nnx.Module):
         # each layer's place among the layers of its kind (the index into the CSA or HCA record)
         places = jnp.asarray([csa_layers.index(i) if i in csa_layers else hca_layers.index(i) if i in hca_layers
                               else 0 for i in range(self.cfg.num_hidden_layers)], jnp.int32)
+        # a full CSA layer's place among the full ones: its index into the indexer's rings and keys (Index Share)
+        key_places = jnp.asarray(index_key_places(self.cfg), jnp.int32)
         # the CSA indexer's picks per CSA layer: K = min(top-k, the entries a request's page table reaches)
         count = reach(meta.page_table, cache.csa.entries.page_size, self.cfg.compress_rate_csa)
         ids_LBTK = jnp.full((len(csa_layers), b, t, min(self.cfg.index_topk, count)), -1, jnp.int32)
 
         def body(layer, index, carry):
-            streams_BTOD, window_LBSH, csa, hca, ids_LBTK = carry
+            streams_BTOD, window_LBSH, csa, hca, ids_LBTK, shared_BTK = carry
             kind, place = layer.self_attn.layer_type, places[index]
             record = csa if kind == CSA else hca if kind == HCA else None
             streams_BTOD, window_BSH, record, ids_BTK = layer.step(streams_BTOD, tokens_BT, meta, window_LBSH[index],
-                                                                   record, place, kernels)
+                                                                   record, place, kernels, shared_BTK,
+                                                                   key_places[index])
             if kind == CSA:
                 csa = record
-                ids_LBTK = ids_LBTK if ids_BTK is None else ids_LBTK.at[place].set(ids_BTK)
+                if ids_BTK is not None:
+                    ids_LBTK, shared_BTK = ids_LBTK.at[place].set(ids_BTK), ids_BTK
             elif kind == HCA:
                 hca = record
-            return (streams_BTOD, window_LBSH.at[index].set(window_BSH), csa, hca, ids_LBTK), None
+            return (streams_BTOD, window_LBSH.at[index].set(window_BSH), csa, hca, ids_LBTK, shared_BTK), None
 
-        carry = (self._embed(tokens_BT), rows.window, rows.csa, rows.hca, ids_LBTK)
-        (streams_BTOD, window_LBSH, csa, hca, ids_LBTK), _ = scan_runs(self.runs, body, carry)
+        carry = (self._embed(tokens_BT), rows.window, rows.csa, rows.hca, ids_LBTK, ids_LBTK[0] if csa_layers else
+                 jnp.full((b, t, 0), -1, jnp.int32))
+        (streams_BTOD, window_LBSH, csa, hca, ids_LBTK, _), _ = scan_runs(self.runs, body, carry)
         if hca.host is not None:  # every HCA layer's newest row is now this step's token's
             hca = dataclasses.replace(hca, host=hca.host.appended(meta.positions[:, -1] % self.cfg.compress_rate_hca,
                                                                   meta.valid[:, 0]))
@@ -426,6 +453,19 @@ class DeepseekV4(MTPHost, nnx.Module):
         """The MTP module's empty cache: ``init_cache`` of its one block (its window, and its compressors'
         rings, entries and indexer keys when the block is a CSA / HCA layer), in the same pages."""
         return _init_cache(self.cfg.mtp_block(), self.dtype, rows, num_pages, page_size, csa_dtype, index_dtype)
+
+
+def index_picks(b: int, t: int, n: int, top_k: int) -> tuple[jax.Array, jax.Array]:
+    """Placeholder picks (no top-k entry ids ``i32[B, T, K]``, -inf scores ``f32[B, T, M]``, ``K = min(top_k, M)``)
+    before the first full CSA layer: the scan over layers carries the picks a shared CSA layer reuses."""
+    return jnp.full((b, t, min(top_k, n)), -1, jnp.int32), jnp.full((b, t, n), -jnp.inf, jnp.float32)
+
+
+def index_key_places(cfg: ModelConfig) -> list[int]:
+    """Each layer's index into the CSA indexer's rings and keys ``[Lf, ...]`` (only full CSA layers have them): its
+    place among the full CSA layers (other layers: 0, never read)."""
+    full = [i for i in cfg.index_layers if cfg.indexer_full(i)]
+    return [full.index(i) if i in full else 0 for i in range(cfg.num_hidden_layers)]
 
 
 def layer_groups(cfg: ModelConfig) -> tuple[list[int], list[int]]:
@@ -465,6 +505,7 @@ def _init_cache(cfg: ModelConfig, dtype, rows: int, num_pages: int, page_size: i
     key_width, key_dtype = ops.index_key_storage(cfg.index_head_dim, index_format)
     csa, hca = layer_groups(cfg)
     lc, lh, m, mh = len(csa), len(hca), cfg.compress_rate_csa, cfg.compress_rate_hca
+    lf = cfg.indexer_types.count("full")  # the CSA layers with an indexer (Index Share: the full ones)
     for rate in (m, mh):
         check_geometry(page_size, rate)
     h, j = cfg.head_dim, cfg.index_head_dim
@@ -474,10 +515,10 @@ def _init_cache(cfg: ModelConfig, dtype, rows: int, num_pages: int, page_size: i
     return V4Cache(
         window=zeros(cfg.num_hidden_layers, rows, cfg.sliding_window, h),
         csa=CsaCache(kv_ring=zeros(lc, rows, 2 * m, 2 * h), gate_ring=zeros(lc, rows, 2 * m, 2 * h),
-                     index_kv_ring=zeros(lc, rows, 2 * m, 2 * j), index_gate_ring=zeros(lc, rows, 2 * m, 2 * j),
+                     index_kv_ring=zeros(lf, rows, 2 * m, 2 * j), index_gate_ring=zeros(lf, rows, 2 * m, 2 * j),
                      entries=ResidentPages(zeros(lc, num_pages, per_csa, csa_width, dt=csa_dtype),
                                            page_size=page_size, rate=m),
-                     index_keys=zeros(lc, num_pages, per_csa, key_width, dt=key_dtype),
+                     index_keys=zeros(lf, num_pages, per_csa, key_width, dt=key_dtype),
                      index_format=index_format),
         hca=HcaCache(kv_ring=zeros(lh, rows, mh, h), gate_ring=zeros(lh, rows, mh, h),
                      entries=zeros(lh, num_pages, per_hca, h), page_size=page_size))

@@ -102,8 +102,8 @@ class MTPLayerV32(deepseek_v32.DecoderLayer):
         """The full causal form (``DeepseekV32.mtp_forward``)."""
         b, t = next_tokens_BT.shape
         cos, sin = model._cos_sin(jnp.broadcast_to(jnp.arange(t), (b, t)))
-        out_BTD, kl = deepseek_v32.DecoderLayer.__call__(self, self._input(model, h_BTD, next_tokens_BT), cos, sin,
-                                                         stage)
+        out_BTD, kl, _ = deepseek_v32.DecoderLayer.__call__(self, self._input(model, h_BTD, next_tokens_BT), cos,
+                                                            sin, stage)
         return self._logits(model, out_BTD), out_BTD, kl
 
     def predict_step(self, model, h_BTD, next_tokens_BT, meta: StepMeta, cache: PagedCacheV32, kernels: str):
@@ -138,8 +138,8 @@ class MTPLayerV4(deepseek_v4.DecoderLayer):
     def predict(self, model, streams_BTOD, next_tokens_BT, stage):
         """The full causal form (``DeepseekV4.mtp_forward``); the block's hash router (none: it routes by
         score) would read ``next_tokens``, as DeepSeek's code passes them."""
-        out_BTOD, kl = deepseek_v4.DecoderLayer.__call__(self, self._input(model, streams_BTOD, next_tokens_BT),
-                                                         next_tokens_BT, stage)
+        out_BTOD, kl, _ = deepseek_v4.DecoderLayer.__call__(self, self._input(model, streams_BTOD, next_tokens_BT),
+                                                            next_tokens_BT, stage)
         return self._logits(model, out_BTOD), out_BTOD, kl
 
     def predict_step(self, model, streams_BTOD, next_tokens_BT, meta: StepMeta, cache: V4Cache, kernels: str):

@@ -25,7 +25,8 @@ import argparse
 import signal
 import sys
 
-from ess_jax.cli import Parser, add_engine_flags, add_model_flag, add_process_flags, engine_config, start_processes
+from ess_jax.cli import (Parser, add_engine_flags, add_index_share_flag, add_model_flag, add_process_flags,
+                         engine_config, start_processes)
 
 DEFAULT_MAX_SEQ_LEN = 4096
 
@@ -33,6 +34,7 @@ DEFAULT_MAX_SEQ_LEN = 4096
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = Parser("python -m ess_jax.serve", __doc__)
     add_model_flag(p)
+    add_index_share_flag(p)
     add_engine_flags(p)
     add_process_flags(p)
     http = p.add_argument_group("HTTP (process 0)")
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         from ess_jax.tokenizer import read_chat_template
 
         model = load_model(args.model, args.dtype, seed=args.weights_seed, weights=args.weights,
-                           mesh=args.mesh)
+                           mesh=args.mesh, index_share=args.index_share)
         template = model.chat_template if args.chat_template is None else read_chat_template(
             args.chat_template, model.tokenizer, model.cfg, model.chat_template)
         config = engine_config(args, max_seq_len=args.max_seq_len or min(DEFAULT_MAX_SEQ_LEN,

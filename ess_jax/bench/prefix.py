@@ -3,6 +3,8 @@ resident and with ESS (the first ``--ratios`` and ``--fetch``):
 
 - shared prefix: ``--batch`` x 2 requests, each the same N-token prefix and a distinct ``--suffix-tokens`` suffix,
   sent one after the other (each when the one before has finished: what a cache can give each one);
+- all at once: the same requests added together to ``--batch`` batch rows (a few-shot eval, one system prompt over a
+  file of questions: what in-batch prefix sharing gives);
 - chat replay: ``--chat-turns`` turns of one conversation, each turn's prompt the conversation so far (the
   previous prompt, its reply and ``--suffix-tokens`` new user tokens), as a chat client resends it.
 
@@ -35,7 +37,18 @@ def _workload(engine, kind: str, stream: list[int], args) -> dict:
     prefix, at = stream[:n], n
     ttft, outputs, tokens = [], [], 0
     start = time.perf_counter()
-    if kind == "shared prefix":
+    if kind == "all at once":
+        prompts = [prefix + stream[n + i * suffix:n + (i + 1) * suffix] for i in range(2 * args.batch)]
+        added = {engine.add_request(p, new, ignore_eos=True): i for i, p in enumerate(prompts)}
+        firsts, outs = {}, {i: [] for i in added}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.new_token_ids:
+                    firsts.setdefault(out.request_id, time.perf_counter() - start)
+                    outs[out.request_id] += out.new_token_ids
+        outputs, ttft = [outs[i] for i in sorted(added)], [firsts[i] for i in sorted(added)]
+        tokens = sum(map(len, prompts)) + sum(map(len, outputs))
+    elif kind == "shared prefix":
         for _ in range(2 * args.batch):
             prompt = prefix + stream[at:at + suffix]
             at += suffix
@@ -76,10 +89,11 @@ def prefix_runs(model, stream: list[int], args, log) -> list[dict]:
     for offload in ("none", "ess"):
         for cached in (False, True):
             label = f"{'resident' if offload == 'none' else 'ess'} {'with' if cached else 'without'} prefix cache"
-            for kind in ("shared prefix", "chat"):
+            for kind in ("shared prefix", "all at once", "chat"):
                 log(f"prefix: {kind}, {label}")
                 # an engine of its own (an empty cache); engines of one shape share their compiled steps
-                engine = Engine(model, dataclasses.replace(base, offload=offload, prefix_cache=cached))
+                batch = args.batch if kind == "all at once" else 1
+                engine = Engine(model, dataclasses.replace(base, offload=offload, prefix_cache=cached, max_batch=batch))
                 engine.warm_up()
                 run = _workload(engine, kind, stream, args)
                 rows.append(dict(run, workload=kind, offload=offload, prefix_cache=cached,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -37,13 +38,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
-from ess_jax import cli, families, mesh, ops
+from ess_jax import aot, cli, families, mesh, ops
 from ess_jax.api import DTYPES
 from ess_jax.cache import StepMeta
 from ess_jax.config import ModelConfig, resolve_model
 from ess_jax.engine import offload, steps
 from ess_jax.engine.layout import CacheLayout, cache_layout
 from ess_jax.engine.runner import window_shape
+from ess_jax.models import quant
 
 PLATFORMS = {"tpu": ("tpu", "TPU v6 lite"), "cuda": ("gpu", "NVIDIA H200")}  # --platform: jax's device platform, kind
 GPU_CALLS = ("mosaic_gpu_v2",)  # the Mosaic GPU kernels' custom call: jax.export serializes it only when told to
@@ -52,21 +54,35 @@ I32 = jnp.int32
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """What the steps are lowered for: ``platform`` ("tpu" or "cuda"), the devices' kind, the mesh's shape."""
+    """What the steps are lowered (or compiled) for: ``platform`` ("tpu" or "cuda"), the devices' kind, the mesh's
+    shape; ``spec``: compiling, the compile-only devices' (``ess_jax.aot``); None: lowering for abstract devices."""
 
     platform: str
     kind: str
     shape: mesh.MeshShape
+    spec: aot.Spec | None = None
 
     @property
-    def mesh(self) -> AbstractMesh:
+    def mesh(self) -> AbstractMesh | jax.sharding.Mesh:
+        if self.spec is not None:
+            return _compile_mesh(self.spec, self.shape)
         device = AbstractDevice(device_kind=self.kind, num_cores=1 if self.platform == "tpu" else None,
                                 platform=PLATFORMS[self.platform][0])
         return AbstractMesh(tuple(getattr(self.shape, a) for a in mesh.AXES), mesh.AXES,
                             axis_types=(AxisType.Auto,) * len(mesh.AXES), abstract_device=device)
 
+    def using(self):
+        """The context the steps are traced in: the abstract mesh, or the compile-only devices' mesh."""
+        return jax.set_mesh(self.mesh) if self.spec is not None else jax.sharding.use_abstract_mesh(self.mesh)
+
     def __str__(self) -> str:
-        return f"{self.kind} ({self.platform}, mesh {self.shape})"
+        name = self.spec.name if self.spec is not None else self.kind
+        return f"{name} ({self.platform}, mesh {self.shape})"
+
+
+@functools.cache
+def _compile_mesh(spec: aot.Spec, shape: mesh.MeshShape) -> jax.sharding.Mesh:
+    return aot.compile_mesh(spec, shape)
 
 
 class StepError(Exception):
@@ -130,11 +146,42 @@ class Abstract:
     window: jax.ShapeDtypeStruct  # i32[L, D, Q, K]
 
 
-def abstract_engine(cfg: ModelConfig, config, dtype: str, seed: int, target: Target) -> Abstract:
-    """What ``Engine(model, config)`` builds on the target's devices, as shapes (``Runner.__init__``, ``Ess``)."""
+def release_params(cfg: ModelConfig, params: nnx.State) -> nnx.State:
+    """``params`` (shapes) as ``weights="release"`` holds them: each parameter the release quantizes
+    (``Family.release_bytes``) as its ``quant.Fp8Blocks`` (e4m3 values, 128 x 128 block scales: float32, or ue8m0
+    when one byte a block) or ``quant.Fp4Values`` (two e2m1 values a byte, a ue8m0 scale per 32 values)."""
+    family = families.get(cfg.family)
+
+    def release(path, x):
+        names = mesh.path_names(path)
+        names = names[:-1] if names[-1] == "value" else names  # the parameter's path, not its variable's field
+        routed = "experts" in names and "shared_experts" not in names
+        stored = family.release_bytes(names, routed, tuple(x.shape))
+        if stored is None:
+            return x
+        *lead, out, inp = x.shape
+        if stored == math.prod(x.shape) / 2 + math.prod(x.shape) / quant.FP4_GROUP:
+            return quant.Fp4Values(jax.ShapeDtypeStruct((*lead, out, inp // 2), jnp.int8),
+                                   jax.ShapeDtypeStruct((*lead, out, inp // quant.FP4_GROUP), jnp.float8_e8m0fnu),
+                                   dtype=x.dtype)
+        parts = 2 if names[-1] == "gate_up_proj" else 1
+        blocks = (*lead, parts * math.ceil(out / parts / 128), math.ceil(inp / 128))
+        scale_dtype = jnp.float32 if stored - math.prod(x.shape) == 4 * math.prod(blocks) else jnp.float8_e8m0fnu
+        return quant.Fp8Blocks(jax.ShapeDtypeStruct(x.shape, jnp.float8_e4m3fn),
+                               jax.ShapeDtypeStruct(blocks, scale_dtype), (128, 128), parts, dtype=x.dtype)
+
+    return jax.tree_util.tree_map_with_path(release, params)
+
+
+def abstract_engine(cfg: ModelConfig, config, dtype: str, seed: int, target: Target,
+                    weights: str = "dequantized") -> Abstract:
+    """What ``Engine(model, config)`` builds on the target's devices, as shapes (``Runner.__init__``, ``Ess``), the
+    parameters as ``weights`` keeps them (``release``: the release's quantized bytes)."""
     module = nnx.eval_shape(lambda: families.get(cfg.family).module_cls(cfg, dtype=DTYPES[dtype],
                                                                        rngs=nnx.Rngs(seed)))
     graphdef, params = nnx.split(module)
+    if weights == "release":
+        params = release_params(cfg, params)
     params = jax.tree_util.tree_map_with_path(
         lambda path, x: shaped(x, mesh.param_sharding(target.mesh, mesh.path_names(path), x.shape)), params)
     layout = cache_layout(cfg, config, jnp.dtype(module.dtype).name)
@@ -188,14 +235,19 @@ def engine_steps(cfg: ModelConfig, config, engine: Abstract, target: Target) -> 
                     if name != "load_prefix" or config.prefix_cache}
 
 
-def export_step(name: str, step: Step, target: Target) -> jax.export.Exported:
-    """``step`` exported for the target over the leaves of its arguments, returning the leaves of its results
-    (an artifact a caller feeds from its own pytrees, whatever their types); StepError with the lowering's
-    message."""
+def flat_step(step: Step) -> tuple[Callable, list]:
+    """``step`` jitted over the leaves of its arguments, returning the leaves of its results (an artifact a caller
+    feeds from its own pytrees, whatever their types), and those argument leaves."""
     leaves, treedef = jax.tree.flatten(step.args)
     flat = jax.jit(lambda *leaves: jax.tree.leaves(step.step(*step.static, *jax.tree.unflatten(treedef, leaves),
                                                              **step.kwargs)),
                    out_shardings=jax.tree.leaves(step.out))
+    return flat, leaves
+
+
+def export_step(name: str, step: Step, target: Target) -> jax.export.Exported:
+    """``step`` exported for the target (``flat_step``); StepError with the lowering's message."""
+    flat, leaves = flat_step(step)
     checks = [jax.export.DisabledSafetyCheck.custom_call(c) for c in GPU_CALLS] if target.platform == "cuda" else []
     try:
         return jax.export.export(flat, platforms=[target.platform], disabled_checks=checks)(*leaves)
@@ -223,7 +275,7 @@ def describe(exported: jax.export.Exported, target: Target) -> dict:
 
 def export(cfg: ModelConfig, config, dtype: str, seed: int, target: Target, out: Path) -> dict:
     """Every engine step exported for ``target`` into ``out``, and the summary (also ``out/summary.json``)."""
-    with jax.sharding.use_abstract_mesh(target.mesh):
+    with target.using():
         kernels = ops.resolve_kernels(config.kernels)
         found = engine_steps(cfg, config, abstract_engine(cfg, config, dtype, seed, target), target)
         out.mkdir(parents=True, exist_ok=True)
@@ -240,14 +292,82 @@ def export(cfg: ModelConfig, config, dtype: str, seed: int, target: Target, out:
     return summary
 
 
+def compile_step(name: str, step: Step, target: Target) -> dict:
+    """``step`` compiled by the target's own compiler (libtpu with Mosaic TPU; XLA:GPU), and what the compiled
+    program says (``aot.analyze``); a step that does not compile: ``compiled: False`` and the compiler's message."""
+    flat, leaves = flat_step(step)
+    try:
+        compiled = flat.lower(*leaves).compile()
+    except Exception as e:  # the compiler's verdict, whatever it raises, is the report
+        lines = [line for line in str(e).splitlines() if line.strip()]
+        return {"compiled": False, "error": f"{type(e).__name__}: {' '.join(lines[:4])[:1500]}"}
+    return {"compiled": True, **aot.analyze(compiled, target.spec)}
+
+
+def compile_all(cfg: ModelConfig, config, dtype: str, seed: int, target: Target, out: Path | None,
+                weights: str = "dequantized") -> dict:
+    """Every engine step compiled for ``target`` (a compile-only ``spec``), the summary (also ``out/summary.json``
+    when ``out`` is given)."""
+    with target.using():
+        kernels = ops.resolve_kernels(config.kernels)
+        engine = abstract_engine(cfg, config, dtype, seed, target, weights)
+        found = engine_steps(cfg, config, engine, target)
+        summary = {"target": {"name": target.spec.name, "platform": target.platform, "device_kind": target.kind,
+                              "mesh": str(target.shape), "devices": target.shape.size,
+                              "hbm_bytes": target.spec.hbm_bytes, "hbm_bandwidth": target.spec.hbm_bandwidth,
+                              "peak_flops": target.spec.peak_flops},
+                   "model": {"family": cfg.family, "num_layers": cfg.num_hidden_layers, "dtype": dtype,
+                             "weights": weights},
+                   "engine": dataclasses.asdict(config), "kernels": kernels,
+                   "steps": {name: compile_step(name, step, target) for name, step in found.items()}}
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def failures(summary: dict) -> list[str]:
+    """The steps of a compile summary that did not compile or do not fit the device's memory, each in a line."""
+    hbm = summary["target"]["hbm_bytes"]
+    bad = []
+    for name, step in summary["steps"].items():
+        if not step["compiled"]:
+            bad.append(f"{name}: does not compile: {step['error']}")
+        elif not step["fits"]:
+            bad.append(f"{name}: needs {step['bytes_per_device']['total'] / aot.GIB:.2f} GiB per device, the device "
+                       f"has {hbm / aot.GIB:.2f} GiB")
+    return bad
+
+
+def step_line(name: str, step: dict) -> str:
+    if not step["compiled"]:
+        return f"{name}: FAILED {step['error']}"
+    memory, gib = step["bytes_per_device"], aot.GIB
+    collectives = ", ".join(f"{k} x{v['count']}" for k, v in step["collectives"].items()) or "none"
+    roofline = f"{step['roofline_s'] * 1e3:.3f} ms" if step["roofline_s"] is not None else "-"
+    return (f"{name}: arguments {memory['arguments'] / gib:.2f} GiB, temporaries {memory['temporaries'] / gib:.2f} GiB"
+            f"{'' if step['fits'] else ' (DOES NOT FIT)'}; host->device {step['host_to_device_bytes'] / 2**20:.1f} "
+            f"MiB, device->host {step['device_to_host_bytes'] / 2**20:.1f} MiB; {step['flops'] / 1e9:.1f} GFLOP, "
+            f"roofline {roofline}; custom calls {step['custom_calls'] or 'none'}; collectives {collectives}")
+
+
 def parse_args(argv: list[str] | None):
     p = cli.Parser("python -m ess_jax.export", __doc__, compile_cache=False)
-    p.add_argument("--platform", choices=sorted(PLATFORMS), required=True, help="the target's platform")
+    p.add_argument("--platform", choices=sorted(PLATFORMS), default=None,
+                   help="lowering: the target's platform (with --compile: the --target's)")
     p.add_argument("--device-kind", default=None,
-                   help="the target devices' kind, as jax reports it (default: TPU v6 lite; NVIDIA H200), e.g. "
-                        "'NVIDIA A100', 'TPU v5 lite': --kernels auto chooses for it")
-    p.add_argument("--num-layers", type=int, default=None, help="export the model's first N layers only")
-    p.add_argument("--out", type=Path, required=True, help="directory the artifacts and summary.json are written to")
+                   help="lowering: the target devices' kind, as jax reports it (default: TPU v6 lite; NVIDIA H200), "
+                        "e.g. 'NVIDIA A100', 'TPU v5 lite': --kernels auto chooses for it")
+    p.add_argument("--compile", action="store_true",
+                   help="compile every step with the --target's own compiler (libtpu / XLA:GPU, no device needed; "
+                        "the aot extra) and write summary.json: bytes per device, collectives, custom calls, host "
+                        "transfers, FLOPs and the roofline time; exit 2 naming a step that does not compile or fit")
+    p.add_argument("--target", choices=sorted(aot.SPECS), default=None,
+                   help="with --compile: the device compiled for (TPU v5e / v6e / v5p, NVIDIA H100 / H200 / A100 / "
+                        "B200); the mesh's devices are that many of it")
+    p.add_argument("--num-layers", type=int, default=None, help="the model's first N layers only")
+    p.add_argument("--out", type=Path, default=None,
+                   help="directory the artifacts and summary.json are written to (required without --compile)")
     cli.add_model_flag(p)
     cli.add_engine_flags(p)
     return p, p.parse_args(argv)
@@ -256,17 +376,37 @@ def parse_args(argv: list[str] | None):
 def main(argv: list[str] | None = None) -> None:
     parser, args = parse_args(argv)
     try:
-        if args.weights != "dequantized":
-            raise ValueError("--weights release: the export lowers the dequantized weights' shapes only")
         if args.num_layers is not None and args.num_layers < 1:
             raise ValueError(f"--num-layers {args.num_layers} must be >= 1")
         config = cli.flags_config(args)
         shape = mesh.parse(config.mesh) if config.mesh else mesh.MeshShape()
-        target = Target(args.platform, args.device_kind or PLATFORMS[args.platform][1], shape)
-        summary = export(model_config(args.model, args.num_layers), config, args.dtype, args.weights_seed, target,
-                         args.out)
+        cfg = model_config(args.model, args.num_layers)
+        if args.compile:
+            if args.target is None:
+                raise ValueError(f"--compile needs --target, one of {', '.join(aot.SPECS)}")
+            spec = aot.spec(args.target)
+            target = Target(spec.platform, spec.kind, shape, spec)
+            summary = compile_all(cfg, config, args.dtype, args.weights_seed, target, args.out, args.weights)
+        else:
+            if args.platform is None or args.out is None:
+                raise ValueError("lowering needs --platform and --out (or --compile --target NAME)")
+            if args.weights != "dequantized":
+                raise ValueError("--weights release: lowering writes the dequantized weights' artifacts; compile the "
+                                 "release weights with --compile")
+            target = Target(args.platform, args.device_kind or PLATFORMS[args.platform][1], shape)
+            summary = export(cfg, config, args.dtype, args.weights_seed, target, args.out)
     except (ValueError, StepError) as e:
         parser.error(str(e))
+    if args.compile:
+        for name, step in summary["steps"].items():
+            print(step_line(name, step))
+        bad = failures(summary)
+        print(f"kernels {summary['kernels']}; {len(summary['steps']) - len(bad)} of {len(summary['steps'])} steps "
+              f"compile and fit for {target}" + (f"; summary in {args.out / 'summary.json'}" if args.out else ""))
+        if bad:
+            print("\n".join(bad), file=sys.stderr)
+            sys.exit(2)
+        return
     for name, step in summary["steps"].items():
         print(f"{name}: {step['custom_calls']} arguments {step['argument_bytes_per_device']} outputs "
               f"{step['output_bytes_per_device']} bytes per device")

@@ -28,6 +28,7 @@ Axis letters: ess_jax.notation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -323,25 +324,27 @@ def sparse_sink_attention(q_BTNH: jax.Array, rows_BTKH: jax.Array, valid_BTK: ja
     if mode != "xla":
         b, t, k, h = rows_BTKH.shape
         return sparse_sink_attention_pool(q_BTNH, rows_BTKH.reshape(b * t * k, h), _identity_ids(valid_BTK), None,
-                                          None, sinks_N, scale=scale, kernels=kernels)
+                                          None, sinks_N, scale=scale, rope_dim=0, kernels=kernels)
     rows_BTKH = jnp.where(valid_BTK[..., None], rows_BTKH.astype(jnp.float32), 0.0)
     return v4_kernel.attention_with_sink_reference(q_BTNH, rows_BTKH, valid_BTK, sinks_N, scale, precision=None)
 
 
-def sparse_sink_attention_pool(q_BTNH: jax.Array, window_PH: jax.Array, window_ids_BTK: jax.Array,
-                               entries_MH: jax.Array | None, entry_ids_BTK: jax.Array | None, sinks_N: jax.Array, *,
-                               scale: float, kernels: str = "xla") -> tuple[jax.Array, jax.Array]:
-    """``sparse_sink_attention`` over window rows ``[P, H]`` plus compressed entries ``[M, H]``
+def sparse_sink_attention_pool(q_BTNH: jax.Array, window_PX: jax.Array, window_ids_BTK: jax.Array,
+                               entries_MX: jax.Array | None, entry_ids_BTK: jax.Array | None, sinks_N: jax.Array, *,
+                               scale: float, rope_dim: int = 0, kernels: str = "xla") -> tuple[jax.Array, jax.Array]:
+    """``sparse_sink_attention`` over window rows ``[P, X]`` plus compressed entries ``[M, X]``
     (``None, None`` for window-only layers), each named by global row ids ``i32[B, T, K]``
-    (-1 = none); gathered inside the Pallas kernel or by XLA first. See
+    (-1 = none); gathered inside the Pallas kernel or by XLA first. Both pools hold float rows ``[., H]`` of one
+    dtype, or both V4 FP8 rows (uint8, decoded with ``rope_dim``, their rope dims; ``sparse_v4_attention_fp8``). See
     pallas_kernels/sparse_v4_attention.py for how the model's arrays map to pools and ids."""
     mode = resolve_kernels(kernels)
-    sources = [(window_PH, window_ids_BTK)] + ([(entries_MH, entry_ids_BTK)] if entries_MH is not None else [])
+    sources = [(window_PX, window_ids_BTK)] + ([(entries_MX, entry_ids_BTK)] if entries_MX is not None else [])
     if mode == "xla":
         rows, valid = [], []
         for pool, ids in sources:
             ok = ids >= 0
-            rows.append(pool[jnp.where(ok, ids, 0)])
+            rows.append(decode_v4_rows(pool[jnp.where(ok, ids, 0)], q_BTNH.dtype, head_dim=q_BTNH.shape[-1],
+                                       rope_dim=rope_dim))
             valid.append(ok)
         return sparse_sink_attention(q_BTNH, jnp.concatenate(rows, axis=2), jnp.concatenate(valid, axis=2), sinks_N,
                                      scale=scale, kernels="xla")
@@ -350,34 +353,48 @@ def sparse_sink_attention_pool(q_BTNH: jax.Array, window_PH: jax.Array, window_i
         return _empty(q_BTNH, sinks_N.astype(jnp.float32))
     (window, window_ids), *rest = sources
     entries, entry_ids = rest[0] if rest else (None, None)
-    return _unpartitioned(lambda *args: v4_kernel.sparse_v4_attention(*args, scale=scale, **_kernel_knobs(mode)))(
+    if window.dtype == jnp.uint8:
+        kernel = functools.partial(fp8_rows.sparse_v4_attention_fp8, rope_dim=rope_dim)
+    else:
+        kernel = v4_kernel.sparse_v4_attention
+    return _unpartitioned(lambda *args: kernel(*args, scale=scale, **_kernel_knobs(mode)))(
         q_BTNH, window, window_ids.astype(jnp.int32), entries,
         None if entry_ids is None else entry_ids.astype(jnp.int32), sinks_N)
 
 
 def sink_attention(q_BTNH: jax.Array, window: RowSource | None, entries: list[RowSource], sinks_N: jax.Array, *,
                    scale: float, rope_dim: int, kernels: str = "xla") -> tuple[jax.Array, jax.Array]:
-    """``sparse_sink_attention`` over the window rows (float, or None) and entry sources in the store's format
-    (float or V4 FP8 rows, decoded with ``rope_dim``): one softmax over all of them with the sink. Two float
-    sources of one dtype go to the fused pool kernel; otherwise the rows are gathered (and decoded) first."""
+    """``sparse_sink_attention`` over the window rows (or None) and entry sources in the store's format (float or
+    V4 FP8 rows, decoded with ``rope_dim``): one softmax over all of them with the sink. With kernels, sources of
+    one format share a fused kernel call (two pools at most; FP8 rows: ``sparse_v4_attention_fp8``) and the calls'
+    partial results merge exactly by log-sum-exp, the sink in the first call's denominator; with XLA the rows are
+    gathered and decoded first."""
     sources = ([window] if window is not None else []) + list(entries)
-    dtypes = {s.rows_PW.dtype for s in sources}
-    if resolve_kernels(kernels) != "xla" and len(sources) <= 2 and len(dtypes) == 1 and jnp.uint8 not in dtypes:
-        first, *rest = sources
-        second = rest[0] if rest else None
-        return sparse_sink_attention_pool(q_BTNH, first.rows_PW, first.ids_BTK,
-                                          None if second is None else second.rows_PW,
-                                          None if second is None else second.ids_BTK, sinks_N, scale=scale,
-                                          kernels=kernels)
-    head_dim = q_BTNH.shape[-1]
-    rows, valid = [], []
+    if resolve_kernels(kernels) == "xla":
+        head_dim = q_BTNH.shape[-1]
+        rows, valid = [], []
+        for s in sources:
+            ok = s.ids_BTK >= 0
+            picked = s.rows_PW[jnp.where(ok, s.ids_BTK, 0)]
+            rows.append(decode_v4_rows(picked, q_BTNH.dtype, head_dim=head_dim, rope_dim=rope_dim))
+            valid.append(ok)
+        return sparse_sink_attention(q_BTNH, jnp.concatenate(rows, axis=2), jnp.concatenate(valid, axis=2), sinks_N,
+                                     scale=scale, kernels="xla")
+    calls: list[list[RowSource]] = []  # consecutive sources of one format, two to a kernel call
     for s in sources:
-        ok = s.ids_BTK >= 0
-        picked = s.rows_PW[jnp.where(ok, s.ids_BTK, 0)]
-        rows.append(decode_v4_rows(picked, q_BTNH.dtype, head_dim=head_dim, rope_dim=rope_dim))
-        valid.append(ok)
-    return sparse_sink_attention(q_BTNH, jnp.concatenate(rows, axis=2), jnp.concatenate(valid, axis=2), sinks_N,
-                                 scale=scale, kernels=kernels)
+        if calls and len(calls[-1]) < 2 and calls[-1][0].rows_PW.dtype == s.rows_PW.dtype:
+            calls[-1].append(s)
+        else:
+            calls.append([s])
+    no_sink_N = jnp.full(sinks_N.shape, -jnp.inf, jnp.float32)
+    results = []
+    for i, (first, *rest) in enumerate(calls):
+        second = rest[0] if rest else None
+        results.append(sparse_sink_attention_pool(
+            q_BTNH, first.rows_PW, first.ids_BTK, None if second is None else second.rows_PW,
+            None if second is None else second.ids_BTK, sinks_N if i == 0 else no_sink_N, scale=scale,
+            rope_dim=rope_dim, kernels=kernels))
+    return _merge_all(results)
 
 
 def merge_attention(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array

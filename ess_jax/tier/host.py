@@ -4,7 +4,8 @@ pages), behind one contract with two backends (DESIGN.md §5), tested for identi
 - ``PinnedHostStore`` (``--fetch inline``): a jax array in pinned host memory. ``fetch`` gathers the rows
   on the host under ``compute_on("device_host")`` and transfers them inside the step; ``backup`` and
   ``store_prompt`` send only their rows to the host and write them there in place (dynamic updates of the donated
-  store), ``load`` (a cached prefix's whole pages) gathers there. One compiled step, no host round trip; the
+  store, all operands in host memory, which XLA:TPU runs on the host without a copy; under ``compute_on`` their
+  result would come back in the host computation's own layout and be copied through the device), ``load`` (a cached prefix's whole pages) gathers there. One compiled step, no host round trip; the
   store itself never passes through device memory.
 
   Its array is page-major, ``[G, Z * L * W]``: a page's rows, each offset's rows of every layer side by side. A
@@ -97,7 +98,7 @@ class PinnedHostStore:
                 store = jax.lax.dynamic_update_slice(store, rows_BX[i][None], (p_B[i], c_B[i]))
             return store
 
-        return PinnedHostStore(_ON_HOST(write)(self.array, *operands), l, w)
+        return PinnedHostStore(write(self.array, *operands), l, w)
 
     def store_prompt(self, rows_LXZW: jax.Array, pages_X: jax.Array) -> PinnedHostStore:
         """Whole pages of rows at ``pages_X``: each page one update."""
@@ -110,7 +111,7 @@ class PinnedHostStore:
                 store = jax.lax.dynamic_update_slice(store, pages_XR[i][None], (p_X[i], 0))
             return store
 
-        return PinnedHostStore(_ON_HOST(write)(self.array, *operands), l, w)
+        return PinnedHostStore(write(self.array, *operands), l, w)
 
     def load(self, pages_X: jax.Array) -> jax.Array:
         """Whole pages ``pages_X`` of rows on the device ``[L, X, Z, W]``, gathered on the host side."""

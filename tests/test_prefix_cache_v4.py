@@ -134,6 +134,25 @@ def test_v4_a_branch_point_snapshot_lets_later_prompts_share_a_common_prefix(eng
     assert_idle_holds_only_cached_pages(on)
 
 
+@pytest.mark.parametrize("mode", ["resident", "ess inline"])
+def test_v4_prompts_submitted_together_share_a_system_prompt(engines, mode):
+    """A 50-token system prompt and four distinct 40-token messages submitted at once (two batch rows): the first
+    prompt, admitted while the others wait, takes a snapshot where their pages part from its own (48) besides its
+    boundary; the others wait for its prefill and resume there (all but the first hit 48 tokens, more than one at a
+    time, where the second only marks the branch point). Tokens as without the cache."""
+    on = engines[mode]
+    rng = np.random.default_rng(37)
+    stem = rng.integers(0, 256, 50).tolist()
+    prompts = [stem + rng.integers(0, 256, 40).tolist() for _ in range(4)]
+    want = reference(engines, [(p, 4) for p in prompts])
+    before = on.prefix_cache_metrics()["hit_tokens"]
+    for p in prompts:
+        on.add_request(p, 4)
+    assert [r.output_ids for r in on.run()] == want
+    assert on.prefix_cache_metrics()["hit_tokens"] - before == 3 * 48
+    assert_idle_holds_only_cached_pages(on)
+
+
 def test_v4_a_prompt_aborted_before_its_prompt_ends_keeps_no_snapshot(engines):
     """The snapshot is taken at the boundary mid-prompt but kept only once the prompt is all prefilled: a prompt
     aborted after its boundary piece leaves no cached prefix, and the same prompt sent again prefills whole."""

@@ -150,7 +150,8 @@ class Engine:
     # ---- any thread ----------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                     stop_token_ids: Sequence[int] = (), *, ignore_eos: bool = False, logprobs: int | None = None,
-                    forced_ids: Sequence[int] | None = None, prompt_logprobs: int | None = None) -> int:
+                    forced_ids: Sequence[int] | None = None, prompt_logprobs: int | None = None,
+                    cache_salt: str | None = None) -> int:
         """Queue a request; its id. Safe to call from any thread, also while another thread steps.
         Stops at one of the config's eos ids (unless ``ignore_eos``), one of ``stop_token_ids``, or after
         ``max_new_tokens``. ``logprobs=N`` reports each output token's log-probability and the top N.
@@ -161,14 +162,15 @@ class Engine:
         ``prompt_logprobs=N`` (at most ``MAX_PROMPT_LOGPROBS``): the log-probability of every prompt token after
         the first and the top N, computed in the prefill pieces (each piece's logits reduced on the device), in
         the request's first output (``RequestOutput.prompt_logprobs``); with it ``max_new_tokens`` may be 0,
-        a request that ends after its prefill.
+        a request that ends after its prefill. ``cache_salt`` (vLLM's): the prefix cache shares its prompt's pages
+        only with requests of the same salt.
         Raises ValueError naming the problem if the request can never be served."""
         prompt_ids, stop_token_ids, forced_ids = _listed(prompt_ids), _listed(stop_token_ids), _listed(forced_ids)
         pages = self.check_request(prompt_ids, max_new_tokens, stop_token_ids, logprobs=logprobs, forced_ids=forced_ids,
                                    prompt_logprobs=prompt_logprobs)
         request = make_request(self.model.tokenizer, self.model.cfg.eos_token_id, prompt_ids, max_new_tokens, sampling,
                                stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs, forced_ids=forced_ids,
-                               prompt_logprobs=prompt_logprobs)
+                               prompt_logprobs=prompt_logprobs, cache_salt=cache_salt)
         return self.scheduler.inbox.add(request, pages)
 
     def check_request(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int] = (), *,

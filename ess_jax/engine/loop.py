@@ -91,7 +91,8 @@ class EngineLoop:
             return max(len(self._queues) - len(self._leaving) + more - self.engine.config.max_batch, 0)
 
     def add(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, stop_token_ids: list[int],
-            ignore_eos: bool, logprobs: int | None, prompt_logprobs: int | None = None) -> tuple[int, asyncio.Queue]:
+            ignore_eos: bool, logprobs: int | None, prompt_logprobs: int | None = None,
+            cache_salt: str | None = None) -> tuple[int, asyncio.Queue]:
         """Check a request (ValueError naming the problem; ``SamplingParams`` checked itself when built) and
         queue it for the engine: its id here, and the queue its outputs arrive on. Call it on an asyncio loop."""
         if self.error is not None:
@@ -100,7 +101,8 @@ class EngineLoop:
                                   prompt_logprobs=prompt_logprobs)
         request = {"prompt_ids": [int(t) for t in prompt_ids], "max_new_tokens": int(max_tokens),
                    "sampling": dataclasses.asdict(sampling), "stop_token_ids": [int(t) for t in stop_token_ids],
-                   "ignore_eos": bool(ignore_eos), "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
+                   "ignore_eos": bool(ignore_eos), "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
+                   "cache_salt": cache_salt}
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             request_id, self._next_id = self._next_id, self._next_id + 1
@@ -193,7 +195,7 @@ def add_from_tick(engine: Engine, request: dict) -> int:
     """Add a request ``EngineLoop.add`` checked (its fields as ``Ticks`` sends them) to ``engine``: its id."""
     return engine.add_request(request["prompt_ids"], request["max_new_tokens"], SamplingParams(**request["sampling"]),
                               request["stop_token_ids"], ignore_eos=request["ignore_eos"], logprobs=request["logprobs"],
-                              prompt_logprobs=request["prompt_logprobs"])
+                              prompt_logprobs=request["prompt_logprobs"], cache_salt=request.get("cache_salt"))
 
 
 def tick(engine: Engine, done: list, steps: int, metrics_every: int,

@@ -33,6 +33,7 @@ class Request:
     prompt_logprobs: int | None = None  # top-N log-probabilities to report per prompt token (0: the token only)
     prompt_scores: list[TokenLogprob | None] = dataclasses.field(default_factory=list)  # per prompt token so far
     reported: bool = False  # an output of it was made (the first carries the prompt's scores)
+    cache_salt: str | None = None  # the prefix cache shares its pages only with requests of the same salt
 
     def accept(self, sampled: int) -> tuple[int, str | None]:
         """Append the next output token (``sampled``, or a forced request's next forced id); the token taken and
@@ -164,15 +165,17 @@ def check_ids(vocab: int, max_new_tokens, prompt_ids, stop_token_ids=(), *, logp
 
 def make_request(tokenizer, eos_ids: Sequence[int], prompt_ids, max_new_tokens: int, sampling: SamplingParams,
                  stop_token_ids=(), *, ignore_eos: bool = False, logprobs: int | None = None,
-                 forced_ids=None, prompt_logprobs: int | None = None) -> Request:
+                 forced_ids=None, prompt_logprobs: int | None = None, cache_salt: str | None = None) -> Request:
     """A checked request's ``Request``: its stop ids (``eos_ids`` unless ``ignore_eos``, and ``stop_token_ids``;
     none for a forced request, which reports logprobs, 0 by default); with ``prompt_logprobs`` its prompt's
     scores start with None (its first token has nothing before it)."""
     check_sampling(sampling)
+    if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
     forced = None if forced_ids is None else tuple(int(t) for t in forced_ids)
     stop = frozenset(() if ignore_eos else eos_ids) | frozenset(map(int, stop_token_ids))
     if forced is not None:
         stop, logprobs = frozenset(), 0 if logprobs is None else logprobs
     return Request([int(t) for t in prompt_ids], max_new_tokens, sampling, stop, IncrementalDetokenizer(tokenizer),
                    logprobs, forced_ids=forced, prompt_logprobs=prompt_logprobs,
-                   prompt_scores=[None] if prompt_logprobs is not None else [])
+                   prompt_scores=[None] if prompt_logprobs is not None else [], cache_salt=cache_salt)

@@ -90,6 +90,10 @@ def run(args, log) -> tuple[dict, Callable[[dict], str]]:
         return prefix.prefix_bench(args, log), prefix.render
     if args.depth_sweep:
         return depth.depth_sweep(args, log), depth.render_depth
+    if args.index_share:
+        from ess_jax.bench import index_share
+
+        return index_share.index_share_bench(args, log), index_share.render
     return bench(args, log), report.render
 
 

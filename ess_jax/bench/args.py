@@ -196,6 +196,10 @@ def _output_flags(p: argparse.ArgumentParser) -> None:
                    help="--shared-prefix: each request's own tokens after the prefix, each chat turn's new tokens "
                         "(default 64)")
     p.add_argument("--chat-turns", type=int, default=4, help="--shared-prefix: the chat's turns (default 4)")
+    p.add_argument("--index-share", type=_names, default=None, metavar="none,every-N,PATTERN,...",
+                   help="instead of the runs above: Index Share (ess_jax.bench.index_share), the model served with each "
+                        "pattern (none: its config's), resident and ESS (the first --ratios and --fetch): decode and "
+                        "prefill tokens/s, the hit rate per layer, tokens against resident")
     p.add_argument("--depth-sweep", type=_ints, default=None, metavar="L,L,...",
                    help="instead of the runs above: the decode and prefill steps' compile time and the decode step's "
                         "time against depth, the model's config (random weights) at each layer count, resident "

@@ -4,14 +4,14 @@
 A program takes one query token of one request, all of its heads (padded to a multiple of 8: all
 heads read the same rows, so the rows are gathered once per program) and one of ``S`` parts of its
 ids (split-K, dealt as ``split_k`` describes). The grid is ``(B * T, S)``. Every source's ids and
-valid counts are scalar-prefetched into SMEM; the pools stay in HBM (``pl.ANY``). A program walks
-each source ``block_k`` ids at a time, double-buffered:
+valid counts are scalar-prefetched into SMEM; the pools stay in HBM (``pl.ANY``) as rows of 32-bit
+words (below). A program walks each source ``block_k`` ids at a time, double-buffered:
 
     rows[slot] <- pool rows at the block's valid ids     one asynchronous DMA per row (HBM -> VMEM),
                                                          all on the slot's DMA semaphore; the next
                                                          block's DMAs start before this block's math
-    rows_f32   <- every chunk of rows[slot] as float32   decoded chunk by chunk (FP8 bytes dequantized
-                                                         here), rows past the block's valid count zeroed
+    rows_f32   <- rows[slot] decoded to float32          run by run, plane by plane (FP8 bytes
+                                                         dequantized here), rows past the count zeroed
     s = scale * (q_value . values^T + q_key . keys^T)    f32[N, bk] on the MXU, -inf past the count
     m, l, acc <- online softmax in float32; acc += p . values
 
@@ -21,26 +21,36 @@ epilogue is the Mosaic GPU kernel's: an optional per-head sink joins the denomin
 denominator``, ``lse = log(denominator)``; a query with no valid row and no finite sink gets ``out =
 0, lse = -inf``.
 
-**Byte formats** (``RowLayout`` chunks) are decoded with 32-bit integer arithmetic, which every TPU
-generation has: an e4m3 byte's sign, exponent and mantissa become a float32's bits (subnormals
-``m * 2**-9``, 0x7F / 0xFF NaN), a float32 scale is four bytes shifted together, a ue8m0 scale its
-byte shifted into the exponent, and a bf16 column the two bytes of a pair, which a 0/1 selection
-matrix on the MXU picks out of the row (exact: the bytes are integers below 256) so no strided lane
-slice is needed.
+**Rows as 32-bit words.** A TPU tiles VMEM in (8 sublanes x 128 lanes) of 32-bit words and packs two
+bf16 or four uint8 rows into each sublane word, so a DMA of one bf16 or byte row at an arbitrary row is
+an unaligned sublane offset, which Mosaic refuses ("Offsets along tiled dimensions must be aligned to
+tiles"). The kernel therefore reads pools of 32-bit rows: float32 rows as they are, bf16 and byte rows
+as ``u32[P, row_bytes / 4]`` words (``row_layout.as_words``; every format is a whole number of words:
+576 bf16 = 288, 656 B = 164, 584 B = 146, 100 B = 25, 88 B = 22). Pools given as bf16 / uint8 are
+viewed as words by the wrapper, a relayout copy of the whole pool on a TPU; word pools pass as they are.
+
+**Decoding** is 32-bit integer arithmetic, which every TPU generation has, over runs of contiguous
+chunks (``_words``): a bf16 word's even column is ``bits(w << 16)`` and its odd one ``bits(w &
+0xFFFF0000)``; an e4m3 byte ``(w >> 8k) & 255`` becomes a float32's sign, exponent and mantissa
+(subnormals ``m * 2**-9``, 0x7F / 0xFF NaN) times its chunk's scale, a float32 scale being a whole word
+and a ue8m0 one its byte shifted into the exponent. A run's columns come out plane-major (all even
+columns, then all odd ones; all bytes 0, then 1, 2, 3), not interleaved: the wrapper puts the queries'
+columns in that order and takes the output's back out of it (gathers over ``[B, T, N, C]``), so the
+kernel never shuffles lanes.
 
 **Precision.** With bf16 queries and bf16 or FP8 rows the products are bf16 with float32 accumulation
 (the softmax weights rounded to bf16 before the value product, as the Mosaic GPU kernel does);
 otherwise float32 at ``Precision.HIGHEST``.
 
-**Limits** (not tuned, not compiled: no TPU has been lent): the ids of the whole batch sit in SMEM
-(``4 * B * T * K`` bytes per source); one row per DMA; VMEM per program about ``2 * block_k * row
-bytes + 4 * block_k * (Cv + Rk) + 4 * N * Cv`` plus the pipelined query and output blocks. The
-biggest unknown is the row DMA itself: a ``(1, W)`` copy at any sublane offset, with ``W`` not a
-multiple of 128 (576 bf16, 656 / 584 bytes) and, for bf16 and byte rows, two or four rows sharing
-each 32-bit sublane word. Pallas' lowering (``jax.export``) accepts it; libtpu's Mosaic compiler
-decides, and reports from other Pallas TPU users say unaligned DMAs of packed dtypes are refused
-there. If so, the fix is in the pool's layout (rows padded to whole lane tiles, or gathered a
-sublane tile at a time and masked), not in the kernel's math.
+**Compiled, not run.** libtpu's compiler (XLA:TPU with Mosaic, for compile-only v5e / v6e / v5p devices:
+``jax.experimental.topologies``) accepts every kernel at DeepSeek's shapes and the tiny presets'
+(tests/kernels/test_lowering.py, ``-m aot``): the DMAs, tilings, layouts and vector ops are legal and
+the program's VMEM fits. VMEM per program is the double-buffered query blocks, the scratch (``2 *
+block_k`` rows of words, ``f32[block_k, Cv + Rk]``, ``m``, ``l`` and ``f32[N, Cv]``, each padded to
+whole tiles) and Mosaic's internal scratch: 1088 KiB for V3.2's 128 heads on v5e. What only a TPU
+shows: the row DMAs' throughput (one row per DMA, ``4 * B * T * K`` id bytes per source in SMEM), the
+MXU's bf16 numerics, and the words' byte order as XLA:TPU lays out ``as_words``' bitcast (the
+interpreter checks it on the CPU).
 
 ``interpret`` runs the same kernel in the TPU interpreter (``pltpu.InterpretParams``: simulated VMEM,
 SMEM, DMAs and semaphores; ``detect_races`` checks the DMAs against the reads of their buffers).
@@ -88,7 +98,9 @@ class _Plan:
 
     @property
     def precision(self):
-        return None if self.bf16_dots else lax.Precision.HIGHEST
+        # explicit either way: a global jax_default_matmul_precision="highest" would otherwise ask Mosaic for
+        # float32 contraction of bf16 operands, which it refuses ("Bad lhs type")
+        return lax.Precision.DEFAULT if self.bf16_dots else lax.Precision.HIGHEST
 
 
 def _e4m3(b):
@@ -101,88 +113,110 @@ def _e4m3(b):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plane:
-    """``width`` columns of the float32 rows (from ``column``) decoded from ``width`` consecutive words of
-    the stored row (from ``word``; of a float32 pool: its elements). ``kind``: ``"f32"`` the elements
-    themselves; ``"bf16"`` half ``part`` of each word (0: the low half, the pair's even column; 1: the high
-    one); ``"e4m3"`` byte ``part`` of each word, times the chunk's scale at byte ``scale_byte`` of word
-    ``scale_word``, of format ``scale_kind`` (``"f32"``: the whole word; ``"e8m0"``: one exponent byte)."""
+class _Run:
+    """Consecutive chunks of one kind, contiguous in the stored row and in their logical columns:
+    ``words`` words of the stored row from ``word`` (float32 rows: elements), decoded into ``per``
+    planes of ``words`` columns each, side by side in the float32 rows from ``column``. ``kind``:
+    ``"f32"`` (one plane: the elements), ``"bf16"`` (two: each word's low half, the pair's even column,
+    then its high half) or ``"e4m3"`` (four: byte 0 of each word, then 1, 2, 3), times a scale per chunk:
+    ``scales`` holds, per chunk, its first word in the run and its scale's word and byte in the row,
+    of format ``scale_kind`` (``"f32"``: the whole word; ``"e8m0"``: one exponent byte)."""
 
     column: int
-    width: int
+    words: int
     word: int
     kind: str
-    part: int = 0
-    scale_word: int = 0
-    scale_byte: int = 0
+    scales: tuple[tuple[int, int, int], ...] = ()
     scale_kind: str = ""
+
+
+PLANES = {"f32": 1, "bf16": 2, "e4m3": 4}  # planes of a run of each kind (columns per word)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Words:
-    """How the kernel decodes a ``RowLayout``'s rows from 32-bit words: its ``planes``, the stored row's
+    """How the kernel decodes a ``RowLayout``'s rows from 32-bit words: its ``runs``, the stored row's
     ``width`` in words (float32 elements for float32 rows) and the logical column each column of the
     float32 rows holds (``value_order`` of ``q_value`` / ``out``, ``key_order`` of ``q_key``)."""
 
-    planes: tuple[_Plane, ...]
+    runs: tuple[_Run, ...]
     width: int
     value_order: tuple[int, ...]
     key_order: tuple[int, ...]
 
 
 def _words(layout: RowLayout) -> _Words:
-    """The planes of ``layout``: a float32 chunk is one plane; a bf16 chunk (bf16 elements, or byte
-    pairs) is two, the even columns then the odd ones; an e4m3 chunk is four, byte 0 of each of its
-    words then byte 1, 2, 3. So a chunk's columns come plane-major, and the queries' columns are put
-    in that order (and the output's taken back out of it) rather than interleaving lanes in the kernel."""
+    """The runs of ``layout``: its chunks joined while they are of one kind (and scale format) and
+    contiguous, each decoded plane by plane (a bf16 run's even columns then its odd ones, an e4m3 run's
+    byte 0 of every word, then 1, 2, 3), so the float32 rows hold each run's columns plane-major. The
+    queries' columns are put in that order and the output's taken back out of it, outside the kernel,
+    rather than interleaving lanes inside it; runs make the planes as wide as the format allows (256
+    columns for a 512-wide bf16 latent, 128 for V3.2's FP8 one), lane-tile aligned where it allows."""
     if layout.dtype not in ("float32", "bfloat16", "uint8"):
         raise ValueError(f"the mosaic_tpu kernels read float32, bfloat16 or uint8 (FP8) rows, got {layout.dtype} "
                          f"rows: cast the pool to bfloat16 or float32")
     f32, item = layout.dtype == "float32", jnp.dtype(layout.dtype).itemsize
-    planes, orders = [], ([], [])
+    runs, orders = [], ([], [])
     value_width = sum(c.width for c in layout.values)
     for part, chunks in enumerate((layout.values, layout.keys)):
         order, base = orders[part], (0, value_width)[part]
+        part_runs = []  # [run fields, first logical column, next chunk's expected (start byte, column)]
         for chunk in chunks:
-            if f32:
-                kind, per = "f32", 1
-            else:
-                kind, per = ("e4m3", 4) if chunk.kind == "e4m3" else ("bf16", 2)
-            if not f32 and (chunk.start * item % WORD_BYTES or chunk.width % per):
-                raise ValueError(f"a {chunk.kind} chunk of {chunk.width} columns at byte {chunk.start * item} of "
-                                 f"the row is not whole 32-bit words, which the mosaic_tpu kernels read")
-            word, n = (chunk.start, chunk.width) if f32 else (chunk.start * item // WORD_BYTES, chunk.width // per)
-            scale = {}
+            kind = "f32" if f32 else "e4m3" if chunk.kind == "e4m3" else "bf16"
+            per = PLANES[kind]
+            start = chunk.start * item  # bytes
+            if not f32 and (start % WORD_BYTES or chunk.width % per):
+                raise ValueError(f"a {chunk.kind} chunk of {chunk.width} columns at byte {start} of the row is not "
+                                 f"whole 32-bit words, which the mosaic_tpu kernels read")
+            word, words = (chunk.start, chunk.width) if f32 else (start // WORD_BYTES, chunk.width // per)
+            scale = ()
             if kind == "e4m3":
                 if chunk.scale_kind == "f32" and chunk.scale_start % WORD_BYTES:
                     raise ValueError(f"a float32 scale at byte {chunk.scale_start} is not a whole 32-bit word")
-                scale = dict(scale_word=chunk.scale_start // WORD_BYTES, scale_byte=chunk.scale_start % WORD_BYTES,
-                             scale_kind=chunk.scale_kind)
-            for k in range(per):
-                planes.append(_Plane(base + len(order), n, word, kind, k, **scale))
-                order.extend(chunk.column + per * j + k for j in range(n))
+                scale = (chunk.scale_start // WORD_BYTES, chunk.scale_start % WORD_BYTES)
+            run = part_runs[-1] if part_runs else None
+            if (run and run["kind"] == kind and run["scale_kind"] == chunk.scale_kind
+                    and run["next"] == (word, chunk.column)):
+                run["scales"].append((run["words"], *scale))
+                run["words"] += words
+            else:
+                run = dict(kind=kind, word=word, words=words, scales=[(0, *scale)], scale_kind=chunk.scale_kind,
+                           first=chunk.column)
+                part_runs.append(run)
+            run["next"] = (word + words, chunk.column + chunk.width)
+        for run in part_runs:
+            per = PLANES[run["kind"]]
+            scales = tuple(run["scales"]) if run["kind"] == "e4m3" else ()
+            runs.append(_Run(base + len(order), run["words"], run["word"], run["kind"], scales, run["scale_kind"]))
+            order.extend(run["first"] + per * j + k for k in range(per) for j in range(run["words"]))
     width = layout.row_width if f32 else words_per_row(layout)
-    return _Words(tuple(planes), width, tuple(orders[0]), tuple(orders[1]))
+    return _Words(tuple(runs), width, tuple(orders[0]), tuple(orders[1]))
 
 
-def _plane_values(raw, plane: _Plane):
-    """One plane of the stored rows ``raw [bk, words]`` (int32 words, or float32 elements) as float32."""
-    x = raw[:, plane.word:plane.word + plane.width]
-    if plane.kind == "f32":
-        return x.astype(jnp.float32)
-    if plane.kind == "bf16":
-        return lax.bitcast_convert_type(x << 16 if plane.part == 0 else x & -65536, jnp.float32)
-    if plane.kind != "e4m3":
-        raise ValueError(f"{plane.kind=} is not a plane kind")
+def _run_planes(raw, run: _Run):
+    """A run of the stored rows ``raw [bk, words]`` (int32 words, or float32 elements) as its float32
+    planes ``[bk, run.words]`` each, in order."""
+    x = raw[:, run.word:run.word + run.words]
+    if run.kind == "f32":
+        return [x.astype(jnp.float32)]
+    if run.kind == "bf16":
+        return [lax.bitcast_convert_type(x << 16, jnp.float32), lax.bitcast_convert_type(x & -65536, jnp.float32)]
+    if run.kind != "e4m3":
+        raise ValueError(f"{run.kind=} is not a run kind")
     byte = lambda w, k: (w >> 8 * k) & 255 if k else w & 255
-    s = raw[:, plane.scale_word:plane.scale_word + 1]
-    if plane.scale_kind == "f32":
-        bits = s
-    elif plane.scale_kind == "e8m0":
-        bits = byte(s, plane.scale_byte) << 23
-    else:
-        raise ValueError(f"{plane.scale_kind=} is not a scale format")
-    return _e4m3(byte(x, plane.part)) * lax.bitcast_convert_type(bits, jnp.float32)
+    lane = lax.broadcasted_iota(jnp.int32, (1, run.words), 1)
+    bits = None
+    for first, scale_word, scale_byte in run.scales:  # each chunk's scale over its lanes
+        s = raw[:, scale_word:scale_word + 1]
+        if run.scale_kind == "f32":
+            chunk_bits = s
+        elif run.scale_kind == "e8m0":
+            chunk_bits = byte(s, scale_byte) << 23
+        else:
+            raise ValueError(f"{run.scale_kind=} is not a scale format")
+        bits = chunk_bits if bits is None else jnp.where(lane >= first, chunk_bits, bits)
+    scale = lax.bitcast_convert_type(jnp.broadcast_to(bits, x.shape), jnp.float32)
+    return [_e4m3(byte(x, k)) * scale for k in range(4)]
 
 
 def _permute(x, order: tuple[int, ...]):
@@ -250,9 +284,10 @@ def _kernel(*refs, plan: _Plan):
             if raw.dtype != jnp.float32:
                 raw = lax.bitcast_convert_type(raw, jnp.int32)
             valid_rows = lax.broadcasted_iota(jnp.int32, (bk, 1), 0) < n
-            for plane in plan.words.planes:
-                rows_f32[:, plane.column:plane.column + plane.width] = jnp.where(valid_rows, _plane_values(raw, plane),
-                                                                                 0.0)
+            for run in plan.words.runs:
+                for k, plane in enumerate(_run_planes(raw, run)):
+                    column = run.column + k * run.words
+                    rows_f32[:, column:column + run.words] = jnp.where(valid_rows, plane, 0.0)
             values = rows_f32[:, :cv]
             s = _dot(q_value, values, 1, plan)
             if plan.has_key:

@@ -8,7 +8,7 @@ import pytest
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races  # the detector's state
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ess_jax.pallas_kernels import fp8_rows
+from ess_jax.pallas_kernels import fp8_rows, row_layout
 from kernel_testing import assert_close, permuted_ids, poison_unused, random_array, valid_counts
 
 E4M3_REL = 2.0**-4  # half an e4m3 step: 3 mantissa bits (the step itself is 2**-3 relative)
@@ -178,3 +178,21 @@ def test_fp8_kernel_checks_row_width():
     with pytest.raises(ValueError, match="window_PX"):
         fp8_rows.sparse_v4_attention_fp8(q, jnp.zeros((8, 87), jnp.uint8), jnp.zeros((1, 1, 3), jnp.int32), None,
                                          None, jnp.zeros((4,)), scale=1.0, rope_dim=16, interpret=True)
+    # rows as 32-bit words: a whole row's words (100 / 4 and 88 / 4), and only for the TPU kernels
+    with pytest.raises(ValueError, match=r"pool_PX as words must be u32\[P >= 1, 100 / 4\]"):
+        fp8_rows.sparse_mla_fp8(q, jnp.zeros((1, 1, 4, 16)), jnp.zeros((8, 26), jnp.uint32),
+                                jnp.zeros((1, 1, 3), jnp.int32), scale=1.0, target="mosaic_tpu", interpret=True)
+    with pytest.raises(ValueError, match="window_PX holds 32-bit words .* target='mosaic_gpu_sm80'"):
+        fp8_rows.sparse_v4_attention_fp8(q, jnp.zeros((8, 22), jnp.uint32), jnp.zeros((1, 1, 3), jnp.int32), None,
+                                         None, jnp.zeros((4,)), scale=1.0, rope_dim=16, target="mosaic_gpu_sm80",
+                                         interpret=True)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, ml_dtypes.bfloat16])
+def test_as_words_is_the_little_endian_view(dtype):
+    """Word j of a row holds its bytes 4j .. 4j + 3, little-endian (numpy's view on this little-endian
+    machine is the golden): what the TPU kernels decode."""
+    rows = np.random.default_rng(5).integers(0, 256, (3, 88), np.uint8).view(dtype)
+    np.testing.assert_array_equal(np.asarray(row_layout.as_words(jnp.asarray(rows))), rows.view("<u4"))
+    with pytest.raises(ValueError, match="as_words takes rows"):
+        row_layout.as_words(jnp.zeros((3, 6), jnp.uint8))

@@ -7,20 +7,28 @@ shapes and at the tiny presets' (float32 operands, narrow chunks, 88- and 100-by
 - ``mosaic_gpu_sm80``, to a Mosaic GPU module for an abstract A100 (sm_80) and L40 (sm_89) that
   multiplies with Ampere's ``mma.sync`` and uses neither TMA nor wgmma;
 - ``mosaic_tpu``, with ``jax.export(..., platforms=["tpu"])`` for an abstract TPU v5e and v6e, to one
-  ``tpu_custom_call`` (the serialized Mosaic TPU kernel) over the pools whole (gathered inside it).
+  ``tpu_custom_call`` (the serialized Mosaic TPU kernel) over the pools whole, as 32-bit words
+  (gathered inside it).
 
 This proves the kernel bodies use only what each lowering accepts (Mosaic GPU: register layouts,
 copies, MMA shapes, swizzles; Pallas TPU: block shapes, memory spaces, scalar prefetch, DMA and
-semaphore types). It does not compile the modules (ptxas in jaxlib's CUDA plugin, libtpu) or run
-them, which only the ``gpu`` / ``tpu`` tests do."""
+semaphore types). The ``aot`` tests go further for TPUs: libtpu's compiler (XLA:TPU with Mosaic)
+compiles every TPU kernel for compile-only v5e, v6e and v5p devices (``jax.experimental.topologies``),
+which checks the DMAs' alignment, the vector layouts and that a program's VMEM fits. Nothing here runs
+a kernel: that is the ``gpu`` / ``tpu`` tests' (DMA throughput, the MXU's numerics)."""
 
 import dataclasses
+import functools
+import importlib.util
+import os
 import re
 
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.experimental.layout import Format, Layout
 from jax.experimental.mosaic.gpu import core as mgpu_core
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ess_jax.pallas_kernels import _gather_attention, fp8_rows, sparse_mla, sparse_v4_attention
 from kernel_testing import abstract_device
@@ -106,6 +114,75 @@ def test_lowers_to_mosaic_tpu(name, kind):
     assert [c[0] for c in calls] == ["tpu_custom_call"]
     ((_, _, attributes, operands),) = calls
     assert f'kernel_name = "{name.split()[0]}"' in attributes
-    for pool in (a for a in args if a.ndim == 2):  # the pools reach the kernel whole, in their dtype
-        dtype = {"bfloat16": "bf16", "float32": "f32", "uint8": "ui8"}[pool.dtype.name]
-        assert f"tensor<{pool.shape[0]}x{pool.shape[1]}x{dtype}>" in operands
+    for pool in (a for a in args if a.ndim == 2):  # the pools reach the kernel whole, as 32-bit rows
+        assert f"tensor<{_tpu_pool(pool)}>".replace(",", "x") in operands
+
+
+def _tpu_pool(pool):
+    """The pool the TPU kernel reads: float32 rows as they are, bf16 / byte rows as 32-bit words."""
+    if pool.dtype == jnp.float32:
+        return f"{pool.shape[0]},{pool.shape[1]}xf32"
+    return f"{pool.shape[0]},{pool.shape[1] * pool.dtype.itemsize // 4}xui32"
+
+
+# ---- compiled for TPUs by libtpu (pytest -m aot) --------------------------------------------------
+
+TPU_TOPOLOGIES = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "v5p": "v5p:2x2x1"}
+DEEPSEEK = ("sparse_mla", "sparse_mla_fp8", "sparse_v4_attention", "sparse_v4_attention_fp8")
+# each case compiled once: DeepSeek's shapes for every generation; the tiny presets' (and split-K) for v5e;
+# the pools as 32-bit words (the form a cache can store) for v6e
+AOT_CASES = ([(gen, name, False) for gen in TPU_TOPOLOGIES for name in DEEPSEEK]
+             + [("v5e", name, False) for name in sorted(CASES) if name not in DEEPSEEK]
+             + [("v6e", name, True) for name in (*DEEPSEEK, "sparse_mla_fp8 tiny", "sparse_v4_attention_fp8 tiny")])
+
+
+@functools.cache
+def _tpu_device(gen: str):
+    """A compile-only TPU device of generation ``gen`` (libtpu's compiler, no TPU needed)."""
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip("libtpu is not installed: pip install -e '.[tpu]' (jax[tpu]) compiles for TPUs without one")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes may hold libtpu's lock
+    from jax.experimental import topologies
+    return topologies.get_topology_desc(topology_name=TPU_TOPOLOGIES[gen], platform="tpu").devices[0]
+
+
+def _as_words(arg):
+    """A bf16 / uint8 pool's shape as 32-bit words (``row_layout.as_words``); anything else as it is."""
+    if arg.ndim != 2 or arg.dtype.itemsize == 4:
+        return arg
+    return S((arg.shape[0], arg.shape[1] * arg.dtype.itemsize // 4), jnp.uint32)
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("gen, name, words", AOT_CASES, ids=[f"{g}-{n}{'-words' if w else ''}" for g, n, w in AOT_CASES])
+def test_compiles_for_tpu(gen, name, words):
+    """libtpu compiles the kernel (Mosaic accepts the one-row DMAs of 32-bit rows, every vector op and
+    the VMEM) into one ``tpu_custom_call`` over the pools as 32-bit rows. Pools passed row-major as words
+    (or float32 rows) reach the kernel as they are; bf16 / uint8 rows are relaid as words first, a copy
+    of the pool. (The compiler's own default layout for a ``u32[4096, 288]`` argument is column-major,
+    which would cost a copy too: a cache that stores words keeps them row-major.)"""
+    device = _tpu_device(gen)
+    fn, args, kwargs = CASES[name]
+    args = tuple(map(_as_words, args)) if words else args
+    mesh = Mesh([device], ("x",))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    row_major = Format(Layout(major_to_minor=(0, 1)), replicated)
+    pools = [i for i, a in enumerate(args) if a.ndim == 2]
+    shardings = tuple(row_major if i in pools else replicated for i in range(len(args)))
+    with jax.set_mesh(mesh):  # the kernel is traced for this device's TPU generation
+        compiled = jax.jit(lambda *a: fn(*a, scale=0.1, target="mosaic_tpu", **kwargs),
+                           in_shardings=shardings).lower(*args).compile()
+    hlo = compiled.as_text()
+    entry = hlo[hlo.index("\nENTRY "):]
+    assert set(re.findall(r'custom_call_target="(\w+)"', hlo)) <= {"tpu_custom_call", "AssumeGatherIndicesInBound"}
+    (kernel,) = [line for line in entry.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+    assert kernel.lstrip().startswith(f"%{name.split()[0]}.")
+    operands = re.search(r" custom-call\((.*?)\), custom_call_target", kernel).group(1).split(", ")
+    parameters = dict(re.findall(r"%(\S+) = \S+ parameter\((\d+)\)", entry))
+    for i in pools:
+        pool = args[i]
+        shape = _tpu_pool(pool).split("x")[0]
+        assert f"{'f32' if pool.dtype == jnp.float32 else 'u32'}[{shape}]{{1,0}}" in kernel  # 32-bit, row-major
+        zero_copy = words or pool.dtype == jnp.float32
+        fed = [parameters.get(re.sub(r"/\*.*?\*/", "", op).lstrip("%")) for op in operands]
+        assert (str(i) in fed) == zero_copy, kernel  # the argument itself is the kernel's operand

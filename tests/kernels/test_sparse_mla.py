@@ -83,14 +83,23 @@ def test_order_of_ids_does_not_matter():
     (dict(block_k=32), "block_k"),
     (dict(q_latent=jnp.zeros((2, 1, 4, 60)), pool=jnp.zeros((10, 76))), "multiple of 8 columns"),
     (dict(num_splits=0), "num_splits"),
+    (dict(pool=jnp.zeros((10, 40), jnp.uint32)), "pool_PW holds 32-bit words .* target='mosaic_gpu'"),
+    (dict(pool=jnp.zeros((10, 41), jnp.uint32), target="mosaic_tpu"), r"pool_PW as words must be u32\[P, \(C \+ R\)"),
 ])
 def test_input_checks_name_the_argument(bad, match):
     args = dict(q_latent=jnp.zeros((2, 1, 4, 64)), q_rope=jnp.zeros((2, 1, 4, 16)), pool=jnp.zeros((10, 80)),
-                ids=jnp.zeros((2, 1, 5), jnp.int32), block_k=64, num_splits=None)
+                ids=jnp.zeros((2, 1, 5), jnp.int32), block_k=64, num_splits=None, target="mosaic_gpu")
     args.update(bad)
     with pytest.raises(ValueError, match=match):
         sparse_mla(args["q_latent"], args["q_rope"], args["pool"], args["ids"], scale=1.0, block_k=args["block_k"],
-                   num_splits=args["num_splits"], interpret=True)
+                   num_splits=args["num_splits"], target=args["target"], interpret=True)
+
+
+def test_reference_refuses_word_pools():
+    """Word pools are the mosaic_tpu kernels' form; the reference reads the rows themselves."""
+    with pytest.raises(ValueError, match="pool_PW holds 32-bit words .* the reference"):
+        sparse_mla_reference(jnp.zeros((1, 1, 4, 64)), jnp.zeros((1, 1, 4, 16)), jnp.zeros((10, 40), jnp.uint32),
+                             jnp.zeros((1, 1, 5), jnp.int32), scale=1.0)
 
 
 def test_rows_too_wide_for_shared_memory_are_refused():

@@ -91,6 +91,7 @@ def test_heads_in_several_blocks():
     (dict(entry_ids=jnp.zeros((1, 2, 3), jnp.int32)), "entry_ids_BTK"),
     (dict(q=jnp.zeros((2, 2, 64))), "q_BTNH"),
     (dict(entries=jnp.zeros((10, H), jnp.bfloat16)), "share a dtype"),
+    (dict(window=jnp.zeros((10, H // 2), jnp.uint32)), "window_PH holds 32-bit words .* target='mosaic_gpu'"),
 ])
 def test_input_checks_name_the_argument(bad, match):
     args = dict(q=jnp.zeros((B, T, N, H)), window=jnp.zeros((10, H)), window_ids=jnp.zeros((B, T, 3), jnp.int32),

@@ -2,7 +2,8 @@
 for GPUs without TMA / wgmma (``target="mosaic_gpu_sm80"``) in the Mosaic GPU interpreter, against the
 references, each with its interpreter's race detector on: NaN-poisoned unused rows, -1 sentinels,
 queries with 0, 1, K-1 and K valid ids, two blocks of ids (both TPU row buffers turn over), split-K,
-float32 and bf16, the 656- and 584-byte FP8 rows (and the tiny presets' 100- and 88-byte ones).
+float32 and bf16, the 656- and 584-byte FP8 rows (and the tiny presets' 100- and 88-byte ones); the
+TPU kernels both on bf16 / uint8 pools and on the same rows as 32-bit words.
 The Hopper kernels' interpreter tests are test_sparse_mla.py, test_sparse_v4_attention.py and
 test_fp8_rows.py; every target's lowering is test_lowering.py."""
 
@@ -17,6 +18,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
 
 from ess_jax.pallas_kernels import fp8_rows
+from ess_jax.pallas_kernels.row_layout import as_words
 from ess_jax.pallas_kernels.sparse_mla import sparse_mla, sparse_mla_reference
 from ess_jax.pallas_kernels.sparse_v4_attention import sparse_v4_attention, sparse_v4_attention_reference
 from kernel_testing import assert_close, permuted_ids, poison_unused, random_array, valid_counts
@@ -31,10 +33,12 @@ INTERPRETERS = {
 targets = pytest.mark.parametrize("target", sorted(INTERPRETERS))
 
 
-def _run(target, kernel, reference, args, dtype, **kwargs):
-    """The kernel in its target's interpreter vs its reference, no races; returns the kernel's (out, lse)."""
+def _run(target, kernel, reference, args, dtype, words=False, **kwargs):
+    """The kernel in its target's interpreter vs its reference, no races; returns the kernel's (out, lse).
+    ``words``: the TPU kernel gets the bf16 / uint8 pools as 32-bit words (``as_words``), the reference the rows."""
     interpret, races_found = INTERPRETERS[target]
-    out, lse = kernel(*args, target=target, interpret=interpret, **kwargs)
+    in_words = lambda x: as_words(x) if words and target == "mosaic_tpu" and x is not None and x.ndim == 2 else x
+    out, lse = kernel(*map(in_words, args), target=target, interpret=interpret, **kwargs)
     assert not races_found()
     kwargs.pop("num_splits", None)
     ref_out, ref_lse = reference(*args, **kwargs)
@@ -56,7 +60,8 @@ def test_sparse_mla(target, dtype, num_splits):
     ids = _ids(rng, k, rows)
     pool = jnp.asarray(poison_unused(rng.standard_normal((rows, c + r)).astype(np.float32), ids), dtype)
     args = (random_array(rng, (B, T, N, c), dtype), random_array(rng, (B, T, N, r), dtype), pool, jnp.asarray(ids))
-    out, lse = _run(target, sparse_mla, sparse_mla_reference, args, dtype, scale=0.3, num_splits=num_splits)
+    out, lse = _run(target, sparse_mla, sparse_mla_reference, args, dtype, words=dtype == jnp.bfloat16, scale=0.3,
+                    num_splits=num_splits)
     assert np.all(out[0, 0] == 0.0) and np.all(np.isneginf(lse[0, 0]))  # no valid id
 
 
@@ -69,7 +74,7 @@ def test_sparse_mla_fp8(target, c, r, dtype):
     pool = np.asarray(fp8_rows.quantize_mla_rows(random_array(rng, (30, c + r), jnp.float32), latent_dim=c))
     args = (random_array(rng, (B, T, N, c), dtype), random_array(rng, (B, T, N, r), dtype),
             jnp.asarray(poison_unused(pool, ids)), jnp.asarray(ids))
-    _run(target, fp8_rows.sparse_mla_fp8, fp8_rows.sparse_mla_fp8_reference, args, dtype, scale=0.1)
+    _run(target, fp8_rows.sparse_mla_fp8, fp8_rows.sparse_mla_fp8_reference, args, dtype, words=c == 512, scale=0.1)
 
 
 def _v4_pools(rng, h, encode, k_window=9, k_entries=BLOCK_K + 1):
@@ -86,8 +91,8 @@ def test_sparse_v4_attention(target, dtype, num_splits):
     window, window_ids, entries, entry_ids = _v4_pools(rng, 64, lambda x: np.asarray(jnp.asarray(x, dtype)))
     sinks = jnp.asarray(rng.standard_normal(N), jnp.float32)
     args = (random_array(rng, (B, T, N, 64), dtype), window, window_ids, entries, entry_ids, sinks)
-    out, lse = _run(target, sparse_v4_attention, sparse_v4_attention_reference, args, dtype, scale=0.125,
-                    num_splits=num_splits)
+    out, lse = _run(target, sparse_v4_attention, sparse_v4_attention_reference, args, dtype,
+                    words=dtype == jnp.bfloat16, scale=0.125, num_splits=num_splits)
     assert np.all(out[0, 0] == 0.0)  # query (0, 0) selects nothing: the denominator is the sink alone
     np.testing.assert_allclose(lse[0, 0], np.asarray(sinks), rtol=1e-6)
 
@@ -111,7 +116,7 @@ def test_sparse_v4_attention_fp8(target, h, r, dtype, num_splits):
     args = (random_array(rng, (B, T, N, h), dtype), window, window_ids, entries, entry_ids,
             jnp.asarray(rng.standard_normal(N), jnp.float32))
     _run(target, fp8_rows.sparse_v4_attention_fp8, fp8_rows.sparse_v4_attention_fp8_reference, args, dtype,
-         scale=0.1, rope_dim=r, num_splits=num_splits)
+         words=h == 64, scale=0.1, rope_dim=r, num_splits=num_splits)
 
 
 def test_tpu_race_detector_sees_an_unawaited_dma():

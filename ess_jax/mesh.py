@@ -164,7 +164,8 @@ def over_experts(fn: Callable, tokens, experts):
     """Expert parallelism: ``fn(tokens, experts, first) -> f32[A, D]``, a sum over the routed experts ``experts``
     holds (a pytree of arrays, each with its expert axis third from last, the ``param_spec`` rule; ``first``: the
     id of the first), run on each device of the ``expert`` axis over the experts it holds (``jax.shard_map``:
-    ``tokens`` the same on every device of the axis, as the replicated attention leaves them), the partial sums
+    ``tokens`` the same on every device of the axis, as the replicated attention leaves them; the mesh's other
+    axes manual too, their devices computing alike, as Pallas TPU kernels need), the partial sums
     added over the axis: one all-reduce of the result per call, and no expert's weights leave their device.
     Without an expert axis to split (``expert_shards``): ``fn(tokens, experts, 0)``."""
     if expert_shards() == 1:
@@ -175,8 +176,9 @@ def over_experts(fn: Callable, tokens, experts):
         first = jax.lax.axis_index("expert") * jax.tree.leaves(experts)[0].shape[-3]
         return jax.lax.psum(fn(tokens, experts, first), "expert")
 
-    return jax.shard_map(held, in_specs=(PartitionSpec(), specs), out_specs=PartitionSpec(), axis_names={"expert"},
-                         check_vma=False)(tokens, experts)
+    abstract = jax.sharding.get_abstract_mesh()  # every axis manual: TPU kernels are not partitioned automatically
+    return jax.shard_map(held, in_specs=(PartitionSpec(), specs), out_specs=PartitionSpec(),
+                         axis_names=set(abstract.axis_names) - set(abstract.manual_axes), check_vma=False)(tokens, experts)
 
 
 def param_bytes_per_device(params, shape: MeshShape) -> int:

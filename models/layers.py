@@ -236,16 +236,34 @@ class Experts(nnx.Module):
         return over_experts(held, (x_AD, weights_AK, experts_AK), weights)
 
 
+# Up to this many tokens (a decode step's rows and drafts) the experts held run densely, each over every token: the
+# step reads each expert's weights once whatever it computes, and at up to ~128 tokens a matmul is still bound by
+# those reads (H200, TPU v5p: ~200 / ~170 flops a byte), so the dense form costs no time. XLA fuses the layer's slice
+# of the stacked weights into the matmul, so nothing weight-sized is copied. Past it, grouped matmuls over the tokens
+# routed (compute in proportion to the tokens, not to the experts held).
+DENSE_TOKENS = 128
+
+
 def routed_experts(x_AD: jax.Array, weights_AK: jax.Array, experts_AK: jax.Array, gate_up, down, *,
                    limit: float | None, first: jax.Array | int) -> jax.Array:
     """The weighted sum ``f32[A, D]`` over each token's routed experts among those held here: ``gate_up [G, 2F, D]``
     and ``down [G, D, F]`` (arrays or ``quant`` values, read dequantized) are experts ``first .. first + G - 1``;
-    the others contribute nothing. Grouped matmuls (``grouped_matmul``) over the token copies sorted by expert, the
-    copies for experts held elsewhere last and outside every group."""
+    the others contribute nothing. Up to ``DENSE_TOKENS`` tokens every expert held runs over every token and each
+    token keeps its own experts' outputs; past it grouped matmuls (``grouped_matmul``) over the token copies sorted
+    by expert, the copies for experts held elsewhere last and outside every group."""
     tokens, k = experts_AK.shape
     held = gate_up.shape[0]
-    local = experts_AK.reshape(-1) - first
-    mine = (local >= 0) & (local < held)
+    local_AK = experts_AK - first
+    mine_AK = (local_AK >= 0) & (local_AK < held)
+    if tokens <= DENSE_TOKENS:
+        routed_GA = jnp.zeros((held + 1, tokens), jnp.float32).at[jnp.where(mine_AK, local_AK, held),
+                                                                  jnp.arange(tokens)[:, None]].set(weights_AK)[:held]
+        chosen_GA = jnp.zeros((held + 1, tokens), bool).at[jnp.where(mine_AK, local_AK, held),
+                                                           jnp.arange(tokens)[:, None]].set(True)[:held]
+        gate, up = jnp.split(jnp.einsum("ad,gnd->gan", x_AD, gate_up[...]), 2, axis=-1)
+        y_GAD = jnp.einsum("gaf,gdf->gad", swiglu(gate, up, limit), down[...])
+        return jnp.where(chosen_GA[..., None], y_GAD.astype(jnp.float32) * routed_GA[..., None], 0).sum(0)
+    local, mine = local_AK.reshape(-1), mine_AK.reshape(-1)
     key = jnp.where(mine, local, held)
     order = jnp.argsort(key, stable=True)
     token_of = order // k

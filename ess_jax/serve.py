@@ -41,7 +41,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     http.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     http.add_argument("--api-key", default=None,
-                      help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
+                      help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: no key)")
+    http.add_argument("--max-body-mb", type=float, default=64.0,
+                      help="the largest request body in MiB; larger ones get 413 (default 64)")
     http.add_argument("--chat-template", default=None, metavar="FILE",
                       help="a jinja2 chat template for /v1/chat/completions and /tokenize (default: the "
                            "checkpoint's tokenizer_config.json chat_template)")
@@ -63,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(args, name) < (0 if name == "port" else 1):
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= "
                                  f"{0 if name == 'port' else 1}")
+        if not args.max_body_mb > 0:
+            raise ValueError(f"--max-body-mb {args.max_body_mb} must be > 0")
         if args.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout {args.shutdown_timeout} must be >= 0")
         processes = start_processes(args)
@@ -91,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name = args.served_model_name or args.model
     app = create_app(engine, model_name=name, chat_template=template, api_key=args.api_key,
-                     max_waiting=args.max_waiting, metrics_every=args.metrics_interval)
+                     max_waiting=args.max_waiting, metrics_every=args.metrics_interval,
+                     max_body_bytes=int(args.max_body_mb * 2**20))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            timeout_graceful_shutdown=args.shutdown_timeout))
     print(f"ess_jax: serving {name!r} ({model.cfg.family}, offload {config.offload}) on "

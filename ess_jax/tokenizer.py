@@ -12,19 +12,27 @@ import tokenizers
 from ess_jax.config import ConfigError, ModelConfig
 
 
+def check_limit(tokens: int, limit: int | None) -> None:
+    if limit is not None and tokens > limit:
+        raise ValueError(f"the text is {tokens} tokens, more than the {limit} a request may have")
+
+
 class ByteTokenizer:
     def __init__(self, cfg: ModelConfig):
         self.vocab_size = cfg.vocab_size
         self.bos_token_id = cfg.bos_token_id
 
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """The UTF-8 bytes, after the bos id (when it lies above the bytes) with ``add_special_tokens``."""
+    def encode(self, text: str, *, add_special_tokens: bool = True, limit: int | None = None) -> list[int]:
+        """The UTF-8 bytes, after the bos id (when it lies above the bytes) with ``add_special_tokens``; ValueError
+        when they are more than ``limit`` tokens (checked before the ids are listed)."""
         if self.vocab_size < 256:
             raise ValueError(f"a byte-level tokenizer needs vocab_size >= 256 (model has {self.vocab_size}); "
                              "pass token ids instead of text")
         special = add_special_tokens and self.bos_token_id is not None and self.bos_token_id >= 256
         bos = [self.bos_token_id] if special else []
-        return bos + list(text.encode("utf-8"))
+        data = text.encode("utf-8")
+        check_limit(len(bos) + len(data), limit)
+        return bos + list(data)
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
@@ -54,9 +62,13 @@ class HFTokenizer:
         if largest >= vocab_size:
             raise ConfigError(f"{path} has token id {largest}, outside the model's vocab_size={vocab_size}")
 
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """``add_special_tokens=False`` skips the post-processor (a rendered chat template has its bos)."""
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, *, add_special_tokens: bool = True, limit: int | None = None) -> list[int]:
+        """``add_special_tokens=False`` skips the post-processor (a rendered chat template has its bos); ValueError
+        when the text is more than ``limit`` tokens (checked before the ids are listed). Through ``encode_batch``,
+        which lets other Python threads run meanwhile (``encode`` holds the interpreter for the whole text)."""
+        encoding = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        check_limit(len(encoding), limit)
+        return encoding.ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)

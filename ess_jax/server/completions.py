@@ -12,11 +12,12 @@ from ess_jax.server.protocol import DONE, APIError, CompletionBody, sse, usage
 from ess_jax.server.stream import Disconnected, Piece, collect, merged
 
 
-def encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
-    """A prompt's token ids (a string through the tokenizer); 400 if it is empty or cannot be encoded."""
+def encode_prompt(tokenizer, prompt: str | list[int], limit: int | None = None) -> list[int]:
+    """A prompt's token ids (a string through the tokenizer); 400 if it is empty, cannot be encoded or is more than
+    ``limit`` tokens."""
     if isinstance(prompt, str):
         try:
-            ids = tokenizer.encode(prompt)
+            ids = tokenizer.encode(prompt, limit=limit)
         except ValueError as e:
             raise APIError(400, str(e), param="prompt") from None
     else:
@@ -89,12 +90,13 @@ async def completions(ctx: ServeContext, body: CompletionBody, disconnected: Dis
     """The reply to ``body``: a JSON object, or (``stream``) the server-sent events, each choice's prompt in
     front of its text with ``echo`` (and its tokens leading the logprobs). Raises APIError before anything is
     queued if a prompt cannot run."""
-    prompts = [encode_prompt(ctx.tokenizer, p) for p in body.prompts()]
+    prompts = await asyncio.to_thread(lambda: [encode_prompt(ctx.tokenizer, p, ctx.engine.max_seq_len)
+                                               for p in body.prompts()])
     top = body.prompt_top()
     admit(ctx, body, prompts, [body.max_tokens] * len(prompts), top)
     head = ctx.head("cmpl", "text_completion")
     streams = [ctx.stream(body, ids, body.max_tokens, body.logprobs, disconnected, top) for ids in prompts]
-    echoes = [ctx.tokenizer.decode(ids) if body.echo else "" for ids in prompts]
+    echoes = await asyncio.to_thread(lambda: [ctx.tokenizer.decode(ids) if body.echo else "" for ids in prompts])
     if body.stream:
         return events(ctx, body, head, prompts, streams, echoes)
     pieces = await asyncio.gather(*(collect(s) for s in streams))

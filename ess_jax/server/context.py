@@ -54,7 +54,7 @@ class ServeContext:
         """One choice's pieces (the request is queued when the stream is first read); ``prompt_logprobs``: the
         top-N per prompt token its first piece carries (None: none)."""
         generation = Generation(prompt_ids, max_tokens, body.sampling(), body.stops(), body.stop_token_ids,
-                                body.ignore_eos, logprobs, prompt_logprobs)
+                                body.ignore_eos, logprobs, prompt_logprobs, body.cache_salt)
         return stream_request(self.loop, generation, disconnected)
 
 
@@ -66,6 +66,9 @@ def admit(ctx: ServeContext, body: RequestBody, prompts: list[list[int]], max_to
     ctx.check_model(body.model)
     body.stops()
     for ids, new in zip(prompts, max_tokens):
+        if len(ids) > ctx.engine.max_seq_len:  # at once: the ids' own checks are linear in them, on the event loop
+            raise APIError(400, f"the prompt's {len(ids)} tokens exceed the {ctx.engine.max_seq_len} tokens a "
+                                "request may have (the server's --max-seq-len); shorten it", param="prompt")
         try:
             ctx.engine.check_request(ids, new, body.stop_token_ids, prompt_logprobs=prompt_logprobs)
         except ValueError as e:

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ess_jax.sampling import SamplingParams
 
 MAX_LOGPROBS = 20
+MAX_STOPS, MAX_STOP_CHARS = 64, 512  # stop strings a request may send, and the characters of each
 TokenId = Annotated[int, Field(ge=0)]
 
 
@@ -77,6 +78,8 @@ class RequestBody(BaseModel):
     n: Annotated[int, Field(ge=1)] = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None  # vLLM's: requests of other
+    # salts never share cached prompt pages (a client's prefixes hidden from the others')
 
     def sampling(self) -> SamplingParams:
         seed = self.seed if self.seed is not None else secrets.randbelow(2**32)
@@ -86,6 +89,9 @@ class RequestBody(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stops):
             raise APIError(400, "stop strings must be non-empty", param="stop")
+        if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise APIError(400, f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters each are "
+                                f"allowed; got {len(stops)}, the longest {max(map(len, stops))}", param="stop")
         return stops
 
     @property

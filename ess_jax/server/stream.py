@@ -65,6 +65,7 @@ class Generation:
     ignore_eos: bool
     logprobs: int | None
     prompt_logprobs: int | None  # the top-N per prompt token the engine reports (None: the prompt is not scored)
+    cache_salt: str | None = None  # the prefix cache's per-request salt (None: shared with every unsalted request)
 
 
 async def stream_request(loop: EngineLoop, generation: Generation, disconnected: Disconnected
@@ -73,7 +74,7 @@ async def stream_request(loop: EngineLoop, generation: Generation, disconnected:
     g = generation
     try:
         request_id, queue = loop.add(g.prompt_ids, g.max_tokens, g.sampling, g.stop_token_ids, g.ignore_eos,
-                                     g.logprobs, g.prompt_logprobs)
+                                     g.logprobs, g.prompt_logprobs, g.cache_salt)
     except ValueError as e:
         raise APIError(400, str(e)) from None
     stops, done = StopStrings(g.stops), False

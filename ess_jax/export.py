@@ -305,13 +305,18 @@ def compile_step(name: str, step: Step, target: Target) -> dict:
 
 
 def compile_all(cfg: ModelConfig, config, dtype: str, seed: int, target: Target, out: Path | None,
-                weights: str = "dequantized") -> dict:
-    """Every engine step compiled for ``target`` (a compile-only ``spec``), the summary (also ``out/summary.json``
-    when ``out`` is given)."""
+                weights: str = "dequantized", only: list[str] | None = None) -> dict:
+    """Every engine step (``only``: those named) compiled for ``target`` (a compile-only ``spec``), the summary
+    (also ``out/summary.json`` when ``out`` is given)."""
     with target.using():
         kernels = ops.resolve_kernels(config.kernels)
         engine = abstract_engine(cfg, config, dtype, seed, target, weights)
         found = engine_steps(cfg, config, engine, target)
+        if only:
+            if unknown := sorted(set(only) - set(found)):
+                raise ValueError(f"--steps {','.join(unknown)}: not a step of this engine; its steps are "
+                                 f"{', '.join(found)}")
+            found = {name: step for name, step in found.items() if name in only}
         summary = {"target": {"name": target.spec.name, "platform": target.platform, "device_kind": target.kind,
                               "mesh": str(target.shape), "devices": target.shape.size,
                               "hbm_bytes": target.spec.hbm_bytes, "hbm_bandwidth": target.spec.hbm_bandwidth,
@@ -365,6 +370,8 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--target", choices=sorted(aot.SPECS), default=None,
                    help="with --compile: the device compiled for (TPU v5e / v6e / v5p, NVIDIA H100 / H200 / A100 / "
                         "B200); the mesh's devices are that many of it")
+    p.add_argument("--steps", default=None, metavar="NAME,...",
+                   help="with --compile: only these steps (e.g. decode,prefill_64); default every step")
     p.add_argument("--num-layers", type=int, default=None, help="the model's first N layers only")
     p.add_argument("--out", type=Path, default=None,
                    help="directory the artifacts and summary.json are written to (required without --compile)")
@@ -386,7 +393,8 @@ def main(argv: list[str] | None = None) -> None:
                 raise ValueError(f"--compile needs --target, one of {', '.join(aot.SPECS)}")
             spec = aot.spec(args.target)
             target = Target(spec.platform, spec.kind, shape, spec)
-            summary = compile_all(cfg, config, args.dtype, args.weights_seed, target, args.out, args.weights)
+            summary = compile_all(cfg, config, args.dtype, args.weights_seed, target, args.out, args.weights,
+                                  args.steps.split(",") if args.steps else None)
         else:
             if args.platform is None or args.out is None:
                 raise ValueError("lowering needs --platform and --out (or --compile --target NAME)")

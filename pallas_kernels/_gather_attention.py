@@ -50,9 +50,12 @@ products.
 ``block_k`` a multiple of 64 up to 256; all sources of one call share one row layout; one program's
 shared memory (``smem_bytes``) must fit the 227 KiB of an H100 / H200, which DeepSeek's bf16 and
 FP8 rows do but float32 rows of width 576 do not. The raw rows and the softmax weights' tiles share
-memory (a ``RefUnion``: the rows are dead by the time the weights are written).
+memory (a ``RefUnion``: the rows are dead by the time the weights are written). A row's TMA copy starts at a
+16-byte-aligned address or faults (``CUDA_ERROR_ILLEGAL_INSTRUCTION`` on an H200 with V4's 584-byte FP8 rows), so
+pools whose rows are not a multiple of 16 bytes (V4 FP8 584, tiny-v32 FP8 100, tiny-v4 FP8 88) are padded to it
+here: a copy of the pool per call, which a cache storing rows of that stride would not need.
 
-**Not tuned** (nor measured: it has not run on a GPU): one warpgroup per program holds the whole
+**Not tuned**: one warpgroup per program holds the whole
 accumulator (V3.2: 64 x 512 float32, 256 registers a thread, so it spills), and a block's row copies
 are not overlapped with the previous block's math.
 
@@ -83,6 +86,7 @@ NEG_INF = float("-inf")
 # The public wrappers' keyword-only tuning knobs (static under jit), documented in sparse_mla.
 HEAD_BLOCK = 64  # query heads per program: the M of one warpgroup's wgmma
 ROW_GROUP = 8  # rows copied per barrier
+ROW_ALIGN = 16  # bytes: a TMA copy's global address must be a multiple of this (else the copy faults)
 SMEM_BYTES = 227 * 1024  # shared memory one block may use on an H100 / H200
 SMEM_ALIGNMENT = 1024  # Pallas aligns every SMEM buffer to this many bytes
 REDUCTION_SCRATCH = plgpu.CompilerParams().reduction_scratch_bytes  # Mosaic GPU's own SMEM for reductions
@@ -360,6 +364,11 @@ def gather_attention(q_value_BTNC, q_key_BTNR, sources, sinks_N, *, layout: RowL
     (out, lse) pairs merge exactly by log-sum-exp here, and the sink joins after the merge.
     """
     variant = variant or HOPPER
+    item = jnp.dtype(layout.dtype).itemsize
+    if layout.row_width * item % ROW_ALIGN:  # rows of 584 or 100 bytes: each row's copy must start aligned
+        padded = round_up(layout.row_width * item, ROW_ALIGN) // item
+        sources = [(pad_axis(pool, 1, padded, 0), ids) for pool, ids in sources]  # a copy of the pools
+        layout = dataclasses.replace(layout, row_width=padded)
     for chunk in layout.chunks:  # a WGMMA-layout tile holds whole groups of 8 columns
         if chunk.width % 8:
             raise ValueError(f"{name}: rows are read in chunks of a multiple of 8 columns, got {chunk}")

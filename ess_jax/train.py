@@ -19,6 +19,15 @@ model's MTP module stays as it is. The held-out evaluation then also reports the
 (the fraction of positions where the MTP module's greedy draft equals the main model's greedy next token,
 teacher-forced: ``argmax mtp_i == argmax main_{i+1}``) and the draft's top-1 accuracy against ``t_{i+2}``.
 
+Index Share (DOMAIN.md 1.7) of a trained checkpoint: ``--index-share PATTERN|every-N`` trains it with that pattern
+of full (F) and shared (S) indexed layers, the shared layers' indexers dropped: in the warmup and sparse stages
+each kept indexer learns against the attention of every layer it serves (its own and the shared ones after it:
+the multi-layer distillation), and the exported config.json carries the pattern (``index_topk_pattern``).
+``--index-share-search --keep F`` is the training-free variant, no optimizer step: starting from every indexer,
+it drops one at a time the indexer whose loss raises the held-out language-model loss least, until a fraction
+``F`` of them is left, and exports the checkpoint with that pattern (``index_share.json``: each step's pattern and
+held-out loss).
+
 Data: ``--data DIR`` as ``tools/build_corpus.py`` writes it: ``train.npy`` / ``heldout.npy`` (uint16 token
 ids) and ``tokenizer.json``. A training example is ``--context + 1`` consecutive tokens at an offset
 drawn from ``--seed``, the step and the micro-batch, so the data order is fixed by the seed and a
@@ -59,7 +68,7 @@ from ess_jax.cli import Parser
 
 # Flags that define the run: a resumed run must repeat them.
 _RUN_FLAGS = ("model", "data", "stage", "steps", "context", "batch", "accum", "lr", "warmup_steps",
-              "weight_decay", "seed", "dtype", "mtp_weight", "train")
+              "weight_decay", "seed", "dtype", "mtp_weight", "train", "index_share")
 
 
 def parse_args(argv=None):
@@ -72,7 +81,13 @@ def parse_args(argv=None):
                    help="weight L of the MTP module's loss (L_main + L * CE of t_{i+2}); 0: no MTP loss (default)")
     p.add_argument("--train", choices=["all", "mtp"], default="all",
                    help="all: the model (default); mtp: only the MTP module, the main weights frozen")
-    p.add_argument("--steps", type=int, required=True, help="optimizer steps of this run")
+    p.add_argument("--index-share", default=None, metavar="PATTERN|every-N",
+                   help="train with this Index Share pattern (F / S per indexed layer, or every-N), the shared layers' "
+                        "indexers dropped, each kept one distilled for the layers it serves (warmup / sparse stages)")
+    p.add_argument("--index-share-search", action="store_true",
+                   help="no training: greedily drop indexers by held-out loss down to --keep of them, export that")
+    p.add_argument("--keep", type=float, default=0.25, help="--index-share-search: fraction of indexers kept")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps of this run (required but for the search)")
     p.add_argument("--context", type=int, default=512, help="tokens per example (default 512)")
     p.add_argument("--batch", type=int, default=8, help="examples per micro-batch (default 8)")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
@@ -87,6 +102,12 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=10, help="train_log.jsonl line every N steps (default 10)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
+    if args.steps is None:
+        if not args.index_share_search:
+            p.error("--steps is required")
+        args.steps = 1
+    if not 0 < args.keep <= 1:
+        p.error(f"--keep {args.keep} must be in (0, 1]")
     for name in ("steps", "context", "batch", "accum", "eval_every", "eval_batches", "checkpoint_every", "log_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -268,6 +289,68 @@ def raw_config(model: str, tokenizer_path: Path) -> tuple[dict, bool]:
     return raw, True
 
 
+def with_index_share(raw: dict, pattern: str) -> dict:
+    """A config.json dict serving the Index Share ``pattern`` (one F / S letter per indexed layer): its
+    ``index_topk_pattern``, the other schedule keys dropped."""
+    raw = {k: v for k, v in raw.items() if k not in ("indexer_types", "index_topk_freq", "index_skip_topk_offset")}
+    return dict(raw, index_topk_pattern=pattern)
+
+
+def index_share_search(args) -> dict:
+    """The training-free Index Share search (``--index-share-search``): from every indexer of the checkpoint, drop
+    the one whose removal raises the held-out LM loss least, again, until ``ceil(keep * indexed layers)`` are left
+    (the first indexed layer always keeps its own); export the checkpoint with that pattern into ``--out``."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+    from ess_jax import checkpoint, families
+    from ess_jax.config import ModelConfig, resolve_model
+
+    corpus = load_corpus(args.data, args.context)
+    raw, scratch = raw_config(args.model, corpus.tokenizer)
+    if scratch:
+        raise ValueError("--index-share-search drops indexers of a trained model: --model must be a checkpoint")
+    full = ModelConfig.from_hf_dict(raw)
+    cls, directory = families.get(full.family).module_cls, resolve_model(args.model).checkpoint
+    heldout = batch_at(corpus.heldout, heldout_offsets(len(corpus.heldout), args.eval_batches * args.batch,
+                                                       args.context), args.context)
+
+    def load(pattern: str):
+        cfg = full.with_index_share(pattern)
+        return checkpoint.load_into(lambda: cls(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)), cfg, directory,
+                                    jnp.float32)
+
+    def heldout_lm(pattern: str) -> float:
+        graphdef, state = nnx.split(load(pattern))
+
+        @jax.jit
+        def lm(state, tokens_BT):
+            logits_BTV = nnx.merge(graphdef, state)(tokens_BT[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, tokens_BT[:, 1:]).mean()
+
+        return float(np.mean([lm(state, jnp.asarray(heldout[i:i + args.batch]))
+                              for i in range(0, len(heldout), args.batch)]))
+
+    pattern = full.index_pattern
+    keep = math.ceil(args.keep * len(pattern))
+    steps = [{"pattern": pattern, "heldout_lm": heldout_lm(pattern)}]
+    while pattern.count("F") > max(keep, 1):
+        tried = {}
+        for i in [i for i, letter in enumerate(pattern) if letter == "F" and i > 0]:
+            tried[i] = heldout_lm(pattern[:i] + "S" + pattern[i + 1:])
+        drop = min(tried, key=tried.get)
+        pattern = pattern[:drop] + "S" + pattern[drop + 1:]
+        steps.append({"pattern": pattern, "heldout_lm": tried[drop]})
+    out = Path(args.out)
+    checkpoint.save(nnx.state(load(pattern)), with_index_share(raw, pattern), out)
+    shutil.copyfile(corpus.tokenizer, out / "tokenizer.json")
+    result = {"pattern": pattern, "keep": args.keep, "heldout_lm": steps[-1]["heldout_lm"],
+              "full_heldout_lm": steps[0]["heldout_lm"], "steps": steps}
+    (out / "index_share.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
 def build(raw: dict, scratch: bool, model: str, seed: int):
     """The NNX module: fresh weights from ``seed`` or the checkpoint's (an MTP module the config has and the
     checkpoint lacks: fresh from ``seed``)."""
@@ -341,6 +424,10 @@ def train(args) -> dict:
     raw, scratch = raw_config(args.model, corpus.tokenizer)
     if args.mtp_weight:
         raw = dict(raw, num_nextn_predict_layers=1)
+    if args.index_share:
+        from ess_jax.config import ModelConfig
+
+        raw = with_index_share(raw, ModelConfig.from_hf_dict(raw).with_index_share(args.index_share).index_pattern)
     module, cls, cfg = build(raw, scratch, args.model, args.seed)
     if args.context > cfg.max_position_embeddings:
         raise ValueError(f"--context {args.context} exceeds max_position_embeddings={cfg.max_position_embeddings}")
@@ -427,7 +514,7 @@ def main(argv=None) -> int:
     from ess_jax.config import ConfigError
 
     try:
-        result = train(args)
+        result = index_share_search(args) if args.index_share_search else train(args)
     except (ValueError, ConfigError, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -3,12 +3,13 @@ cached step against the training form, resident against ESS (both fetch backends
 
 import json
 
+import jax
 import numpy as np
 import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from ess_jax import checkpoint
+from ess_jax import checkpoint, train
 from ess_jax.api import generate, load_model
 from ess_jax.cache import StepMeta
 from ess_jax.checkpoint import CheckpointError
@@ -98,11 +99,12 @@ def _indexers(module) -> list[str]:
 def test_shared_layers_have_no_indexer_and_store_no_keys(shared):
     model, _ = shared
     cfg = model.cfg
-    layers = {int(n.split(".")[2]) for n in _indexers(model.module)}
-    assert layers == {i for i in cfg.index_layers if cfg.indexer_full(i)} and len(layers) == 2
+    layers = {int(n.split(".")[2]) for n in _indexers(model.module)} - {cfg.num_hidden_layers}  # the MTP block's own
+    full = PATTERNS[model.name].count("F")
+    assert layers == {i for i in cfg.index_layers if cfg.indexer_full(i)} and len(layers) == full
     cache = model.module.init_cache(2, 9, 64)
     keys = cache.index_keys if cfg.family == "deepseek_v32" else cache.csa.index_keys
-    assert keys.shape[0] == 2  # the full layers' keys only
+    assert keys.shape[0] == full  # the full layers' keys only
     if cfg.family == "deepseek_v4":  # and only the full CSA layers keep the indexer's compressor rings
         assert cache.csa.index_kv_ring.shape[0] == 1 and cache.csa.kv_ring.shape[0] == 2
 
@@ -124,10 +126,10 @@ def test_shared_layers_attend_at_their_full_layers_picks(shared):
         np.testing.assert_array_equal(ids[place], ids[source])
     if cfg.family == "deepseek_v32":  # its last layer is full again: its own picks
         assert not np.array_equal(ids[0], ids[3])
-    seq = list(PROMPTS[1])
-    for _ in range(NEW):
-        seq.append(int(np.argmax(np.asarray(module(jnp.asarray([seq], jnp.int32)))[0, -1])))
-    assert seq[len(PROMPTS[1]):] == tokens[1]
+    # teacher-forced on the engine's tokens, the training form's greedy choice at each position is the next one
+    seq = PROMPTS[1] + tokens[1]
+    greedy = np.argmax(np.asarray(module(jnp.asarray([seq[:-1]], jnp.int32)))[0], -1)
+    assert greedy[len(PROMPTS[1]) - 1:].tolist() == tokens[1]
 
 
 @pytest.mark.parametrize("fetch", ["inline", "split"])
@@ -156,7 +158,7 @@ def test_checkpoint_with_indexers_on_full_layers_only(tmp_path):
     raw = dict(resolve_model("tiny-v32-code").raw_config(), index_topk_pattern="FSFS")
     checkpoint.save(nnx.state(model.module), raw, tmp_path / "shared")
     names = checkpoint.hf_tensors(nnx.state(model.module))
-    assert {int(n.split(".")[2]) for n in names if ".indexer." in n} == {0, 2}
+    assert {int(n.split(".")[2]) for n in names if ".indexer." in n} == {0, 2, 4}  # 4: the MTP block's own
     loaded = load_model(tmp_path / "shared")  # its config's pattern: loads
     tokens = jnp.asarray([PROMPTS[1]], jnp.int32)
     np.testing.assert_array_equal(np.asarray(loaded.module(tokens)), np.asarray(model.module(tokens)))
@@ -174,3 +176,60 @@ def test_planner_drops_the_shared_layers_indexer_keys(capsys):
                       "0.2", "--index-share", "none", "--index-share", "every-4", "--json"]) == 0
     layouts = [m["layouts"][0] for m in json.loads(capsys.readouterr().out)["models"]]
     assert [lay["bytes_per_token"] for lay in layouts] == [61 * (656 + 132), 61 * 656 + 16 * 132]
+
+
+# ---- train.py: the greedy search and the distillation -------------------------------------------------
+
+from test_train import corpus, start  # noqa: E402,F401 (the small V3.2 checkpoint and corpus, as fixtures)
+
+
+def _heldout_lm(model, corpus_dir, context: int = 32, count: int = 2) -> float:
+    """The held-out LM loss of ``model`` on the windows train.py evaluates (``--eval-batches 1 --batch 2``)."""
+    data = train.load_corpus(corpus_dir, context)
+    windows = train.batch_at(data.heldout, train.heldout_offsets(len(data.heldout), count, context), context)
+    logits = np.asarray(model.logits(windows[:, :-1]), np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(
+        -1, keepdims=True)
+    return float(-np.take_along_axis(logp, windows[:, 1:, None], -1).mean())
+
+
+def test_greedy_search_drops_indexers_by_heldout_loss(corpus, start, tmp_path):  # noqa: F811
+    out = tmp_path / "search"
+    flags = ["--model", str(start), "--data", str(corpus), "--out", str(out), "--context", "32", "--batch", "2",
+             "--eval-batches", "1"]
+    assert train.main(flags + ["--index-share-search", "--keep", "0.5"]) == 0
+    result = json.loads((out / "index_share.json").read_text())
+    assert [s["pattern"] for s in result["steps"]] == ["FF", "FS"] and result["pattern"] == "FS"
+    model = load_model(out)  # its config carries the pattern, its checkpoint layer 0's indexer only
+    assert model.cfg.index_pattern == "FS" and {int(n.split(".")[2]) for n in _indexers(model.module)} == {0}
+    assert result["heldout_lm"] == pytest.approx(_heldout_lm(model, corpus), rel=1e-4)
+    assert result["full_heldout_lm"] == pytest.approx(_heldout_lm(load_model(start), corpus), rel=1e-4)
+
+
+def test_distillation_trains_the_kept_indexer_for_the_layers_it_serves(corpus, start, tmp_path):  # noqa: F811
+    out = tmp_path / "distilled"
+    assert train.main(["--model", str(start), "--data", str(corpus), "--out", str(out), "--steps", "2", "--context",
+                       "32", "--batch", "2", "--eval-every", "2", "--eval-batches", "1", "--stage", "warmup",
+                       "--index-share", "every-2", "--no-progress"]) == 0
+    before, after = load_model(start, index_share="FS"), load_model(out)
+    assert after.cfg.index_pattern == "FS"
+    old, new = (checkpoint.hf_tensors(nnx.state(m.module)) for m in (before, after))
+    assert old.keys() == new.keys()
+    changed = {n for n in old if not np.array_equal(old[n], new[n])}
+    assert changed and all(".indexer." in n and n.startswith("model.layers.0.") for n in changed)
+
+
+def test_a_kept_indexer_learns_from_the_shared_layers_attention(start):  # noqa: F811
+    """In the warmup stage layer 0's indexer gets the gradient of its own KL alone when layer 1 runs its own
+    indexer, and also that of layer 1's attention when layer 1 shares layer 0's picks."""
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, 300, (2, 33)), jnp.int32)
+
+    def grads(pattern):
+        module = load_model(start, index_share=pattern).module
+        graphdef, indexers, rest = nnx.split(module, train.trainable("warmup"), ...)
+        g = jax.grad(lambda p: nnx.merge(graphdef, p, rest).train_forward(tokens, "warmup")[1])(indexers)
+        return {n: v for n, v in checkpoint.hf_tensors(g).items() if n.startswith("model.layers.0.")}
+
+    own, shared = grads("FF"), grads("FS")
+    assert own.keys() == shared.keys() and own
+    assert any(not np.allclose(own[n], shared[n]) for n in own)

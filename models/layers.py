@@ -286,7 +286,8 @@ def grouped_matmul(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Arr
         tm = 128 if m >= 128 else -(-m // 16) * 16  # row tiles: a multiple of 16 rows (bf16 packs two a sublane)
         padded = jnp.pad(lhs, ((0, -m % tm), (0, 0)))
         tile = lambda size: next((t for t in (512, 256, 128) if size % t == 0), size)  # noqa: E731
-        return megablox.gmm(padded, rhs, sizes, lhs.dtype, (tm, tile(k), tile(n)), None, None, True)[:m]
+        with jax.default_matmul_precision("default"):  # Mosaic takes no "highest" for bfloat16 operands
+            return megablox.gmm(padded, rhs, sizes, lhs.dtype, (tm, tile(k), tile(n)), None, None, True)[:m]
 
     def xla(lhs, rhs, sizes):
         dims = jax.lax.RaggedDotDimensionNumbers(

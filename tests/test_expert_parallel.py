@@ -172,7 +172,7 @@ def test_moe_on_a_mesh_equals_one_device():
 
 
 # Runs with compile-only TPU devices (v5p 2x2x1, four chips): the MoE of a V3.2-like layer (hidden 1024, 64 experts
-# of width 256, top 8) jitted on ``expert=4`` for a decode step's tokens (dense form) and a prefill piece's (grouped:
+# of width 512, top 8) jitted on ``expert=4`` for a decode step's tokens (dense form) and a prefill piece's (grouped:
 # the Pallas grouped matmul), compiled; prints per form every collective (kind and bytes), the temporaries and the
 # bytes of the experts one device holds.
 AOT = r"""
@@ -186,7 +186,7 @@ from ess_jax.models.layers import MoE, Router
 
 devices = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu").devices
 tpu = Mesh(np.array(devices).reshape(1, 4), mesh.AXES, axis_types=(AxisType.Auto,) * 2)
-hidden, width, experts = 1024, 256, 64
+hidden, width, experts = 1024, 512, 64
 router = Router(hidden, experts, top_k=8, scoring="sigmoid", norm_topk_prob=True, scaling=2.5, n_group=8,
                 topk_group=4, rngs=nnx.Rngs(0))
 graphdef, params = nnx.split(nnx.eval_shape(lambda: MoE(hidden, width, experts, 1, router=router,
@@ -217,10 +217,11 @@ def test_tpu_expert_parallel_moves_tokens_not_weights():
     """Compiled for a v5p 2x2x1 topology on ``expert=4`` (compile-only devices: nothing runs), a decode step's
     MoE (dense form) and a prefill piece's (grouped, the Pallas grouped matmul reading the weights as stored): one
     all-reduce, no larger than the tokens' float32 activations (``f32[A, D]``), and no other collective; no
-    temporary as large as the experts one device holds (no weights gathered or re-laid out)."""
+    temporary half the size of the experts one device holds (their ``gate_up_proj`` alone is two thirds: no
+    weights gathered or re-laid out)."""
     out = _subprocess(AOT, [], {"JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"})
     for form in ("decode", "prefill"):
         got = out[form]
         assert [kind for kind, _ in got["collectives"]] == ["all-reduce"], (form, got)
         assert all(size <= got["tokens"] * out["hidden"] * 4 for _, size in got["collectives"]), (form, got)
-        assert got["temp"] < out["experts_per_device"] / 4, (form, got, out["experts_per_device"])
+        assert got["temp"] < out["experts_per_device"] / 2, (form, got, out["experts_per_device"])

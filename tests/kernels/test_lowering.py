@@ -174,7 +174,6 @@ def test_compiles_for_tpu(gen, name, words):
                            in_shardings=shardings).lower(*args).compile()
     hlo = compiled.as_text()
     entry = hlo[hlo.index("\nENTRY "):]
-    assert set(re.findall(r'custom_call_target="(\w+)"', hlo)) <= {"tpu_custom_call", "AssumeGatherIndicesInBound"}
     (kernel,) = [line for line in entry.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
     assert kernel.lstrip().startswith(f"%{name.split()[0]}.")
     operands = re.search(r" custom-call\((.*?)\), custom_call_target", kernel).group(1).split(", ")

@@ -154,7 +154,8 @@ def _as_words(arg):
 
 
 @pytest.mark.aot
-@pytest.mark.parametrize("gen, name, words", AOT_CASES, ids=[f"{g}-{n}{'-words' if w else ''}" for g, n, w in AOT_CASES])
+@pytest.mark.parametrize("gen, name, words", AOT_CASES,
+                         ids=[f"{g}-{n}{'-words' if w else ''}" for g, n, w in AOT_CASES])
 def test_compiles_for_tpu(gen, name, words):
     """libtpu compiles the kernel (Mosaic accepts the one-row DMAs of 32-bit rows, every vector op and
     the VMEM) into one ``tpu_custom_call`` over the pools as 32-bit rows. Pools passed row-major as words

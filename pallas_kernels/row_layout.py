@@ -128,8 +128,8 @@ def as_words(pool):
     words, the pool form the ``mosaic_tpu`` kernels read (word ``j`` holds the row's bytes ``4j .. 4j + 3``,
     little-endian). On a TPU this is a relayout copy of the whole pool (packed tiles to 32-bit ones), paid
     on every call that passes bf16 / uint8 rows; a cache that stores its rows as words passes them as
-    they are, if it keeps them row-major (XLA:TPU's own choice for a ``u32[4096, 288]`` argument is
-    column-major, fewer padded lanes, which the kernel's operand would cost a copy too)."""
+    they are, if it keeps them row-major (XLA:TPU's own layout for a ``u32[4096, 288]`` argument is
+    column-major, which pads fewer lanes; relaying that out for the kernel is a copy too)."""
     item = jnp.dtype(pool.dtype).itemsize
     per_word = WORD_BYTES // item
     if pool.ndim != 2 or item not in (1, 2) or pool.shape[1] % per_word:

@@ -18,8 +18,8 @@ such a page may be *shared*: every request whose prompt starts with the same pag
 partial last page, and every page it writes, are its own). Pages are reference-counted; a page no request holds
 any more stays cached under its key, evictable least-recently-used: ``allocate`` takes free pages first, then
 the least recently released cached ones (a request's pages are released in reverse token order, vLLM's, so a prefix
-loses its last pages first and its first ones stay usable). A cached page counts as free (``num_free``), so admission counts a
-shared page once: a request that shares pages another running request holds costs only its own pages.
+loses its last pages first and its first ones stay usable). A cached page counts as free (``num_free``), so admission
+counts a shared page once: a request that shares pages another running request holds costs only its own pages.
 
 Row states. Where a request's cache also has state per batch row (DeepSeek-V4's sliding window and compressor
 rings), a cached prefix is usable only up to a page whose key carries a snapshot of that state at the page's end

@@ -64,8 +64,9 @@ def test_only_regular_files_it_wrote_are_listed_and_read(tmp_path, caplog):
     assert victim.read_bytes() == b"keep" and (tmp_path / "experiment.state").exists()
     assert [a.tolist() for a in store.get(KEYS[0], ".page", SPEC)] == [a.tolist() for a in arrays()]
     # swapped after it was listed: a FIFO (the read must not block), a symlink to a device, a bogus dtype
-    for what, swap in {"fifo": lambda p: os.mkfifo(p), "device": lambda p: p.symlink_to("/dev/zero"),
-                       "dtype": lambda p: p.write_bytes(encode(arrays(), KEYS[0], SALT).replace(b"<f4", b"|O"))}.items():
+    swaps = {"fifo": lambda p: os.mkfifo(p), "device": lambda p: p.symlink_to("/dev/zero"),
+             "dtype": lambda p: p.write_bytes(encode(arrays(), KEYS[0], SALT).replace(b"<f4", b"|O"))}
+    for what, swap in swaps.items():
         store.put(KEYS[0], ".page", arrays())
         store.flush()
         path = directory / name(KEYS[0])

@@ -40,7 +40,8 @@ def chat_logprobs(tokenizer, lps: list, top: int | None) -> dict | None:
 async def chat(ctx: ServeContext, body: ChatBody, disconnected: Disconnected) -> dict | AsyncIterator[str]:
     """The reply to ``body``: a JSON object, or (``stream``) the server-sent events. ``max_tokens`` defaults to
     the rest of the context. Raises APIError before anything is queued if the request cannot run."""
-    ids = await asyncio.to_thread(lambda: ctx.tokenizer.encode(render_chat(ctx, body.messages), add_special_tokens=False))
+    ids = await asyncio.to_thread(lambda: ctx.tokenizer.encode(render_chat(ctx, body.messages),
+                                                               add_special_tokens=False))
     max_tokens = body.max_completion_tokens or body.max_tokens or max(ctx.engine.max_seq_len - len(ids), 1)
     top = (body.top_logprobs or 0) if body.logprobs else None
     admit(ctx, body, [ids], [max_tokens])

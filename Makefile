@@ -1,7 +1,7 @@
 # Every target bootstraps .venv (Python >= 3.12 from PATH or pyenv) when it is missing.
 PY := .venv/bin/python
 
-.PHONY: demo test test-fast venv fixtures
+.PHONY: demo test test-fast aot venv fixtures
 venv:
 	@bash tools/bootstrap.sh
 
@@ -16,6 +16,12 @@ test: venv
 test-fast: venv
 	$(PY) -m pytest -q -n auto --dist loadfile --ignore=tests/test_mesh.py --ignore=tests/test_processes.py \
 		--ignore=tests/test_serve_processes.py --ignore=tests/test_sharded_load.py --ignore=tests/kernels
+
+# Compiled for TPUs and NVIDIA GPUs without one, in .venv-aot (the aot extra: libtpu and jax's CUDA plugin, ~1 GB,
+# kept out of `test`, whose suite budget their compiles would exceed): the aot tests.
+aot:
+	@VENV=.venv-aot EXTRAS=test,aot bash tools/bootstrap.sh
+	.venv-aot/bin/python -m pytest -q -m aot -rs
 
 # Regenerates tests/fixtures/ from transformers (needs torch + transformers, see tools/requirements-fixtures.txt).
 fixtures:

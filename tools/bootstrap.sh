@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Creates .venv with a Python >= 3.12 (found on PATH or through pyenv) and installs ess_jax[test] (ess_jax[eval]
 # included: lm-evaluation-harness and transformers' tokenizers, no torch). A .venv that has ess_jax but not the
-# eval extra gets it added.
+# eval extra gets it added. VENV and EXTRAS choose another environment (make aot: .venv-aot with test,aot).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ -x .venv/bin/python ] && .venv/bin/python -c 'import ess_jax' 2>/dev/null; then
-  .venv/bin/python -c 'import lm_eval, transformers' 2>/dev/null || .venv/bin/python -m pip install --quiet -e '.[test]'
+VENV=${VENV:-.venv}
+EXTRAS=${EXTRAS:-test}
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c 'import ess_jax' 2>/dev/null; then
+  "$VENV/bin/python" -c 'import lm_eval, transformers' 2>/dev/null || "$VENV/bin/python" -m pip install --quiet -e ".[$EXTRAS]"
   exit 0
 fi
 
@@ -28,8 +30,8 @@ if [ -z "$python" ]; then
   echo "error: no Python >= 3.12 found on PATH or under pyenv; install one (e.g. 'pyenv install 3.12')" >&2
   exit 1
 fi
-echo "bootstrapping .venv with $python" >&2
-rm -rf .venv
-"$python" -m venv .venv
-.venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet -e '.[test]'
+echo "bootstrapping $VENV with $python" >&2
+rm -rf "$VENV"
+"$python" -m venv "$VENV"
+"$VENV/bin/python" -m pip install --quiet --upgrade pip
+"$VENV/bin/python" -m pip install --quiet -e ".[$EXTRAS]"

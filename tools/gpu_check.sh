@@ -42,8 +42,8 @@ compare_runs() {  # $1: run number, $2: label; the two JSON outputs hold the sam
 import json, sys
 ids = {k: [r["output_ids"] for r in json.load(open(f"/tmp/gpu_check_{sys.argv[1]}_{k}.json"))["requests"]]
        for k in ("xla", "pallas")}
-same = ids["xla"] == ids["pallas"]
-print(("ok   " if same else "DIFF ") + sys.argv[2] + f": {sum(map(len, ids['xla']))} tokens")
+same, n = ids["xla"] == ids["pallas"], sum(map(len, ids["xla"]))
+print(("ok   " if same else "DIFF ") + sys.argv[2] + f": {n} tokens")
 sys.exit(0 if same else 1)' "$1" "$2"
 }
 # model|flags. The long prompt (~340 byte-level tokens) outgrows the 66-slot pool, so the tier's hit and

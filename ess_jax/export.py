@@ -293,11 +293,11 @@ def export(cfg: ModelConfig, config, dtype: str, seed: int, target: Target, out:
 
 
 def compile_step(name: str, step: Step, target: Target) -> dict:
-    """``step`` compiled by the target's own compiler (libtpu with Mosaic TPU; XLA:GPU), and what the compiled
-    program says (``aot.analyze``); a step that does not compile: ``compiled: False`` and the compiler's message."""
-    flat, leaves = flat_step(step)
+    """``step`` compiled by the target's own compiler (libtpu with Mosaic TPU; XLA:GPU) as the engine compiles it (its
+    own jit: the caches donated, so updated in place), and what the compiled program says (``aot.analyze``); a step
+    that does not compile: ``compiled: False`` and the compiler's message."""
     try:
-        compiled = flat.lower(*leaves).compile()
+        compiled = step.step.lower(*step.static, *step.args, **step.kwargs).compile()
     except Exception as e:  # the compiler's verdict, whatever it raises, is the report
         lines = [line for line in str(e).splitlines() if line.strip()]
         return {"compiled": False, "error": f"{type(e).__name__}: {' '.join(lines[:4])[:1500]}"}

@@ -65,7 +65,7 @@ class Target:
     @property
     def mesh(self) -> AbstractMesh | jax.sharding.Mesh:
         if self.spec is not None:
-            return _compile_mesh(self.spec, self.shape)
+            return _compile_mesh(self.spec.name, self.shape)
         device = AbstractDevice(device_kind=self.kind, num_cores=1 if self.platform == "tpu" else None,
                                 platform=PLATFORMS[self.platform][0])
         return AbstractMesh(tuple(getattr(self.shape, a) for a in mesh.AXES), mesh.AXES,
@@ -81,8 +81,8 @@ class Target:
 
 
 @functools.cache
-def _compile_mesh(spec: aot.Spec, shape: mesh.MeshShape) -> jax.sharding.Mesh:
-    return aot.compile_mesh(spec, shape)
+def _compile_mesh(target: str, shape: mesh.MeshShape) -> jax.sharding.Mesh:
+    return aot.compile_mesh(aot.spec(target), shape)
 
 
 class StepError(Exception):

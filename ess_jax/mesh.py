@@ -8,7 +8,8 @@
 - Parameters (``param_spec``): the routed experts' stacked weights (``experts.gate_up_proj [..., E, 2F, D]``,
   ``experts.down_proj [..., E, D, F]``, and the values and scales of their release formats, expert axis
   third from last) over ``expert``; everything else (attention, indexer, router, shared experts,
-  embeddings) replicated.
+  embeddings) replicated. The routed experts run where they are held (``over_experts``: a ``shard_map`` over
+  ``expert``, the tokens' partial sums all-reduced), so no step gathers an expert's weights.
 - Caches (``cache_shardings``): every array over ``data``, on its batch-row axis (V3.2 and V4 ESS pools, slot
   tables, residency maps and staged rows; V4's window and compressor rings) or its page axis (the page pools,
   the host store in its own memory kind: each data shard's rows in its own devices' host memory; the prefill
@@ -177,8 +178,9 @@ def over_experts(fn: Callable, tokens, experts):
         return jax.lax.psum(fn(tokens, experts, first), "expert")
 
     abstract = jax.sharding.get_abstract_mesh()  # every axis manual: TPU kernels are not partitioned automatically
-    return jax.shard_map(held, in_specs=(PartitionSpec(), specs), out_specs=PartitionSpec(),
-                         axis_names=set(abstract.axis_names) - set(abstract.manual_axes), check_vma=False)(tokens, experts)
+    auto = set(abstract.axis_names) - set(abstract.manual_axes)
+    return jax.shard_map(held, in_specs=(PartitionSpec(), specs), out_specs=PartitionSpec(), axis_names=auto,
+                         check_vma=False)(tokens, experts)
 
 
 def param_bytes_per_device(params, shape: MeshShape) -> int:

@@ -10,7 +10,6 @@ the routed experts it holds over the tokens routed to them and the partial sums 
   collective larger than the tokens' float32 activations and holds no temporary the size of a device's experts.
 """
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -22,6 +21,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from ess_jax import aot
 from ess_jax.models import layers
 from ess_jax.models.layers import routed_experts
 from ess_jax.models.quant import Fp4Values, Fp8Blocks
@@ -211,8 +211,7 @@ print(json.dumps(out))
 
 
 @pytest.mark.aot
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="compile-only TPU devices need libtpu "
-                    "(pip install 'jax[tpu]==0.11.2')")
+@pytest.mark.skipif(not aot.available("tpu"), reason="compiling for TPUs needs jax[tpu] (libtpu)")
 def test_tpu_expert_parallel_moves_tokens_not_weights():
     """Compiled for a v5p 2x2x1 topology on ``expert=4`` (compile-only devices: nothing runs), a decode step's
     MoE (dense form) and a prefill piece's (grouped, the Pallas grouped matmul reading the weights as stored): one

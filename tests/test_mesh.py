@@ -60,8 +60,8 @@ for run in ["none:inline:", "ess:inline:", *sys.argv[2:]]:
                                        if hasattr(x.sharding, "spec")}),
                 "host_pages": engine.layout.size.pages, "host_shard": None}
     store = engine.config.offload == "ess" and families.get(model.cfg.family).store_of(engine.runner.cache).host
-    if store and hasattr(store.array, "sharding"):  # the pinned store: each device holds its shard's pages
-        out[run]["host_shard"] = store.array.addressable_shards[0].data.shape[1]
+    if store and hasattr(store.array, "sharding"):  # the pinned store [G, Z * L * W]: each device its shard's pages
+        out[run]["host_shard"] = store.array.addressable_shards[0].data.shape[0]
     elif store:  # the split backend's NumPy store: every shard's pages, each shard's callbacks reach its own
         out[run]["host_shard"] = store.array.shape[1] // engine.layout.size.shards
 # a model loaded onto the mesh: the engine takes its parameters as they are, no second copy

@@ -134,7 +134,7 @@ def test_v4_scanned_forward_and_step_equal_the_layers_one_by_one():
     tokens = np.random.default_rng(0).integers(0, module.cfg.vocab_size, (1, 40))  # past the window and 16:1
     streams = module._embed(jnp.asarray(tokens[:, :36]))
     for layer in _v4_layers(module):
-        streams, _ = layer(streams, jnp.asarray(tokens[:, :36]), None)
+        streams, *_ = layer(streams, jnp.asarray(tokens[:, :36]), None)
     one_by_one = np.asarray(module.head(streams))
     forward = jax.jit(lambda params, tokens: nnx.merge(graphdef, params)(tokens))
     full = np.asarray(forward(params, jnp.asarray(tokens)))

@@ -126,10 +126,10 @@ def _reference(cfg, tensors, block, hidden, next_tokens):
         b, t = next_tokens.shape
         cos, sin = rope_cos_sin(jnp.broadcast_to(jnp.arange(t), (b, t)), rope_inv_freq(cfg.rope, cfg.qk_rope_head_dim),
                                 cfg.rope.cos_sin_scale)
-        out, _ = block(x, cos, sin)
+        out, *_ = block(x, cos, sin)  # the output, the indexer KL, the picks
     else:  # the embedding's projection added to every stream, each stream normed and projected alone
         x = (e @ mtp("e_proj.weight").T)[:, :, None, :] + rms(hidden, mtp("hnorm.weight"), eps) @ mtp("h_proj.weight").T
-        streams, _ = block(x, next_tokens)
+        streams, *_ = block(x, next_tokens)
         b, t, o, d = streams.shape
         flat = streams.reshape(b, t, o * d)
         mix = rms(flat, 1.0, eps) @ mtp("hc_head.hc_fn").T

@@ -50,7 +50,9 @@ def test_v4_flash_parts_match_domain():
     assert main.row_bytes == 448 + 64 * 2 + 7 + 1 == 584  # e4m3 + bf16 rope + ue8m0 per 64 + pad
     assert fp8["CSA indexer keys"].row_bytes == 132 and fp8["HCA rows"].layers == 20
     assert fp8["SWA window"].bytes(0) == 43 * 128 * 584
-    assert fp8["CSA compressor tails (fp32)"].row_bytes == (64 + 16) * 1024  # kv + gate rings, and the indexer's
+    assert fp8["CSA compressor tails (fp32)"].row_bytes == 64 * 1024  # kv + gate rings
+    tails = fp8["CSA indexer compressor tails (fp32)"]  # the indexer's, on every CSA layer without Index Share
+    assert (tails.row_bytes, tails.layers) == (16 * 1024, 21)
     assert fp8["HCA compressor tails (fp32)"].row_bytes == 512 * 1024
     assert "token count" not in fp8  # the release keeps no length in the cache
     assert main.entries(131072) == 32768

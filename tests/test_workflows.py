@@ -87,7 +87,8 @@ def test_workflow_commands_exist(kind):
     assert any(c.startswith(f".venv/bin/python -m pytest -m {kind} ") for c in ran)
     assert (kind == "gpu") == ("bash tools/gpu_check.sh" in ran)
     assert uploaded and set(uploaded) <= written, (uploaded, written)
-    assert "-m venv .venv" in (ROOT / "tools" / "bootstrap.sh").read_text()
+    bootstrap = (ROOT / "tools" / "bootstrap.sh").read_text()
+    assert "VENV=${VENV:-.venv}" in bootstrap and '-m venv "$VENV"' in bootstrap  # .venv unless told otherwise
 
 
 def test_extras_pin_the_plugins_to_the_project_jax():

@@ -1,0 +1,118 @@
+"""``python -m ess_jax.export --compile``: the engine's steps compiled by libtpu (Mosaic TPU included) for compile-only
+TPU devices, no TPU needed (skipped without libtpu, the ``aot`` / ``test`` extras' ``jax[tpu]``), at DeepSeek's shapes
+cut to a few layers; and reading a compiled program (``ess_jax.aot``) on hand-written HLO."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ess_jax import aot
+
+pytestmark = pytest.mark.aot
+needs_libtpu = pytest.mark.skipif(not aot.available("tpu"), reason="compiling for TPUs needs jax[tpu] (libtpu)")
+
+HLO = """HloModule step, entry_computation_layout={(bf16[4,8]{1,0})->bf16[4,8]{1,0}}
+
+%body (carry: (s32[], bf16[4,8])) -> (s32[], bf16[4,8]) {
+  %carry = (s32[], bf16[4,8]{1,0}) parameter(0)
+  %x = bf16[4,8]{1,0} get-tuple-element(%carry), index=1
+  %gathered = bf16[32,8]{1,0} all-gather(%x), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}
+  %host = bf16[32,8]{1,0:S(5)} copy(%gathered)
+  %back = bf16[4,8]{1,0} dynamic-slice(%host, %i, %i), dynamic_slice_sizes={4,8}
+  %i = s32[] get-tuple-element(%carry), index=0
+  ROOT %t = (s32[], bf16[4,8]{1,0}) tuple(%i, %back)
+}
+
+%cond (carry.1: (s32[], bf16[4,8])) -> pred[] {
+  %carry.1 = (s32[], bf16[4,8]{1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (p: bf16[4,8]) -> bf16[4,8] {
+  %p = bf16[4,8]{1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[4,8]{1,0}) tuple(%zero, %p)
+  %loop = (s32[], bf16[4,8]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"61"}}
+  %sum = bf16[4,8]{1,0} all-reduce(%p), channel_id=2, replica_groups=[1,8]<=[8], to_apply=%add
+  %call = bf16[4,8]{1,0} custom-call(%sum), custom_call_target="tpu_custom_call"
+  ROOT %out = bf16[4,8]{1,0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+class _Memory:
+    argument_size_in_bytes, output_size_in_bytes, alias_size_in_bytes, temp_size_in_bytes = 100, 10, 0, 50
+    generated_code_size_in_bytes = host_argument_size_in_bytes = host_output_size_in_bytes = 0
+    host_temp_size_in_bytes = 0
+
+
+class _Compiled:
+    def memory_analysis(self):
+        return _Memory()
+
+    def as_text(self):
+        return HLO
+
+    def cost_analysis(self):
+        return {"flops": 2e12, "bytes accessed": 1e9}
+
+
+def test_analyze_counts_each_instruction_as_often_as_its_loops_run():
+    """The loop body's all-gather and host copies run 61 times (the while loop's known trip count), the entry's
+    all-reduce and custom call once; a copy into host memory (S(5)) moves its device operand out, a slice of it back
+    moves its result in; the roofline is the slower of FLOPs and bytes."""
+    report = aot.analyze(_Compiled(), aot.SPECS["v5p"])
+    assert report["collectives"] == {"all-gather bf16[32,8]": {"count": 61, "bytes": 61 * 32 * 8 * 2},
+                                     "all-reduce bf16[4,8]": {"count": 1, "bytes": 4 * 8 * 2}}
+    assert report["custom_calls"] == {"tpu_custom_call": 1}
+    assert report["device_to_host_bytes"] == 61 * 32 * 8 * 2 and report["host_to_device_bytes"] == 61 * 4 * 8 * 2
+    assert report["bytes_per_device"]["total"] == 160 and report["fits"]
+    assert report["roofline_s"] == pytest.approx(max(2e12 / 459e12, 1e9 / 2765e9))
+
+
+def test_gpu_target_config_names_the_device():
+    text = aot.gpu_target_config(aot.SPECS["H200"])
+    assert "core_count: 132" in text and "major: 9" in text and 'device_description_str: "NVIDIA H200"' in text
+
+
+def test_unknown_target_names_the_choices():
+    with pytest.raises(ValueError, match="is not a compile target; use one of v5e, v6e, v5p, H100"):
+        aot.spec("v4")
+
+
+def _export(*args, out=None):
+    return subprocess.run([sys.executable, "-m", "ess_jax.export", "--compile", *args,
+                           *(["--out", str(out)] if out else [])], capture_output=True, text=True, timeout=900)
+
+
+@needs_libtpu
+def test_v32_ess_fp8_with_tpu_kernels_compiles_and_reports(tmp_path):
+    """tiny-v32's shapes, ESS with FP8 rows (100 bytes), the TPU kernels: the decode and a prefill piece compile for
+    a v6e chip and fit; the decode attends through the Mosaic TPU kernel and moves rows between host and device
+    memory, far less than the host store."""
+    run = _export("--target", "v6e", "--model", "tiny-v32", "--offload", "ess", "--cache-dtype", "fp8",
+                  "--kernels", "auto", "--max-batch", "4", "--max-seq-len", "4096", "--prefill-chunk", "64",
+                  "--steps", "decode,prefill_64", out=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["target"]["name"] == "v6e" and summary["kernels"] == "mosaic_tpu"
+    decode, prefill = summary["steps"]["decode"], summary["steps"]["prefill_64"]
+    assert decode["compiled"] and decode["fits"] and prefill["compiled"] and prefill["fits"]
+    assert decode["custom_calls"]["tpu_custom_call"] >= 1
+    store = 4 * 4 * 4096 * 100  # the host store: 4 layers, 4 requests, 4K tokens, 100-byte rows
+    assert 0 < decode["host_to_device_bytes"] < store / 8, decode
+    assert decode["flops"] > 0 and decode["roofline_s"] > 0
+    assert "decode: arguments" in run.stdout and "2 of 2 steps compile and fit for v6e" in run.stdout
+
+
+@needs_libtpu
+def test_a_program_the_chip_cannot_hold_exits_2_naming_the_step(tmp_path):
+    """tiny-v32 resident with caches for 4096 requests of 16K tokens (float32 latent rows, about 86 GB: far past a
+    v5e's 15.75 GiB): the command exits 2 naming the decode, and the summary says why."""
+    run = _export("--target", "v5e", "--model", "tiny-v32", "--offload", "none", "--max-batch", "4096",
+                  "--max-seq-len", "16384", "--steps", "decode", out=tmp_path)
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "decode: does not" in run.stderr or "decode: needs" in run.stderr, run.stderr[-2000:]
+    assert not json.loads((tmp_path / "summary.json").read_text())["steps"]["decode"].get("fits", False)

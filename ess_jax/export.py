@@ -235,19 +235,14 @@ def engine_steps(cfg: ModelConfig, config, engine: Abstract, target: Target) -> 
                     if name != "load_prefix" or config.prefix_cache}
 
 
-def flat_step(step: Step) -> tuple[Callable, list]:
-    """``step`` jitted over the leaves of its arguments, returning the leaves of its results (an artifact a caller
-    feeds from its own pytrees, whatever their types), and those argument leaves."""
+def export_step(name: str, step: Step, target: Target) -> jax.export.Exported:
+    """``step`` exported for the target over the leaves of its arguments, returning the leaves of its results
+    (an artifact a caller feeds from its own pytrees, whatever their types); StepError with the lowering's
+    message."""
     leaves, treedef = jax.tree.flatten(step.args)
     flat = jax.jit(lambda *leaves: jax.tree.leaves(step.step(*step.static, *jax.tree.unflatten(treedef, leaves),
                                                              **step.kwargs)),
                    out_shardings=jax.tree.leaves(step.out))
-    return flat, leaves
-
-
-def export_step(name: str, step: Step, target: Target) -> jax.export.Exported:
-    """``step`` exported for the target (``flat_step``); StepError with the lowering's message."""
-    flat, leaves = flat_step(step)
     checks = [jax.export.DisabledSafetyCheck.custom_call(c) for c in GPU_CALLS] if target.platform == "cuda" else []
     try:
         return jax.export.export(flat, platforms=[target.platform], disabled_checks=checks)(*leaves)

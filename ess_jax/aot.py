@@ -95,7 +95,8 @@ def gpu_target_config(s: Spec) -> str:
     info = dict(s.gpu)
     major, minor = info.pop("capability")
     fields = "\n".join(f"  {k}: {v}" for k, v in info.items())
-    return (f"gpu_device_info {{\n{fields}\n  cuda_compute_capability {{\n    major: {major}\n    minor: {minor}\n  }}\n}}\n"
+    capability = f"  cuda_compute_capability {{\n    major: {major}\n    minor: {minor}\n  }}\n"
+    return (f"gpu_device_info {{\n{fields}\n{capability}}}\n"
             f'platform_name: "CUDA"\ndnn_version_info {{\n  major: 9\n  minor: 10\n}}\n'
             f'device_description_str: "{s.kind}"\n')
 

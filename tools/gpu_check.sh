@@ -30,7 +30,8 @@ if ! "$PY" -c 'import jax, sys; sys.exit(0 if jax.default_backend() == "gpu" els
 fi
 "$PY" -c 'import jax, jaxlib, flax; print("jax", jax.__version__, "jaxlib", jaxlib.__version__, "flax", flax.__version__, jax.devices(), "compute capability", jax.devices()[0].compute_capability)'
 
-section "1. compiled Mosaic GPU kernels vs references (pytest -m gpu, a process each: a faulting kernel poisons its CUDA context)"
+# each test in its own process: a faulting kernel poisons its CUDA context for whatever runs after it
+section "1. compiled Mosaic GPU kernels vs references (pytest -m gpu)"
 for test in $("$PY" -m pytest -q -m gpu --collect-only tests/kernels 2>/dev/null | grep '::'); do
   timeout 120 "$PY" -m pytest -q -m gpu -rs "$test" 2>&1 | tail -1 | sed "s|^|$test: |" | cut -c1-300
   [ "${PIPESTATUS[0]}" -eq 0 ] || fail "$test"

@@ -11,7 +11,7 @@ the parameters from ``nnx.eval_shape`` in the runner's shardings (``mesh.param_s
 engine's cache builders traced (``offload.MODES[...].decode_cache``, the ESS prefill scratch) in the runner's
 shardings (``mesh.shard_axes``, ``mesh.cache_shardings``), each array in the memory kind its builder gives it (the
 ESS host store: ``pinned_host``). The steps are the engine's own (``ess_jax.engine.steps``) with the runner's
-static arguments: ``decode``, ``prefill_T`` for each piece size T (``steps.piece_sizes``), and with ``--offload ess``
+static arguments: ``decode``, ``prefill_T`` for each piece size T (``plan.piece_sizes``), and with ``--offload ess``
 ``handoff``, ``release``, ``flush`` and (with the prefix cache) ``load_prefix``; with the
 prefix cache on DeepSeek-V4 ``row_state`` and ``resume`` (a prompt's window and rings to a snapshot and back).
 
@@ -42,7 +42,7 @@ from ess_jax import aot, cli, families, mesh, ops
 from ess_jax.api import DTYPES
 from ess_jax.cache import StepMeta
 from ess_jax.config import ModelConfig, resolve_model
-from ess_jax.engine import offload, steps
+from ess_jax.engine import offload, plan, steps
 from ess_jax.engine.layout import CacheLayout, cache_layout
 from ess_jax.engine.runner import window_shape
 from ess_jax.models import quant
@@ -207,7 +207,7 @@ def engine_steps(cfg: ModelConfig, config, engine: Abstract, target: Target) -> 
                             dict(shardings=engine.shardings),
                             # with drafts also the verified step's hidden states and kept lengths (``steps.draft``'s input)
                             (rows, rows, rows, cache_out) + ((rows, rows) if t > 1 else ()))}
-    for t in steps.piece_sizes(config.prefill_chunk):
+    for t in plan.piece_sizes(config.prefill_chunk):
         found[f"prefill_{t}"] = Step(
             steps.prefill, static, (engine.params, jax.ShapeDtypeStruct((d, t), I32), meta(d, t, x), engine.scratch,
                                     sampling(d), engine.window, jax.ShapeDtypeStruct((d, t), I32)),

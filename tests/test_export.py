@@ -15,8 +15,8 @@ from flax import nnx
 
 from ess_jax import export, families, mesh
 from ess_jax.api import Model
-from ess_jax.engine import Engine, EngineConfig, cache_layout, steps
-from ess_jax.engine.scheduler import DecodeBatch
+from ess_jax.engine import Engine, EngineConfig, cache_layout, plan, steps
+from ess_jax.engine.plan import DecodeBatch
 from ess_jax.tokenizer import load_tokenizer
 
 SMALL = ["--offload", "ess", "--kernels", "auto", "--dtype", "bfloat16", "--max-batch", "2", "--max-seq-len", "4096"]
@@ -34,7 +34,7 @@ def _export(out, model: str, layers: int, *flags: str) -> dict:
     """Run the CLI; its summary, having checked that every step the engine compiles was written."""
     export.main(["--model", model, "--num-layers", str(layers), *SMALL, *flags, "--out", str(out)])
     summary = json.loads((out / "summary.json").read_text())
-    pieces = [f"prefill_{t}" for t in steps.piece_sizes(summary["engine"]["prefill_chunk"])]
+    pieces = [f"prefill_{t}" for t in plan.piece_sizes(summary["engine"]["prefill_chunk"])]
     rows = ["row_state", "resume"] if model.startswith("deepseek-v4") else []  # the prefix cache's row-state snapshots
     assert list(summary["steps"]) == ["decode", *pieces, *rows, "handoff", "release", "flush", "load_prefix"]
     assert all((out / step["file"]).stat().st_size > 0 for step in summary["steps"].values())

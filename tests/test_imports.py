@@ -114,3 +114,20 @@ def test_the_generate_cli_module_leaves_ess_jax_generate_callable():
         assert ess_jax.generate("model", ["prompt"], 3) == "result" and calls == [(("model", ["prompt"], 3), {})]
     finally:
         cli.generate = real
+
+
+def test_the_scheduler_and_the_hand_off_types_import_no_device_code():
+    """The scheduler is host bookkeeping: neither it nor the types it hands the runner import jax themselves, and
+    importing it loads no model, no jitted step and no runner (the prefix cache and the proposer are handed to it)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent / "ess_jax" / "engine"
+    for name in ("scheduler.py", "plan.py"):
+        tree = ast.parse((root / name).read_text())
+        imported = {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+        imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert not {m for m in imported if m.split(".")[0] in ("jax", "flax")}, name
+    mods = loaded("import ess_jax.engine.scheduler")
+    device = {f"ess_jax.engine.{m}" for m in ("steps", "runner", "offload", "layout", "engine")}
+    assert not mods & ({"flax", "ess_jax.families"} | device)

@@ -10,7 +10,8 @@ import pytest
 import ess_jax
 from ess_jax.engine import MAX_PROMPT_LOGPROBS, Engine
 from ess_jax.engine.request import make_request
-from ess_jax.engine.scheduler import EngineStats, PrefillResult, Scheduler
+from ess_jax.engine.plan import EngineStats, PrefillResult
+from ess_jax.engine.scheduler import Scheduler
 from ess_jax.sampling import SamplingParams
 from helpers import FIXTURES, ONLINE
 

@@ -7,8 +7,8 @@ import pytest
 from ess_jax.config import ModelConfig
 from ess_jax.engine import EngineConfig, EngineStats
 from ess_jax.engine.request import make_request
-from ess_jax.engine.scheduler import DecodeResult, PrefillResult, Scheduler
-from ess_jax.engine.steps import prefill_pieces
+from ess_jax.engine.plan import DecodeResult, PrefillResult, prefill_pieces
+from ess_jax.engine.scheduler import Scheduler
 from ess_jax.sampling import SamplingParams
 from ess_jax.tokenizer import ByteTokenizer
 

@@ -434,7 +434,7 @@ def test_prometheus_counters_named_as_vllm():
     """``/metrics``'s speculative counters from a usage read: vLLM's spec_decode names, per position too."""
     from prometheus_client import generate_latest
 
-    from ess_jax.engine.scheduler import SpecStats
+    from ess_jax.engine.plan import SpecStats
     from ess_jax.server.metrics import Metrics
 
     stats = SpecStats(accepted_per_position=[0, 0])

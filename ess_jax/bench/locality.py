@@ -95,12 +95,12 @@ def topk_trace(model, prompt: list[int], steps: int, *, chunk: int, page_size: i
     """The top-k ids of one request of ``prompt`` and ``steps + 1`` greedy new tokens (``steps`` decode
     steps), from a resident pass on the cache an offloaded engine prefills on (its one-row scratch, sized
     for this request): the prompt runs through the engine's own prefill step in the engine's pieces
-    (``--prefill-chunk``, the rest in powers of two: ``steps.prefill_pieces``), so the warm-up ids are those
+    (``--prefill-chunk``, the rest in powers of two: ``plan.prefill_pieces``), so the warm-up ids are those
     an ESS engine's warm-up reads; then ``steps`` decode steps, each a one-token piece of the same step (its
     ids the last of the window)."""
     import jax.numpy as jnp
     from ess_jax import families
-    from ess_jax.engine import steps as engine_steps
+    from ess_jax.engine.plan import prefill_pieces
 
     family = families.get(model.cfg.family)
     model_format = jnp.dtype(model.module.dtype).name
@@ -109,7 +109,7 @@ def topk_trace(model, prompt: list[int], steps: int, *, chunk: int, page_size: i
     max_seq_len = len(prompt) + steps + 1
     cache, table_BX, window = scratch(model, max_seq_len, page_size, cache_dtype, kernels)
     start = 0
-    for real in engine_steps.prefill_pieces(len(prompt), chunk):  # the engine's pieces
+    for real in prefill_pieces(len(prompt), chunk):  # the engine's pieces
         token, window, cache = run_piece(model, kernels, prompt[start:start + real], start, table_BX, cache, window)
         start += real
     warm_LTK = np.asarray(window[:, 0])

@@ -1,8 +1,8 @@
 """The serving engine (``Engine``) and its parts: ``config`` (EngineConfig), ``request`` (Request,
-RequestOutput, TokenLogprob, the request checks), ``layout`` (cache sizes and bytes), ``steps`` (the pure
-jitted device steps), ``scheduler`` (host-only admission and step plans), ``runner`` (parameters, mesh,
-caches, compiled steps), ``offload`` (Resident or Ess, chosen once), ``engine`` (the public API), ``loop``
-(the engine thread and multi-process lockstep).
+RequestOutput, TokenLogprob, the request checks), ``plan`` (the hand-off types and the piece rule, no jax),
+``layout`` (cache sizes and bytes), ``steps`` (the pure jitted device steps), ``scheduler`` (host-only admission
+and step plans), ``runner`` (parameters, mesh, caches, compiled steps), ``offload`` (Resident or Ess, chosen
+once), ``engine`` (the public API), ``loop`` (the engine thread and multi-process lockstep).
 
 The public names are imported on first access (PEP 562), as the root's are: ``from ess_jax.engine import
 cache_layout`` loads the layout's imports, not the runner or the models."""
@@ -25,8 +25,8 @@ _EXPORTS = {
     "RequestOutput": "ess_jax.engine.request",
     "TokenLogprob": "ess_jax.engine.request",
     "check_sampling": "ess_jax.engine.request",
-    "EngineStats": "ess_jax.engine.scheduler",
-    "StepTimes": "ess_jax.engine.scheduler",
+    "EngineStats": "ess_jax.engine.plan",
+    "StepTimes": "ess_jax.engine.plan",
 }
 
 __all__ = list(_EXPORTS)

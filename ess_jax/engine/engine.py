@@ -10,7 +10,7 @@ Online: ``add_request`` (any thread, while the engine runs), ``step`` (admission
 ``prefill_chunk`` tokens per data shard, one decode step; each request's new tokens and text), ``abort``,
 ``has_unfinished``; ``run`` steps until every added request is finished. A request's tokens do not depend on
 what else is in the batch or when it arrived: every row is computed independently, its prompt is cut into the
-same pieces (``steps.piece_size``), and it samples from its own seed."""
+same pieces (``plan.piece_size``), and it samples from its own seed."""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ from ess_jax.engine.config import EngineConfig
 from ess_jax.engine.layout import cache_layout, check_memory
 from ess_jax.engine.request import Request, RequestOutput, check_ids, make_request
 from ess_jax.engine.runner import Runner
-from ess_jax.engine.scheduler import Drafter, EngineStats, Scheduler, StepTimes
+from ess_jax.engine.plan import EngineStats, StepTimes
+from ess_jax.engine.scheduler import Drafter, Scheduler
 from ess_jax.prefix_store import PrefixDisk, PrefixStore, weights_fingerprint
 from ess_jax.sampling import SamplingParams
 

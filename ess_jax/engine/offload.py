@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from ess_jax import families, mesh, tier
 from ess_jax.engine import steps
 from ess_jax.engine.config import CACHE_DTYPES, EngineConfig, Offload
-from ess_jax.engine.scheduler import EngineStats, PrefillGroup, PrefillResult, Released
+from ess_jax.engine.plan import EngineStats, PrefillGroup, PrefillResult, Released
 
 if TYPE_CHECKING:
     from ess_jax.engine.layout import CacheLayout
@@ -135,7 +135,8 @@ class Ess:
         rings_host = size.rows * sum(p.bytes(0) for p in placed if p.where == "host")
         scratch = Ess.scratch_size(size)
         pool = tier.device_bytes(layers=part.layers, rows=size.rows, slots=slots, row_bytes=part.row_bytes,
-                                 entries=part.row_entries(size), new_entries=part.step_entries(tokens), queries=tokens)
+                                 entries=part.row_entries(size), new_entries=part.step_entries(tokens), queries=tokens,
+                                 topk=part.topk, sources=tier.share_sources(cfg.indexer_types))
         device = (families.resident_bytes(placed, size, size.pages) - pages_host + pool
                   + families.resident_bytes(parts, scratch, scratch.pages))  # the scratch: every part resident
         return Sizes(size, slots, device, pages_host + rings_host, placed)
@@ -271,8 +272,8 @@ class Ess:
                 "decode_d2h_bytes": staged * row_bytes,
                 "pool_slots": self.layout.pool_slots,
                 "per_layer": [{"layer": i, "lookups": int(c[0]), "hits": int(c[1]), "misses": int(c[2]),
-                               "h2d_bytes": int(c[2]) * row_bytes, "decode_d2h_bytes": int(c[3]) * row_bytes}
-                              for i, c in zip(layers, counts)],
+                               "h2d_bytes": int(c[2]) * row_bytes, "decode_d2h_bytes": int(c[3]) * row_bytes, **lead}
+                              for i, c, lead in zip(layers, counts, store.lead_metrics(layers))],
                 "per_shard": [{"shard": d, "lookups": int(c[0]), "hits": int(c[1]), "misses": int(c[2])}
                               for d, c in enumerate(per_shard)],
                 "per_position": [{"position": t, "lookups": int(c[0]), "hits": int(c[1]), "misses": int(c[2])}

@@ -26,7 +26,7 @@ from ess_jax.engine import steps
 from ess_jax.engine.config import EngineConfig
 from ess_jax.engine.layout import CacheLayout
 from ess_jax.engine.request import MAX_PROMPT_LOGPROBS
-from ess_jax.engine.scheduler import DecodeBatch, DecodeResult, EngineStats, PrefillGroup, PrefillResult, StepTimes
+from ess_jax.engine.plan import DecodeBatch, DecodeResult, EngineStats, PrefillGroup, PrefillResult, StepTimes
 from ess_jax.sampling import SamplingParams
 
 

@@ -12,10 +12,7 @@ so that engines over the same model and shapes share their executables, each don
   ``read_pages``, ``write_pages``: a prompt's pages out to the prefix cache's disk store and back.
 
 ``shardings`` (static): the cache's ``mesh.Layout`` on the engine's mesh; the steps then run per data shard
-(``mesh.per_shard``), their batch-row-major arguments split over ``data``. None: one device.
-
-The prefill-piece rule lives here too (``piece_size``): a prompt is cut into pieces of ``prefill_chunk``
-tokens, the remainder into powers of two, largest first; a piece never depends on other prompts."""
+(``mesh.per_shard``), their batch-row-major arguments split over ``data``. None: one device."""
 
 from __future__ import annotations
 
@@ -309,24 +306,3 @@ read_pages = jax.jit(_read_pages)
 write_pages = jax.jit(_write_pages, static_argnames="shardings", donate_argnums=0)
 load_prefix = jax.jit(_load_prefix, static_argnums=0, static_argnames=("shardings", "scratch_shardings"),
                       donate_argnums=2)
-
-
-def piece_sizes(chunk: int) -> tuple[int, ...]:
-    """Every prefill piece size: the powers of two below ``chunk``, and ``chunk``."""
-    sizes = [1]
-    while sizes[-1] < chunk:
-        sizes.append(min(sizes[-1] * 2, chunk))
-    return tuple(sizes)
-
-
-def piece_size(remaining: int, chunk: int) -> int:
-    """The next piece of a prompt with ``remaining`` tokens left: the largest size that fits."""
-    return max(s for s in piece_sizes(chunk) if s <= remaining)
-
-
-def prefill_pieces(length: int, chunk: int) -> list[int]:
-    """The pieces a prompt of ``length`` tokens is prefilled in, in order."""
-    pieces = []
-    while (done := sum(pieces)) < length:
-        pieces.append(piece_size(length - done, chunk))
-    return pieces

@@ -1,0 +1,197 @@
+"""What the engine's parts hand each other, as plain data (no jax): the scheduler's plans (``PrefillSlice`` in a
+``PrefillGroup``, ``DecodeBatch``), what the device returned (``PrefillResult``, ``DecodeResult``), what an ended
+request frees (``Released``), the engine's counters (``EngineStats``, ``StepTimes``), and the prefill-piece rule:
+a prompt is cut into pieces of ``prefill_chunk`` tokens, the remainder into powers of two, largest first
+(``piece_size``); a piece never depends on other prompts."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from ess_jax.sampling import SamplingParams
+
+
+@dataclasses.dataclass
+class StepTimes:
+    """One ``Engine.step``'s seconds (``EngineStats.steps``)."""
+
+    prefill_s: list[float] = dataclasses.field(default_factory=list)  # each prefill call, its handoff included
+    decode_s: float | None = None  # the decode step with its bookkeeping (None: no request was decoding)
+    decode_dispatch_s: float | None = None  # the compiled decode step's call until it returned (the host's part)
+    verify_s: float | None = None  # with MTP drafting: the decode step until its verified tokens were on the host
+    draft_s: float | None = None  # then until the MTP module's drafts were (launched behind the verification)
+    decode_rows: int = 0  # requests decoded
+    decode_tokens: int = 0  # tokens they produced (more than one per request with speculative decoding)
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """The engine's counters. ``reserved_pages``: what the unfinished requests reserve now;
+    ``peak_reserved_pages``: the most at once; ``steps``: per-step times when the engine records them."""
+
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    compile_s: float | None = None
+    prompt_rows_to_host: int = 0
+    reserved_pages: int = 0
+    peak_reserved_pages: int = 0
+    steps: list[StepTimes] | None = None
+    speculative: SpecStats | None = None  # with speculative decoding
+    prefix_queries: dict[int, int] = dataclasses.field(default_factory=dict)  # data shard -> prompt tokens admitted
+    # there that looked up the prefix cache
+    prefix_hits: dict[int, int] = dataclasses.field(default_factory=dict)  # data shard -> of them, found cached
+    # in memory
+    prefix_disk_hits: dict[int, int] = dataclasses.field(default_factory=dict)  # data shard -> of them, read from
+    # the disk store
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """Speculative decoding's counters: drafts verified, drafts accepted, and per draft position how often it was
+    accepted (vLLM's ``spec_decode`` counters)."""
+
+    num_drafts: int = 0  # verification steps of one request (each verifies K drafts)
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)  # [K]
+
+    def record(self, drafts: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.draft_tokens += drafts
+        self.accepted_tokens += accepted
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    def report(self) -> dict:
+        """The ``--json`` ``metrics.speculative`` object: acceptance rate per draft position, mean accepted length
+        (tokens per verification step: the accepted drafts and the token after them), drafts and accepted."""
+        n = self.num_drafts
+        return {"acceptance_rate": [a / n if n else 0.0 for a in self.accepted_per_position],
+                "mean_accepted_length": 1 + self.accepted_tokens / n if n else 0.0,
+                "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
+                "num_drafts": n, "accepted_per_position": list(self.accepted_per_position)}
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillSlice:
+    """The next piece of one request's prompt."""
+
+    request_id: int
+    row: int  # the request's batch row
+    start: int  # prompt position of the piece's first token
+    tokens: tuple[int, ...]
+    pages_X: np.ndarray  # i32[pages_per_row] the request's page table (null page past its pages)
+    prompt_len: int
+    last: bool  # the prompt is all in the cache after this piece
+    sampling: SamplingParams
+    wants_logits: bool  # its first output token's logits are read back (logprobs or kept logits)
+    targets: tuple[int, ...]  # the prompt token after each of its positions (the last piece: one fewer)
+    prompt_logprobs: int | None  # the top-N of each target's log-probability to report (None: not scored)
+    cached: int = 0  # the prompt's first tokens read from the prefix cache (its first pages, shared); the first
+    # piece starts there
+    resume: Any = None  # the row state at ``cached`` (a snapshot, ``Family.row_state``), loaded before the first
+    # piece past a cached prefix of a family with row state; None: nothing to load
+    snapshot: bool = False  # take the row state after this piece (it ends at one of the prompt's snapshot points)
+    loaded: int = 0  # the prompt's tokens after ``cached`` read from the disk store into its own pages
+    disk: tuple = ()  # the first piece past them: those pages' arrays (``PrefixDisk.page``), written before it
+    save: tuple[int, ...] = ()  # the last piece: the prompt pages (indices in the request's pages) to read back
+    # after it for the disk store
+
+    @property
+    def first(self) -> bool:
+        """The request's first piece: it starts where the cache left off."""
+        return self.start == self.cached + self.loaded
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillGroup:
+    """Pieces of one size, one per data shard at most: one device call."""
+
+    size: int
+    slices: dict[int, PrefillSlice]  # data shard -> its piece
+
+    @property
+    def scored(self) -> bool:
+        """Some piece's prompt log-probabilities are read back."""
+        return any(piece.prompt_logprobs is not None for piece in self.slices.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillResult:
+    sampled_D: np.ndarray  # i32[D] the token sampled after each shard's piece
+    logits: dict[int, np.ndarray]  # data shard -> f32[V], for the finishing slices that want them
+    scores: dict[int, tuple[np.ndarray, ...]]  # data shard -> its piece's ``steps.PromptScores`` fields on the host
+    # (logprob_T, rank_T, top_ids_TK, top_TK), for the scored pieces
+    drafts: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # data shard -> i32[K] the MTP module's
+    # drafts after a prompt its piece finished (speculative decoding)
+    states: dict[int, tuple[Any, int]] = dataclasses.field(default_factory=dict)  # data shard -> the row state
+    # after its piece and its bytes, for the pieces that take one (``PrefillSlice.snapshot``)
+    saved: dict[int, list] = dataclasses.field(default_factory=dict)  # data shard -> the arrays of the pages its
+    # piece asked for (``PrefillSlice.save``), in that order
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBatch:
+    """One decode step of every batch row (inactive rows masked)."""
+
+    request_ids: tuple[int | None, ...]  # per batch row: the request decoding there
+    tokens_B: np.ndarray  # i32[B] the token each row feeds
+    drafts_BK: np.ndarray  # i32[B, K] the tokens drafted after it, verified in the step (K = 0 without speculation)
+    forced_B: np.ndarray  # bool[B] rows that accept every draft (teacher forcing: their drafts are the forced ids)
+    lengths_B: np.ndarray  # i32[B] tokens in the cache per row
+    page_table_BX: np.ndarray  # i32[B, pages_per_row]
+    sampling: tuple[SamplingParams, ...]  # per row (defaults for inactive rows)
+    steps_B: np.ndarray  # i32[B] tokens each row's request has generated
+    wants_logits: bool  # some row's logits are read back
+
+    @property
+    def active_B(self) -> np.ndarray:
+        return np.array([r is not None for r in self.request_ids])
+
+    @classmethod
+    def idle(cls, rows: int, pages_per_row: int, drafts: int = 0) -> DecodeBatch:
+        """A batch with no active row (the shapes the decode step compiles for)."""
+        zeros = np.zeros(rows, np.int32)
+        return cls((None,) * rows, zeros, np.zeros((rows, drafts), np.int32), np.zeros(rows, bool), zeros,
+                   np.zeros((rows, pages_per_row), np.int32), (SamplingParams(),) * rows, zeros, False)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeResult:
+    tokens_BT: np.ndarray  # i32[B, 1 + K] each row's tokens: its output is the first accepted_B + 1 of them
+    accepted_B: np.ndarray  # i32[B] drafts each row accepted (0 without speculation)
+    logits_BTV: np.ndarray | None  # f32[B, 1 + K, V] each position's logits when the batch wants logits
+    drafts_BK: np.ndarray | None = None  # i32[B, K] the MTP module's drafts for each row's next step
+
+
+@dataclasses.dataclass(frozen=True)
+class Released:
+    """What an ended request held: its batch row, for the offload mode to empty."""
+
+    row: int
+
+
+def piece_sizes(chunk: int) -> tuple[int, ...]:
+    """Every prefill piece size: the powers of two below ``chunk``, and ``chunk``."""
+    sizes = [1]
+    while sizes[-1] < chunk:
+        sizes.append(min(sizes[-1] * 2, chunk))
+    return tuple(sizes)
+
+
+def piece_size(remaining: int, chunk: int) -> int:
+    """The next piece of a prompt with ``remaining`` tokens left: the largest size that fits."""
+    return max(s for s in piece_sizes(chunk) if s <= remaining)
+
+
+def prefill_pieces(length: int, chunk: int) -> list[int]:
+    """The pieces a prompt of ``length`` tokens is prefilled in, in order."""
+    pieces = []
+    while (done := sum(pieces)) < length:
+        pieces.append(piece_size(length - done, chunk))
+    return pieces

@@ -93,6 +93,13 @@ def cache_parts(cfg: ModelConfig, cache_dtype: str, index_dtype: str = "auto") -
     return [p for p in families.get(cfg.family).cache_parts(cfg, formats) if p.layers]
 
 
+def snapshot_bytes(parts: list[Part]) -> int:
+    """Bytes of one prefix-cache snapshot: a request's row state (DeepSeek-V4's window and compressor rings, every
+    layer, as the device holds them; 0 for a family without one), which the prefix cache copies to host memory at
+    a prompt's block boundaries and keeps with its cached pages."""
+    return sum(p.bytes(0) for p in parts if p.where == "fixed")
+
+
 @dataclasses.dataclass(frozen=True)
 class RequestBytes:
     """One request's bytes."""
@@ -272,7 +279,7 @@ def plan(args: argparse.Namespace) -> dict:
                             "offloaded_bytes_per_token": per_token["offloaded"],
                             "resident_bytes_per_token": per_token["resident"],
                             "bytes_per_token": total, "offloaded_fraction": per_token["offloaded"] / total,
-                            "fixed_bytes_per_request": sum(p.bytes(0) for p in parts if p.where == "fixed")})
+                            "fixed_bytes_per_request": snapshot_bytes(parts)})  # (a snapshot holds them)
             for context, ratio, rings in itertools.product(args.context, args.pool_ratio, args.rings):
                 req = request_bytes(parts, context, ratio, args.accounting, rings)
                 resident_batch = max_batch(req.resident, kv_budget, shape.data)

@@ -270,7 +270,8 @@ class Family:
         tiered = tier.init_tier(layers=pages.shape[0], rows=size.rows, slots=slots, pages=size.pages,
                                 page_size=size.page_size, rate=part.tokens_per_row, width=pages.shape[-1], dtype=dtype,
                                 fetch=fetch, entries=part.row_entries(size),
-                                new_entries=part.step_entries(tokens), queries=tokens)
+                                new_entries=part.step_entries(tokens), queries=tokens, topk=part.topk,
+                                sources=tier.share_sources(module.cfg.indexer_types))
         device = self.with_store(shapes, None)
         if rings == "host":
             device = self.rings_to_host(device, fetch)

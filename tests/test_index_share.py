@@ -1,7 +1,10 @@
 """Index Share (DOMAIN.md 1.7): the schedule's config keys, shared layers without an indexer or indexer keys, the
-cached step against the training form, resident against ESS (both fetch backends), checkpoints and the planner."""
+cached step against the training form, resident against ESS (both fetch backends) with requests joining and aborted,
+shared layers' misses fetched at their full layer, checkpoints and the planner."""
 
 import json
+import shutil
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -9,18 +12,17 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from ess_jax import checkpoint, train
-from ess_jax.api import generate, load_model
+from ess_jax import checkpoint, tier, train
+from ess_jax.api import load_model
+from ess_jax.bench.__main__ import main as bench_main
 from ess_jax.cache import StepMeta
 from ess_jax.checkpoint import CheckpointError
 from ess_jax.config import ConfigError, ModelConfig, preset_dict, resolve_model
-from ess_jax.engine import EngineConfig
+from ess_jax.engine import Engine, EngineConfig
 from ess_jax.plan import main as plan_main
 
 # the shipped models with a shared pattern: V3.2's four DSA layers, V4's two CSA layers (layers 1 and 3)
 PATTERNS = {"tiny-v32-code": "FSSF", "tiny-v4-code": "FS"}
-PROMPTS = [list(range(5, 150)), list(range(40, 90))]
-NEW = 10
 
 
 def _v32(**raw) -> ModelConfig:
@@ -81,14 +83,54 @@ def test_bad_override_is_refused_by_name():
 
 # ---- models, caches and engines --------------------------------------------------------------------
 
+# four requests on two batch rows, prompts of whole 64-token prefill pieces (one prefill shape): 0 and 1 start, 2
+# waits; 1 is aborted mid-run and 2 joins in its row; 3 arrives later and joins when 0 leaves
+LENGTHS, NEW = (128, 64, 64, 128), 8
+ARRIVALS, ABORTS = {0: [0, 1, 2], 5: [3]}, {3: [1]}
+PROMPTS = [np.random.default_rng(i).integers(3, 4000, n).tolist() for i, n in enumerate(LENGTHS)]
+
+
+def _engine(model, **offload) -> Engine:
+    return Engine(model, EngineConfig(max_batch=2, page_size=16, prefill_chunk=64, max_seq_len=max(LENGTHS) + NEW,
+                                      **offload))
+
+
+def _drive(engine) -> dict[int, list[int]]:
+    """The workload on ``engine``: each request's tokens (an aborted one's, up to its abort)."""
+    ids, tokens = {}, {}
+    for step in range(100):
+        for key in ARRIVALS.get(step, []):
+            ids[key] = engine.add_request(PROMPTS[key], NEW)
+        for key in ABORTS.get(step, []):
+            engine.abort(ids[key])
+        if step > max(ARRIVALS) and not engine.has_unfinished():
+            by_id = {i: k for k, i in ids.items()}
+            return {by_id[i]: tokens[i] for i in sorted(tokens)}
+        for out in engine.step():
+            tokens[out.request_id] = tokens.get(out.request_id, []) + out.new_token_ids
+    raise AssertionError("not idle after 100 steps")
+
 
 @pytest.fixture(scope="module", params=sorted(PATTERNS))
 def shared(request):
-    """A shipped model served with a shared pattern (its shared layers' indexers not read) and its tokens on the
-    resident engine."""
+    """A shipped model served with a shared pattern (its shared layers' indexers not read): each request's tokens
+    alone on the resident engine, and ``served(offload, fetch)``: the workload's tokens and engine on an engine of
+    that mode, each served once (the resident one after the requests alone)."""
     model = load_model(request.param, index_share=PATTERNS[request.param])
-    result = generate(model, PROMPTS, NEW, engine=EngineConfig(offload="none", max_batch=2))
-    return model, result.output_ids
+    resident = _engine(model)
+    alone = []
+    for prompt in PROMPTS:
+        resident.add_request(prompt, NEW)
+        alone.append(resident.run()[0].output_ids)
+    runs = {("none", None): (_drive(resident), resident)}
+
+    def served(offload, fetch=None):
+        if (offload, fetch) not in runs:
+            # a pool far below the context: misses every step
+            engine = _engine(model, offload=offload, fetch=fetch, pool_size=model.cfg.index_topk + 4)
+            runs[offload, fetch] = _drive(engine), engine
+        return runs[offload, fetch]
+    return model, alone, served
 
 
 def _indexers(module) -> list[str]:
@@ -97,7 +139,7 @@ def _indexers(module) -> list[str]:
 
 
 def test_shared_layers_have_no_indexer_and_store_no_keys(shared):
-    model, _ = shared
+    model, _, _ = shared
     cfg = model.cfg
     layers = {int(n.split(".")[2]) for n in _indexers(model.module)} - {cfg.num_hidden_layers}  # the MTP block's own
     full = PATTERNS[model.name].count("F")
@@ -112,13 +154,13 @@ def test_shared_layers_have_no_indexer_and_store_no_keys(shared):
 def test_shared_layers_attend_at_their_full_layers_picks(shared):
     """The cached step's top-k of each shared layer is its full layer's; the training form's greedy tokens equal
     the engine's."""
-    model, tokens = shared
+    model, alone, _ = shared
     cfg, module = model.cfg, model.module
     t = 96
     cache = module.init_cache(1, 3, 64)
     meta = StepMeta(jnp.arange(t, dtype=jnp.int32)[None], jnp.ones((1, t), bool), jnp.asarray([[1, 2]], jnp.int32),
                     jnp.zeros((1,), jnp.int32))
-    _, ids, _ = module.step(jnp.asarray([PROMPTS[0][:t]], jnp.int32), meta, cache)
+    _, ids, _ = jax.jit(module.step)(jnp.asarray([PROMPTS[0][:t]], jnp.int32), meta, cache)
     ids = np.asarray(ids)
     source = 0
     for place, kind in enumerate(cfg.indexer_types):
@@ -127,19 +169,67 @@ def test_shared_layers_attend_at_their_full_layers_picks(shared):
     if cfg.family == "deepseek_v32":  # its last layer is full again: its own picks
         assert not np.array_equal(ids[0], ids[3])
     # teacher-forced on the engine's tokens, the training form's greedy choice at each position is the next one
-    seq = PROMPTS[1] + tokens[1]
-    greedy = np.argmax(np.asarray(module(jnp.asarray([seq[:-1]], jnp.int32)))[0], -1)
-    assert greedy[len(PROMPTS[1]) - 1:].tolist() == tokens[1]
+    seq = PROMPTS[1] + alone[1]
+    greedy = np.argmax(np.asarray(jax.jit(module)(jnp.asarray([seq[:-1]], jnp.int32)))[0], -1)
+    assert greedy[len(PROMPTS[1]) - 1:].tolist() == alone[1]
+
+
+@pytest.mark.parametrize("offload, fetch", [("none", None), ("ess", "inline"), ("ess", "split")])
+def test_joins_and_aborts_give_each_request_its_tokens_alone(shared, offload, fetch):
+    """Resident and ESS (both fetch backends) alike: a request joining mid-run, the one aborted and the others give
+    the tokens each gives alone (the aborted one's, up to its abort), so ESS's equal the resident engine's."""
+    _, alone, served = shared
+    tokens, engine = served(offload, fetch)
+    assert sorted(tokens) == list(range(len(PROMPTS)))
+    for key, got in tokens.items():
+        if any(key in keys for keys in ABORTS.values()):
+            assert 0 < len(got) < len(alone[key]) and got == alone[key][:len(got)]
+        else:
+            assert got == alone[key]
+    assert engine.usage()["pages_in_use"] == 0
+    if offload == "ess":
+        assert engine.offload_metrics()["misses"] > 0
 
 
 @pytest.mark.parametrize("fetch", ["inline", "split"])
-def test_ess_equals_resident_with_a_shared_pattern(shared, fetch):
-    model, tokens = shared
-    pool = model.cfg.index_topk + 4  # a pool far below the context: misses every step
-    result = generate(model, PROMPTS, NEW, engine=EngineConfig(offload="ess", max_batch=2, fetch=fetch,
-                                                               pool_size=pool))
-    assert result.output_ids == tokens
-    assert result.metrics["offload"]["misses"] > 0
+def test_shared_layers_misses_are_fetched_at_their_full_layer(shared, fetch):
+    """Per layer: a full layer fetches its own misses (lead 0); a shared layer's are all fetched at its full layer's
+    step, ``lead`` layers before it runs."""
+    model, _, served = shared
+    cfg = model.cfg
+    per_layer = served("ess", fetch)[1].offload_metrics()["per_layer"]
+    assert [c["layer"] for c in per_layer] == cfg.index_layers
+    full = 0
+    for c, kind in zip(per_layer, cfg.indexer_types):
+        full = c["layer"] if kind == "full" else full
+        assert c["misses"] > 0 and c["lead"] == c["layer"] - full
+        assert c["fetched_ahead"] == (c["misses"] if kind == "shared" else 0)
+
+
+def test_a_shared_layers_rows_are_fetched_before_it_runs():
+    """Tier level, split store: after the full layer's step the shared layer's host rows are overwritten; the
+    shared layer still attends its misses' true rows (fetched at the full layer's step), a full layer the new ones."""
+    rows_LGZW = np.arange(3 * 3 * 4 * 2, dtype=np.float32).reshape(3, 3, 4, 2) + 1  # layers 0 F, 1 S, 2 F
+    tiered = tier.init_tier(layers=3, rows=1, slots=4, pages=3, page_size=4, rate=1, width=2, dtype=jnp.float32,
+                            fetch="split", entries=8, topk=3, sources=tier.share_sources(("full", "shared", "full")))
+    tiered.host.array[:] = rows_LGZW
+    meta = StepMeta(jnp.asarray([[7]]), jnp.ones((1, 1), bool), jnp.asarray([[1, 2]]), jnp.zeros((1,), jnp.int32))
+    ids_BTK = jnp.asarray([[[0, 5, 2]]])  # pages 1, 2, 1 at offsets 0, 1, 2
+
+    def attended(layer):
+        nonlocal tiered
+        sources = tiered.read(layer, meta, jnp.asarray([[7]]), jnp.zeros((1, 1, 2)), ids_BTK)
+        tiered = sources.settle(sources.ready)
+        (fetched,) = sources.inflight
+        return np.asarray(fetched.rows_PW[fetched.ids_BTK[0, 0]])
+
+    want = lambda layer: rows_LGZW[layer][[1, 2, 1], [0, 1, 2]]  # noqa: E731
+    np.testing.assert_array_equal(attended(0), want(0))
+    tiered.host.array[1:] = -1  # every later layer's host rows, after the full layer's step
+    np.testing.assert_array_equal(attended(1), want(1))  # fetched before
+    np.testing.assert_array_equal(attended(2), -1)  # a full layer fetches at its own step
+    assert tiered.ahead_counters[:, 0, 0].tolist() == [0, 3, 0]
+    assert tiered.counters[:, 0, 2].tolist() == [3, 3, 3]
 
 
 def test_the_pattern_changes_the_model():
@@ -193,11 +283,18 @@ def _heldout_lm(model, corpus_dir, context: int = 32, count: int = 2) -> float:
     return float(-np.take_along_axis(logp, windows[:, 1:, None], -1).mean())
 
 
-def test_greedy_search_drops_indexers_by_heldout_loss(corpus, start, tmp_path):  # noqa: F811
-    out = tmp_path / "search"
+@pytest.fixture(scope="module")
+def searched(corpus, start, tmp_path_factory) -> Path:  # noqa: F811
+    """The greedy search of ``start``'s two indexers down to one: its checkpoint."""
+    out = tmp_path_factory.mktemp("search")
     flags = ["--model", str(start), "--data", str(corpus), "--out", str(out), "--context", "32", "--batch", "2",
              "--eval-batches", "1"]
     assert train.main(flags + ["--index-share-search", "--keep", "0.5"]) == 0
+    return out
+
+
+def test_greedy_search_drops_indexers_by_heldout_loss(corpus, start, searched):  # noqa: F811
+    out = searched
     result = json.loads((out / "index_share.json").read_text())
     assert [s["pattern"] for s in result["steps"]] == ["FF", "FS"] and result["pattern"] == "FS"
     model = load_model(out)  # its config carries the pattern, its checkpoint layer 0's indexer only
@@ -233,3 +330,29 @@ def test_a_kept_indexer_learns_from_the_shared_layers_attention(start):  # noqa:
     own, shared = grads("FF"), grads("FS")
     assert own.keys() == shared.keys() and own
     assert any(not np.allclose(own[n], shared[n]) for n in own)
+
+
+def test_bench_records_each_patterns_heldout_nll(start, searched, tmp_path, capsys):  # noqa: F811
+    """``bench --index-share DIR --record``: a searched checkpoint of the model, resident and with ESS; its held-out
+    NLL (the model's train.json held-out text, the full forward) and how it was made written into that train.json;
+    its shared layer's misses fetched a layer ahead."""
+    model = shutil.copytree(start, tmp_path / "model")
+    text = tmp_path / "heldout.py"
+    text.write_text("".join(f"def wrap{j}(text):\n    return text[:{j}] * {j}\n" for j in range(40)))
+    heldout = {"text": str(text), "tokens": 64, "context": 32}
+    (model / "train.json").write_text(json.dumps({"heldout": heldout}))
+    assert bench_main(["--model", str(model), "--index-share", str(searched), "--context", "40", "--batch", "1",
+                       "--new-tokens", "4", "--repeats", "1", "--warmup-steps", "0", "--record", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    recorded = json.loads((model / "train.json").read_text())
+    (entry,) = recorded["index_share"]
+    assert recorded["heldout"] == heldout and entry["pattern"] == "FS" and entry["search"]["keep"] == 0.5
+    shared = load_model(start, index_share="FS")  # two windows of 32 tokens, each scored from its start
+    ids = np.asarray(shared.tokenizer.encode(text.read_text())[:64]).reshape(2, 32)
+    logits = np.asarray(shared.logits(ids[:, :-1]), np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    assert entry["heldout_nll"] == pytest.approx(-np.take_along_axis(logp, ids[:, 1:, None], -1).mean(), rel=1e-5)
+    resident, ess = rows
+    assert ess["offload"] == "ess" and [c["lead"] for c in ess["per_layer"]] == [0, 1]
+    assert ess["tokens_match_resident"] and resident["heldout_nll"] == ess["heldout_nll"] == entry["heldout_nll"]

@@ -6,7 +6,8 @@ compressor rings in host stores)."""
 from ess_jax.tier.host import FETCH_BACKENDS, HOST_STORES, NumpyHostStore, PinnedHostStore
 from ess_jax.tier.lru import WARMUP_QUERIES, LruPool, pool_slots, resolve, warm_layer
 from ess_jax.tier.rings import HostRings, init_host_rings
-from ess_jax.tier.store import Tier, device_bytes, init_tier
+from ess_jax.tier.store import Tier, device_bytes, init_tier, share_sources
 
 __all__ = ["FETCH_BACKENDS", "HOST_STORES", "NumpyHostStore", "PinnedHostStore", "WARMUP_QUERIES", "LruPool", "pool_slots",
-           "resolve", "warm_layer", "HostRings", "init_host_rings", "Tier", "device_bytes", "init_tier"]
+           "resolve", "warm_layer", "HostRings", "init_host_rings", "Tier", "device_bytes", "init_tier",
+           "share_sources"]

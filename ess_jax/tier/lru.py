@@ -66,11 +66,8 @@ def resolve(ids_K, known_K, new_ids_M, active, slot_entry_P, order_P) -> Resolut
     Takers lie within the order's first ``K1 = min(P, K + M)`` positions. Every slot used this step then moves
     to the back of the order, by slot number, the others keeping theirs: the order stays sorted by (last use,
     slot), without a sort."""
-    valid_K = ids_K >= 0
     has_new_M = new_ids_M >= 0
-    is_new_K = valid_K & (ids_K[:, None] == jnp.where(has_new_M, new_ids_M, -2)[None, :]).any(axis=1)
-    hit_K = valid_K & ~is_new_K & (known_K >= 0)
-    miss_K = valid_K & ~is_new_K & ~hit_K & active
+    is_new_K, hit_K, miss_K = classify(ids_K, known_K, new_ids_M, active)
     p, k, m = slot_entry_P.shape[0], ids_K.shape[0], new_ids_M.shape[0]
     f = min(p, k + m)
     hit_slot_K = jnp.where(hit_K, known_K, p)  # p = none
@@ -101,6 +98,16 @@ def resolve(ids_K, known_K, new_ids_M, active, slot_entry_P, order_P) -> Resolut
     order = order.at[jnp.where(used_P, n_keep + jnp.cumsum(used_P) - 1, p)].set(jnp.arange(p, dtype=jnp.int32),
                                                                                 mode="drop")
     return Resolution(slot_K, hit_K, miss_K, is_new_K, new_slot, taker_K1, entries, order)
+
+
+def classify(ids_K, known_K, new_ids_M, active) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each selected id of one (layer, row) as ``bool[K]`` (new, hit, miss): written this step (one of
+    ``new_ids_M``), resident before it (``known_K``: its slot, -1 none), or to be fetched from the host (the row
+    runs, ``active``); -1 ids are none of them."""
+    valid_K = ids_K >= 0
+    is_new_K = valid_K & (ids_K[:, None] == jnp.where(new_ids_M >= 0, new_ids_M, -2)[None, :]).any(axis=1)
+    hit_K = valid_K & ~is_new_K & (known_K >= 0)
+    return is_new_K, hit_K, valid_K & ~is_new_K & ~hit_K & active
 
 
 def warm_layer(ids_TK, count, slots: int, capacity: int):
@@ -140,13 +147,21 @@ class LruPool:
         """Resolve layer ``layer``'s ids (an int, or i32[] inside a scan over layers) and the step's new entries
         ``new_ids_BM``: the resolution per row and the entries leaving the taken slots ``i32[B, K1]`` (-1: the
         slot was empty, or no taker)."""
-        rows_B1 = jnp.arange(ids_BK.shape[0])[:, None]
-        known_BK = jnp.where(ids_BK >= 0, self.resident_slot[layer, rows_B1, jnp.maximum(ids_BK, 0)], -1)
-        res = jax.vmap(resolve)(ids_BK, known_BK, new_ids_BM, active_B, self.slot_entry[layer],
+        res = jax.vmap(resolve)(ids_BK, self._known(layer, ids_BK), new_ids_BM, active_B, self.slot_entry[layer],
                                 self.slot_order[layer])
         p = self.slots
         held_BK1 = jnp.take_along_axis(self.slot_entry[layer], jnp.minimum(res.taker_K1, p - 1), axis=1)
         return res, jnp.where(res.taker_K1 < p, held_BK1, -1)
+
+    def misses(self, layer, ids_BK, new_ids_BM, active_B) -> jax.Array:
+        """``bool[B, K]``: the ids ``lookup`` would fetch for layer ``layer`` now, without resolving slots (what a
+        full layer of Index Share fetches ahead for the shared layers that read its ids)."""
+        return jax.vmap(classify)(ids_BK, self._known(layer, ids_BK), new_ids_BM, active_B)[2]
+
+    def _known(self, layer, ids_BK) -> jax.Array:
+        """The residency map's slot of each id ``i32[B, K]`` of layer ``layer`` (-1: host only, or no id)."""
+        rows_B1 = jnp.arange(ids_BK.shape[0])[:, None]
+        return jnp.where(ids_BK >= 0, self.resident_slot[layer, rows_B1, jnp.maximum(ids_BK, 0)], -1)
 
     def commit(self, layer, res: Resolution, ids_BK, new_ids_BM, evicted_BK1) -> LruPool:
         """Residency (evicted entries leave first, then the new entries and the kept misses arrive) and the slot

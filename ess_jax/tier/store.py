@@ -8,7 +8,10 @@ A decode step, per sparse layer (``Tier.read``, one token per batch row):
 2. the new entry and every miss take the least recently used slots that no hit of this step holds;
 3. missed rows are fetched from the host store (``host``: inline or split) through a buffer of the miss budget's
    rows (``miss_budget``: a fraction of the ids looked up per batch row, every batch row's misses compacted into
-   it), once per buffer they fill: a step that misses more takes more rounds (exact at any pool size);
+   it), once per buffer they fill: a step that misses more takes more rounds (exact at any pool size); with Index
+   Share (``sources``) a full layer also fetches the misses of the shared layers that read its top-k, as soon as it
+   is known, and a shared layer takes its rows from that ``ahead`` buffer (``lead_metrics``: per layer, how many
+   layers ahead its misses were fetched);
 4. the sources handed to attention: the pool with the hits and the new entry (ready), the fetched rows
    (in flight); ``ops.dual_attention`` attends over both and merges them by log-sum-exp (ESS
    Dual-Attention), so the transfer can hide behind the hit half; ``settle`` then writes the misses
@@ -29,6 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ess_jax import mesh
 from ess_jax.cache import RowSource, Sources, StepMeta, entries_per_page, locate
 from ess_jax.tier import lru
 from ess_jax.tier.host import fetch_wanted, host_store
@@ -49,10 +53,16 @@ class Tier:
     query_counters: jax.Array  # i32[L, B, T, 3] lookups, hits, misses of each query position's own top-k ids (T: a
     # decode step's query tokens per row, 1 + the drafts it verifies)
     host: Any  # host.PinnedHostStore | host.NumpyHostStore: [L, G, Z, W]
+    ahead: jax.Array  # [A, B, U, W] Index Share: the misses a full layer fetched for the A shared layers after it
+    # (A: the most a full layer serves, 0 without sharing; U: a step's queries times top-k), read when they run
+    ahead_counters: jax.Array  # i32[L', B, 2] per layer (L' = L with sharing, else 0) and row: misses fetched at
+    # an earlier layer's step than the layer's own, and the layer whose step last fetched its misses
     page_size: int = dataclasses.field(metadata=dict(static=True))  # tokens per page (Z)
     rate: int = dataclasses.field(metadata=dict(static=True))  # tokens per entry (m)
     miss_budget: float = dataclasses.field(default=1.0, metadata=dict(static=True))  # rows fetched per batch row
     # and step, a fraction of the ids it looks up (1: every id, no compaction)
+    sources: tuple[int, ...] | None = dataclasses.field(default=None, metadata=dict(static=True))  # Index Share:
+    # each layer's full layer, whose top-k it reads (``share_sources``); None: every layer its own
 
     @property
     def dtype(self):
@@ -80,7 +90,8 @@ class Tier:
             # every read of the old maps happens before their in-place updates in settle
             evicted_BK1, old = jax.lax.optimization_barrier((evicted_BK1, self.lru))
         with jax.named_scope("fetch"):
-            fetched_BUW = self._fetch(layer, res.miss_K, page_BU, offset_BU)
+            fetched_BUW, ahead, ahead_counters = self._fetch_misses(layer, res.miss_K, ids_BU, new_ids_BM, active_B,
+                                                                    page_BU, offset_BU)
         # the step's arrivals: its new rows, then the fetched misses (A = M + U rows per batch row)
         arrivals_BAW = jnp.concatenate([new_rows_BMW.astype(fetched_BUW.dtype), fetched_BUW], axis=1)
         new_of_BU = jnp.argmax(ids_BU[:, :, None] == new_ids_BM[:, None, :], axis=2)
@@ -112,10 +123,48 @@ class Tier:
                 staged=self.staged.at[layer].set(new_rows_BMW.astype(self.staged.dtype)),
                 staged_page=new_page_BM,  # the null page where no entry is new
                 staged_offset=new_offset_BM, counters=self.counters.at[layer].add(counts_B4),
-                query_counters=self.query_counters.at[layer].add(counts_BT3))
+                query_counters=self.query_counters.at[layer].add(counts_BT3), ahead=ahead,
+                ahead_counters=ahead_counters)
 
         ready = [RowSource(self.pool.reshape(-1, w), picked(hit_BU))]
         return Sources(ready, [RowSource(arrivals_BAW.reshape(b * (m + u), w), picked(inflight_BU))], settle)
+
+    def _fetch_misses(self, layer, miss_BU, ids_BU, new_ids_BM, active_B, page_BU, offset_BU):
+        """Layer ``layer``'s missed rows ``[B, U, W]`` and the ``ahead`` buffer and counters after its step. With
+        Index Share a full layer fetches its own misses and, as soon as its top-k is known, those of each shared
+        layer reading it (their pools' misses at these ids, the same their own lookups find: no other step touches
+        a layer's pool in between), into ``ahead``; a shared layer fetches nothing and takes its rows from there."""
+        if self.sources is None:
+            return self._fetch(layer, miss_BU, page_BU, offset_BU), self.ahead, self.ahead_counters
+        u = miss_BU.shape[1]
+        leads = share_leads(self.sources)
+        lead_L = jnp.asarray(leads + (0,) * self.ahead.shape[0], jnp.int32)  # past the last layer: none
+        lead = lead_L[layer]  # layers after its full one (0: a full layer)
+        own_BUW = self._fetch(layer, miss_BU & (lead == 0), page_BU, offset_BU)
+        fetched_BUW = jnp.where(lead > 0, self.ahead[jnp.maximum(lead - 1, 0), :, :u].astype(own_BUW.dtype), own_BUW)
+        counters = self.ahead_counters
+        counters = counters.at[layer, :, 1].set(jnp.where(lead == 0, layer, counters[layer, :, 1]))
+        ahead = self.ahead
+        for a in range(ahead.shape[0]):  # the layer a + 1 after this one, where it shares this layer's top-k
+            follower = layer + a + 1
+            serves = (lead == 0) & (lead_L[follower] == a + 1)
+            at = jnp.minimum(follower, len(leads) - 1)
+            wanted_BU = self.lru.misses(at, ids_BU, new_ids_BM, active_B) & serves
+            rows_BUW = self._fetch(at, wanted_BU, page_BU, offset_BU).astype(ahead.dtype)
+            ahead = ahead.at[a, :, :u].set(jnp.where(serves, rows_BUW, ahead[a, :, :u]))
+            counters = counters.at[at, :, 0].add(wanted_BU.sum(-1).astype(jnp.int32))
+            counters = counters.at[at, :, 1].set(jnp.where(serves, layer, counters[at, :, 1]))
+        return fetched_BUW, ahead, counters
+
+    def lead_metrics(self, layers: list[int]) -> list[dict]:
+        """Per layer (``layers``: the model's layer of each) where its misses were fetched, from the device counters:
+        ``lead``, the model layers between the layer whose step fetched them last and the layer (0: its own step),
+        and ``fetched_ahead``, the misses fetched at an earlier layer's step (Index Share's shared layers)."""
+        if self.sources is None:
+            return [{"lead": 0, "fetched_ahead": 0} for _ in layers]
+        counts_LB2 = mesh.host_array(self.ahead_counters)
+        return [{"lead": layer - layers[int(c[:, 1].max())] if c[:, 1].max() >= 0 else 0,
+                 "fetched_ahead": int(c[:, 0].sum())} for layer, c in zip(layers, counts_LB2)]
 
     def _fetch(self, layer, miss_BU: jax.Array, page_BU: jax.Array, offset_BU: jax.Array) -> jax.Array:
         """The missed rows ``[B, U, W]`` (zeros elsewhere) of layer ``layer`` from the host store: every batch row's
@@ -205,6 +254,24 @@ def union(ids_TK: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.where(first == jnp.arange(flat.size), flat, -1), first.reshape(t, k)
 
 
+def share_sources(indexer_types: tuple[str, ...]) -> tuple[int, ...] | None:
+    """Each sparse layer's full layer under Index Share (``ModelConfig.indexer_types``, one per sparse layer): its
+    own index if full, else the nearest preceding full layer's; None when every layer is full."""
+    if "shared" not in indexer_types:
+        return None
+    sources, full = [], 0
+    for i, kind in enumerate(indexer_types):
+        full = i if kind == "full" else full
+        sources.append(full)
+    return tuple(sources)
+
+
+def share_leads(sources: tuple[int, ...] | None) -> tuple[int, ...]:
+    """Each sparse layer's distance from its full layer (``share_sources``; 0: full): its place among the layers
+    its full layer fetches ahead for."""
+    return tuple(i - s for i, s in enumerate(sources or ()))
+
+
 def fetch_rows(rows: int, ids: int, miss_budget: float) -> int:
     """Rows of the miss buffer a step fetches into for ``rows`` batch rows looking up ``ids`` ids each: the budget's
     fraction of the ids, at least one row, per batch row."""
@@ -212,13 +279,17 @@ def fetch_rows(rows: int, ids: int, miss_budget: float) -> int:
 
 
 def init_tier(*, layers: int, rows: int, slots: int, pages: int, page_size: int, rate: int, width: int, dtype,
-              fetch: str, entries: int, new_entries: int = 1, queries: int = 1) -> Tier:
+              fetch: str, entries: int, new_entries: int = 1, queries: int = 1, topk: int = 0,
+              sources: tuple[int, ...] | None = None) -> Tier:
     """An empty tier: ``slots`` pool slots per (layer, batch row), a residency map of ``entries`` entry ids per
     row (a request's most), a host store of ``pages`` pages (allocated directly in pinned host memory for
     ``inline``, in NumPy for ``split``); ``new_entries``: the entries a decode step writes per row (more than one
-    in a verification step); ``queries``: a decode step's query tokens per row (counted per position)."""
+    in a verification step); ``queries``: a decode step's query tokens per row (counted per position);
+    ``sources``: Index Share's full layer of each layer (``share_sources``), whose ``topk`` ids per query it
+    reads."""
     per_page = entries_per_page(page_size, rate)
     staged = (rows, new_entries)
+    ahead = max(share_leads(sources), default=0)
     return Tier(
         pool=jnp.zeros((layers, rows, slots, width), dtype),
         lru=lru.LruPool.empty(layers=layers, rows=rows, slots=slots, entries=entries),
@@ -228,16 +299,20 @@ def init_tier(*, layers: int, rows: int, slots: int, pages: int, page_size: int,
         counters=jnp.zeros((layers, rows, 4), jnp.int32),
         query_counters=jnp.zeros((layers, rows, queries, 3), jnp.int32),
         host=host_store(fetch, (layers, pages, per_page, width), dtype),
-        page_size=page_size, rate=rate,
+        ahead=jnp.zeros((ahead, rows, queries * topk if ahead else 0, width), dtype),
+        ahead_counters=jnp.full((layers if ahead else 0, rows, 2), -1, jnp.int32).at[..., 0].set(0),
+        page_size=page_size, rate=rate, sources=sources,
     )
 
 
 def device_bytes(*, layers: int, rows: int, slots: int, row_bytes: int, entries: int, new_entries: int = 1,
-                 queries: int = 1) -> int:
+                 queries: int = 1, topk: int = 0, sources: tuple[int, ...] | None = None) -> int:
     """Bytes of an ``init_tier`` tier's device arrays (all but the host store), for ``layers`` sparse layers,
     ``rows`` batch rows of ``slots`` pool slots, rows of ``row_bytes``, a residency map of ``entries`` entry ids
     per row, ``new_entries`` entries and ``queries`` query tokens a decode step: per (layer, row) the pool, its
     two int32 slot tables, the staged rows, four int32 counters, three per query position and an int32 slot per
-    entry id; per row the staged rows' int32 pages and offsets."""
+    entry id; per row the staged rows' int32 pages and offsets. With Index Share (``sources``) per row the rows
+    fetched ahead (``queries * topk`` per layer a full layer serves) and two int32 counters per layer."""
+    ahead = max(share_leads(sources), default=0)
     return (layers * rows * (slots * (row_bytes + 8) + new_entries * row_bytes + 16 + 12 * queries + entries * 4)
-            + rows * new_entries * 8)
+            + rows * new_entries * 8 + (rows * (ahead * queries * topk * row_bytes + layers * 8) if ahead else 0))

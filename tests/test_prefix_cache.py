@@ -291,16 +291,15 @@ def test_identical_resent_request_hits_all_but_its_last_tokens(engines, mode, ta
     for length in (40, 37):  # a prompt of whole pages (page size 8) and one with a partial page
         prompt = np.random.default_rng(length).integers(0, 256, length).tolist()
         (want,) = reference(engines, [(prompt, 6)])
-        queries, hits, prefilled = (sum(on.stats.prefix_queries.values()), sum(on.stats.prefix_hits.values()),
-                                    on.stats.prefill_tokens)
+        counts, prefilled = on.prefix_cache_metrics(), on.stats.prefill_tokens
         outputs = []
         for _ in range(2):
             on.add_request(prompt, 6)
             outputs.append(on.run()[0].output_ids)
         assert outputs == [want, want]
         hit = (length - tail) // 8 * 8
-        assert sum(on.stats.prefix_queries.values()) - queries == 2 * length
-        assert sum(on.stats.prefix_hits.values()) - hits == hit
+        assert on.prefix_cache_metrics()["query_tokens"] - counts["query_tokens"] == 2 * length
+        assert on.prefix_cache_metrics()["hit_tokens"] - counts["hit_tokens"] == hit
         assert on.stats.prefill_tokens - prefilled == length + (length - hit)
     assert_idle_holds_only_cached_pages(on)
 
@@ -353,21 +352,22 @@ def test_pool_filled_past_its_size_evicts_only_pages_no_running_request_reads(en
     on.add_request(stem + [1], 2)
     on.run()
     pool = on.scheduler.allocators[0]
-    keys = page_keys(stem, 8, on.scheduler.prefix_salt)
+    keys = page_keys(stem, 8, on.scheduler.prefix.salt)
     shared = pool.match(keys)
     assert shared.size == 4
-    seen = set(pool._page_of)  # every key cached so far
     requests = [(stem + rng.integers(0, 256, 4).tolist(), 24)]  # 4 shared pages, 3 own
     requests += [(rng.integers(0, 256, 40).tolist(), 1) for _ in range(16)]  # 6 pages each, 96 in all
+    every = [key for prompt, _ in requests for key in page_keys(prompt, 8, on.scheduler.prefix.salt)]
     ids = [on.add_request(prompt, new) for prompt, new in requests]
-    tokens, evicted = collections.defaultdict(list), set()
+    tokens, seen, evicted = collections.defaultdict(list), set(), set()
     while on.has_unfinished():
         for out in on.step():
             tokens[out.request_id] += out.new_token_ids
+        cached = {key for key in every if pool.has(key)}
         if ids[0] in on.requests:  # while the long request runs: its shared pages stay, others go
             assert pool.match(keys).tolist() == shared.tolist()
-            evicted |= seen - set(pool._page_of)
-        seen |= set(pool._page_of)
+            evicted |= seen - cached
+        seen |= cached
     assert evicted
     assert [tokens[i] for i in ids] == reference(engines, requests)
     assert_idle_holds_only_cached_pages(on)
@@ -424,6 +424,55 @@ def test_data_shards_route_to_the_shard_holding_the_prefix_and_give_the_same_tok
             assert per_shard[shard]["hit_tokens"] == (len(again) - tail) // 8 * 8 > 0
 
 
+# Runs with 2 simulated CPU devices: argv = checkpoint, then the prompts as JSON. On a data=2 mesh of two batch rows
+# per shard, resident and ESS, every prompt submitted at once; prints the tokens and the prefix cache's counters.
+IN_BATCH_SCRIPT = r"""
+import dataclasses, json, sys
+import ess_jax
+from ess_jax.engine import Engine, EngineConfig
+
+model = ess_jax.load_model(sys.argv[1])
+prompts = json.loads(sys.argv[2])
+base = EngineConfig(max_batch=4, page_size=8, prefill_chunk=32, max_seq_len=96, mesh="data=2")
+out = {}
+for mode, extra in (("resident", {}), ("ess", dict(offload="ess", pool_size=24))):
+    engine = Engine(model, dataclasses.replace(base, **extra))
+    for p in prompts:
+        engine.add_request(p, 6)
+    out[mode] = {"tokens": [r.output_ids for r in engine.run()], "prefix": engine.prefix_cache_metrics()}
+print(json.dumps(out))
+"""
+
+
+def in_batch_on_a_mesh(engines, fixture: Path) -> dict[str, tuple[int, ...]]:
+    """Five prompts of one 50-token system prompt and distinct 30-token messages, submitted at once on a data=2
+    mesh (``IN_BATCH_SCRIPT``): the tokens of each mode asserted equal to the single-device run without the prefix
+    cache; each mode's hit tokens per data shard."""
+    import json
+    import sys
+
+    from helpers import outputs, spawn
+
+    rng = np.random.default_rng(17)
+    stem = rng.integers(0, 256, 50).tolist()
+    prompts = [stem + rng.integers(0, 256, 30).tolist() for _ in range(5)]
+    (out,) = outputs(spawn([[sys.executable, "-c", IN_BATCH_SCRIPT, str(fixture), json.dumps(prompts)]], devices=2),
+                     timeout=900)
+    want = reference(engines, [(p, 6) for p in prompts])
+    hits = {}
+    for mode, got in json.loads(out.splitlines()[-1]).items():
+        assert got["tokens"] == want, mode
+        hits[mode] = tuple(s["hit_tokens"] for s in got["prefix"]["per_shard"])
+    return hits
+
+
+def test_prompts_submitted_together_on_a_mesh_share_their_prefix(engines):
+    """V3.2 (pages of 8): the prompts wait for the first one's prefill and the next one on its shard shares its six
+    pages (resident and ESS alike: 48 tokens before the last 32)."""
+    for mode, hits in in_batch_on_a_mesh(engines, FIXTURE).items():
+        assert hits[0] >= 2 * 48, mode
+
+
 def test_metrics_export_the_prefix_cache_counters(engines):
     """The server's /metrics registry fed an engine's ``usage()``: queries and hits per tier, as the engine counts."""
     from prometheus_client import generate_latest
@@ -457,8 +506,9 @@ def serve_alone(engine, prompt: list[int], new: int) -> tuple[list[int], list[li
     while engine.has_unfinished():
         for out in engine.step():
             tokens += out.new_token_ids
-        if (row := engine.scheduler._decoding.get(request_id)) is not None:
-            drafts.append(engine.scheduler._drafted[row].tolist())
+        batch = engine.scheduler.schedule_decode()  # the next step's plan: each row's drafts
+        if batch is not None and request_id in batch.request_ids:
+            drafts.append(batch.drafts_BK[batch.request_ids.index(request_id)].tolist())
     return tokens, drafts
 
 

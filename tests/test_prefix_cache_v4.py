@@ -100,7 +100,7 @@ def test_v4_identical_resent_request_and_a_longer_turn_hit_at_the_last_window_bo
     (want,) = reference(engines, [(prompt, 6)])
     turn = prompt + want + np.random.default_rng(42).integers(0, 256, 9).tolist()
     (want_turn,) = reference(engines, [(turn, 6)])
-    hits, prefilled = sum(on.stats.prefix_hits.values()), on.stats.prefill_tokens
+    hits, prefilled = on.prefix_cache_metrics()["hit_tokens"], on.stats.prefill_tokens
     outputs = []
     for p in (prompt, prompt, turn):
         on.add_request(p, 6)
@@ -108,16 +108,15 @@ def test_v4_identical_resent_request_and_a_longer_turn_hit_at_the_last_window_bo
     assert outputs == [want, want, want_turn]
     boundary = (len(prompt) - tail) // BLOCK * BLOCK
     assert boundary > 0
-    assert sum(on.stats.prefix_hits.values()) - hits == 2 * boundary
+    assert on.prefix_cache_metrics()["hit_tokens"] - hits == 2 * boundary
     assert on.stats.prefill_tokens - prefilled == 3 * len(prompt) + len(want) + 9 - 2 * boundary
     assert_idle_holds_only_cached_pages(on)
 
 
-def test_v4_a_branch_point_snapshot_lets_later_prompts_share_a_common_prefix(engines):
-    """A 50-token system prompt and three distinct 40-token messages: the first prompt caches its pages to its
-    boundary 80; the second shares its first three pages but no snapshot within them, so it prefills them and also
-    takes a snapshot where it leaves the cached run (48, a branch point); the third resumes there. Tokens as without
-    the cache."""
+def test_v4_prompts_sharing_a_system_prompt_one_at_a_time_hit_from_the_second(engines):
+    """A 50-token system prompt and three distinct 40-token messages, one at a time: the first prompt snapshots at the
+    landmarks in the second half of its prefix (48 and 64) and at its boundary 80; the second and the third resume at
+    48 and each snapshot at their own 64 and 80. Tokens as without the cache."""
     on = engines["resident"]
     rng = np.random.default_rng(31)
     stem = rng.integers(0, 256, 50).tolist()
@@ -129,8 +128,8 @@ def test_v4_a_branch_point_snapshot_lets_later_prompts_share_a_common_prefix(eng
         on.add_request(p, 4)
         assert on.run()[0].output_ids == tokens
         hits.append(on.prefix_cache_metrics()["hit_tokens"] - before)
-    assert hits == [0, 0, 48]
-    assert on.usage()["prefix_cache_states"] == states + 4  # 80 (first), 48 and 80 (second), 80 (third)
+    assert hits == [0, 48, 48]
+    assert on.usage()["prefix_cache_states"] == states + 7  # 48, 64 and 80 (first), 64 and 80 (second, third)
     assert_idle_holds_only_cached_pages(on)
 
 
@@ -153,6 +152,16 @@ def test_v4_prompts_submitted_together_share_a_system_prompt(engines, mode):
     assert_idle_holds_only_cached_pages(on)
 
 
+def test_v4_prompts_submitted_together_on_a_mesh_share_their_system_prompt(engines):
+    """``test_prefix_cache``'s in-batch run on a data=2 mesh on DeepSeek-V4 (blocks of 16 tokens): the first prompt
+    snapshots where the waiting ones part from it (48) and the next one on its shard resumes there; tokens as on one
+    device without the prefix cache."""
+    from test_prefix_cache import in_batch_on_a_mesh
+
+    for mode, hits in in_batch_on_a_mesh(engines, FIXTURE).items():
+        assert hits[0] >= 2 * 48, mode
+
+
 def test_v4_a_prompt_aborted_before_its_prompt_ends_keeps_no_snapshot(engines):
     """The snapshot is taken at the boundary mid-prompt but kept only once the prompt is all prefilled: a prompt
     aborted after its boundary piece leaves no cached prefix, and the same prompt sent again prefills whole."""
@@ -162,7 +171,7 @@ def test_v4_a_prompt_aborted_before_its_prompt_ends_keeps_no_snapshot(engines):
     victim = on.add_request(prompt, 4)
     on.step()
     on.step()
-    assert on.requests[victim].prefilled == 128 and victim in on.scheduler._taken
+    assert on.requests[victim].prefilled == 128 and on.usage()["prefix_cache_states"] == states  # taken, not kept
     on.abort(victim)
     on.step()
     assert on.usage()["prefix_cache_states"] == states
@@ -170,19 +179,19 @@ def test_v4_a_prompt_aborted_before_its_prompt_ends_keeps_no_snapshot(engines):
     on.add_request(prompt, 4)
     assert on.run()[0].output_ids == reference(engines, [(prompt, 4)])[0]
     assert on.prefix_cache_metrics()["hit_tokens"] == hits
-    assert on.usage()["prefix_cache_states"] == states + 1
+    assert on.usage()["prefix_cache_states"] == min(states + 3, on.config.prefix_cache_states)  # 64, 96 and 128
     assert_idle_holds_only_cached_pages(on)
 
 
 def test_v4_snapshots_beyond_the_budget_are_evicted_least_recently_used_first(model, engines):
-    """With room for two snapshots, three prompts cached in turn keep the last two: the first misses when sent again,
-    the third hits; outputs exact either way."""
-    on = Engine(model, dataclasses.replace(MODES["resident"], prefix_cache_states=2))
+    """With room for four snapshots, three prompts cached in turn (two snapshots each: the landmark 16 and the boundary
+    32) keep the last two's: the first misses when sent again, the third hits; outputs exact either way."""
+    on = Engine(model, dataclasses.replace(MODES["resident"], prefix_cache_states=4))
     prompts = [np.random.default_rng(60 + i).integers(0, 256, 40).tolist() for i in range(3)]
     for p in prompts:
         on.add_request(p, 2)
         on.run()
-    assert on.usage()["prefix_cache_states"] == 2
+    assert on.usage()["prefix_cache_states"] == 4
     for p, hit in ((prompts[0], 0), (prompts[2], 32)):
         before = on.prefix_cache_metrics()["hit_tokens"]
         on.add_request(p, 2)

@@ -157,4 +157,4 @@ def test_pages_of_other_weights_are_never_read_and_a_removed_directory_leaves_th
         for p, tokens in zip(prompts, want):
             engine.add_request(p, 4)
             assert engine.run()[0].output_ids == tokens
-    assert not engine.scheduler.disk.store.enabled and caplog.text.count("it is off") == 1
+    assert not engine.scheduler.prefix.disk.store.enabled and caplog.text.count("it is off") == 1

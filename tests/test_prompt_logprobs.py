@@ -11,6 +11,8 @@ import ess_jax
 from ess_jax.engine import MAX_PROMPT_LOGPROBS, Engine
 from ess_jax.engine.request import make_request
 from ess_jax.engine.plan import EngineStats, PrefillResult
+from ess_jax.engine.prefix import NoPrefixCache
+from ess_jax.engine.speculate import NoDrafts
 from ess_jax.engine.scheduler import Scheduler
 from ess_jax.sampling import SamplingParams
 from helpers import FIXTURES, ONLINE
@@ -118,7 +120,8 @@ def test_loglikelihood_scores_continuations_as_the_full_forward():
 def test_the_scheduler_scores_each_piece_against_the_next_prompt_tokens():
     """Host only: each piece's targets are the prompt tokens after its positions (the last piece one fewer), a
     request of no new tokens ends after its last piece with no token and its prompt's scores in its output."""
-    s = Scheduler(ONLINE["resident"], shards=1, pages=40, pages_per_row=38, max_seq_len=606, stats=EngineStats())
+    s = Scheduler(ONLINE["resident"], shards=1, pages=40, pages_per_row=38, max_seq_len=606, stats=EngineStats(),
+                  prefix=NoPrefixCache(ONLINE["resident"].page_size), proposer=NoDrafts(ONLINE["resident"].max_batch))
     ids = prompt(70, 9)  # pieces 64, 4, 2
     s.inbox.add(make_request(model("v32").tokenizer, [], ids, 0, SamplingParams(), prompt_logprobs=1), s.check(70, 0))
     s.take_inbox()

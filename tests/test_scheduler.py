@@ -8,6 +8,8 @@ from ess_jax.config import ModelConfig
 from ess_jax.engine import EngineConfig, EngineStats
 from ess_jax.engine.request import make_request
 from ess_jax.engine.plan import DecodeResult, PrefillResult, prefill_pieces
+from ess_jax.engine.prefix import NoPrefixCache
+from ess_jax.engine.speculate import NoDrafts
 from ess_jax.engine.scheduler import Scheduler
 from ess_jax.sampling import SamplingParams
 from ess_jax.tokenizer import ByteTokenizer
@@ -21,7 +23,8 @@ UNIFORM_V = np.zeros(CFG.vocab_size, np.float32)  # logits for the requests that
 def scheduler(*, shards=1, rows=2, pages=33, chunk=64, page_size=16, max_seq_len=256, keep_logits=False):
     config = EngineConfig(max_batch=rows, page_size=page_size, prefill_chunk=chunk, keep_logits=keep_logits)
     return Scheduler(config, shards=shards, pages=pages, pages_per_row=max_seq_len // page_size,
-                     max_seq_len=max_seq_len, stats=EngineStats())
+                     max_seq_len=max_seq_len, stats=EngineStats(), prefix=NoPrefixCache(page_size),
+                     proposer=NoDrafts(rows))
 
 
 def add(s: Scheduler, prompt_len: int, new: int, *, forced=None, logprobs=None, stop=()) -> int:

@@ -78,14 +78,15 @@ def tier_invariants(engine: Engine) -> None:
     """The tier holds no entry past a running request's entries (nothing a rejected draft wrote), no entry of a
     free batch row, its slot table and residency map are inverse, and no staged row lies past a request's
     entries."""
-    store = engine.offload._store()
+    store = engine.offload.store()
     part, page_size = engine.layout.offloaded, engine.config.page_size
     per_page = entries_per_page(page_size, part.tokens_per_row)
     entry_LBP = np.asarray(store.lru.slot_entry)
     resident = np.asarray(store.lru.resident_slot)
     table = engine.scheduler.admission.page_table(engine.layout.pages_per_row)
-    lengths = engine.scheduler._lengths
-    decoding = set(engine.scheduler._decoding.values())
+    batch = engine.scheduler.schedule_decode()  # the next step's plan: the rows decoding and their lengths
+    lengths = np.zeros(engine.config.max_batch, np.int32) if batch is None else batch.lengths_B
+    decoding = set() if batch is None else {row for row, r in enumerate(batch.request_ids) if r is not None}
     for row in range(engine.config.max_batch):
         limit = part.entries(int(lengths[row])) if row in decoding else 0
         held = entry_LBP[:, row]
@@ -106,7 +107,7 @@ def all_free(engine: Engine) -> None:
     usage = engine.usage()
     assert usage["pages_in_use"] == 0 and usage["rows_in_use"] == 0
     if engine.config.offload == "ess":
-        store = engine.offload._store()
+        store = engine.offload.store()
         assert (np.asarray(store.lru.slot_entry) < 0).all() and (np.asarray(store.lru.resident_slot) < 0).all()
 
 
@@ -411,11 +412,14 @@ def test_mtp_drafts_verified_give_greedy_tokens(mtp_model, offload, k):
     while engine.has_unfinished():
         for out in engine.step():
             tokens[out.request_id] += out.new_token_ids
-        for request_id, row in engine.scheduler._decoding.items():
+        batch = engine.scheduler.schedule_decode()  # the next step's plan: each row's drafts
+        for row, request_id in enumerate(batch.request_ids if batch is not None else ()):
+            if request_id is None:
+                continue
             request = engine.requests[request_id]
             if checked < 6:
                 so_far = request.prompt_ids + request.output_ids
-                assert engine.scheduler._drafted[row].tolist() == reference_drafts(mtp_model, so_far, k)
+                assert batch.drafts_BK[row].tolist() == reference_drafts(mtp_model, so_far, k)
                 checked += 1
     assert [tokens[i] for i in ids] == want
     assert checked == 6
@@ -434,7 +438,7 @@ def test_prometheus_counters_named_as_vllm():
     """``/metrics``'s speculative counters from a usage read: vLLM's spec_decode names, per position too."""
     from prometheus_client import generate_latest
 
-    from ess_jax.engine.plan import SpecStats
+    from ess_jax.engine.speculate import SpecStats
     from ess_jax.server.metrics import Metrics
 
     stats = SpecStats(accepted_per_position=[0, 0])

@@ -14,55 +14,26 @@ same pieces (``plan.piece_size``), and it samples from its own seed."""
 
 from __future__ import annotations
 
-import hashlib
-import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from tqdm import tqdm
 
 from ess_jax import families, mesh
-from ess_jax.config import V4Layer
 from ess_jax.engine import offload, steps
 from ess_jax.engine.config import EngineConfig
 from ess_jax.engine.layout import cache_layout, check_memory
 from ess_jax.engine.request import Request, RequestOutput, check_ids, make_request
 from ess_jax.engine.runner import Runner
 from ess_jax.engine.plan import EngineStats, StepTimes
-from ess_jax.engine.scheduler import Drafter, Scheduler
-from ess_jax.prefix_store import PrefixDisk, PrefixStore, weights_fingerprint
+from ess_jax.engine.prefix import prefix_cache_for
+from ess_jax.engine.scheduler import Scheduler
+from ess_jax.engine.speculate import Drafter, proposer_for
 from ess_jax.sampling import SamplingParams
-
-
-def has_mtp(model) -> bool:
-    """The model carries a multi-token-prediction module (the checkpoint's MTP layer)."""
-    return getattr(model.module, "mtp", None) is not None
-
-
-def check_speculative(model, config: EngineConfig, drafter: Drafter | None) -> None:
-    """ValueError naming the fix when speculative decoding cannot run: drafts from an MTP module the checkpoint
-    does not have, or more tokens per step than a row's rings hold apart."""
-    k = config.num_speculative_tokens
-    if drafter is not None and not k:
-        raise ValueError("a drafter needs speculative decoding: --speculative mtp --num-speculative-tokens K")
-    if not k:
-        return
-    if drafter is None and not has_mtp(model):
-        raise ValueError(f"--speculative mtp: this checkpoint has no MTP layer (num_nextn_predict_layers = 0) to "
-                         f"draft with; use a checkpoint with one, or serve without --speculative")
-    if config.offload == "ess" and config.ring_placement == "host" and V4Layer.HCA in model.cfg.layer_types:
-        raise ValueError("--speculative with --rings host: the host rings take one token per request and step; leave "
-                         "--rings unset or use --rings device (the HCA compressor rings on the device)")
-    limit = families.get(model.cfg.family).step_tokens_limit(model.cfg)
-    if limit is not None and 1 + k > limit:
-        raise ValueError(f"--num-speculative-tokens {k}: a step of 1 + {k} tokens per request exceeds the smallest "
-                         f"ring of positions this model keeps per request ({limit}); use at most {limit - 1}")
 
 
 def _listed(ids):
@@ -78,75 +49,24 @@ class Engine:
         ``config.speculative``): a caller's drafts in place of the MTP module's, ``drafter(request)`` -> the
         ``num_speculative_tokens`` tokens to verify after the request's last (its ``output_ids`` so far)."""
         self.model, self.config, self.progress = model, config, progress
-        check_speculative(model, config, drafter)
+        self.proposer = proposer_for(model, config, drafter, offload.entry_dtype(model.module, config))
         self.layout = cache_layout(model.cfg, config, jnp.dtype(model.module.dtype).name)
         shape = mesh.parse(config.mesh) if config.mesh else mesh.MeshShape()
         check_memory(self.layout, mesh.param_bytes_per_device(model.params, shape))
         self.max_seq_len = self.layout.max_seq_len
         self.stats = EngineStats(steps=[] if record_steps else None)
         mode = offload.MODES[config.offload]
-        mtp = None
-        if config.speculative and drafter is None:  # the MTP module drafts: its own cache, resident
-            dtype = offload.entry_dtype(model.module, config)
-            mtp = lambda size: model.module.init_mtp_cache(size.rows, size.pages, size.page_size,  # noqa: E731
-                                                           dtype, config.index_dtype)
+        self.prefix_cache = config.prefix_cache
+        prefix, prefix_io = prefix_cache_for(model, config, self.layout, mode, self.proposer)
         self.runner = Runner(model, config, self.layout, self.stats,
-                             lambda size: mode.decode_cache(model.module, size, config, self.layout), mtp)
+                             lambda size: mode.decode_cache(model.module, size, config, self.layout), prefix_io,
+                             self.proposer)
         self.offload: offload.Mode = mode(self.runner, self.layout, self.stats)
         size = self.layout.size
-        self.prefix_cache, family = config.prefix_cache, families.get(model.cfg.family)
-        salt = self._prefix_salt() if self.prefix_cache else None
         self.scheduler = Scheduler(config, shards=size.shards, pages=size.pages // size.shards,
                                    pages_per_row=self.layout.pages_per_row, max_seq_len=self.max_seq_len,
-                                   stats=self.stats, drafter=drafter and self._checked(drafter),
-                                   prefix_salt=salt,
-                                   prefix_tail=mode.computed_tail,
-                                   prefix_block=family.prefix_block(model.cfg, config.page_size),
-                                   row_state=family.row_state, disk=self._prefix_disk(salt))
+                                   stats=self.stats, prefix=prefix, proposer=self.proposer)
         self._step_lock = threading.Lock()  # held while the engine's state changes (step, abort)
-
-    def _checked(self, drafter: Drafter) -> Drafter:
-        """``drafter`` whose drafts are checked before they reach the model: K token ids of the vocabulary."""
-        k, vocab = self.config.num_speculative_tokens, self.model.cfg.vocab_size
-
-        def drafts(request: Request) -> np.ndarray:
-            ids = np.asarray(drafter(request))
-            if ids.shape != (k,) or not np.issubdtype(ids.dtype, np.integer) or not ((0 <= ids) & (ids < vocab)).all():
-                raise ValueError(f"the drafter must give {k} token ids in [0, {vocab}), got {ids.tolist()!r}")
-            return ids
-        return drafts
-
-    def _prefix_salt(self) -> bytes:
-        """What a cached page's bytes depend on besides its tokens: the weights (``prefix_store.weights_fingerprint``:
-        a checkpoint's real path and files, or the parameters' values; the ess_jax version), the model's config, its
-        parameters' formats, the cache's stored formats and the kernels that write them."""
-        params = jax.tree.map(lambda x: f"{x.dtype}{x.shape}", self.model.params)
-        what = (weights_fingerprint(self.model.name, self.model.params).hex(), repr(self.model.cfg),
-                str(jax.tree.leaves(params)), repr(self.layout.parts), self.config.kernels)
-        return hashlib.blake2b(repr(what).encode(), digest_size=16).digest()
-
-    def _prefix_disk(self, salt: bytes | None) -> PrefixDisk | None:
-        """The prefix cache's disk store (``--prefix-cache-dir``; a process of several: its own subdirectory), with
-        what a page holds (the resident cache's paged arrays at one page, then the MTP module's) and, with row state,
-        the snapshot's structure; None without one."""
-        config, module = self.config, self.model.module
-        if not (self.prefix_cache and config.prefix_cache_dir):
-            return None
-        family = families.get(module.cfg.family)
-        size = families.CacheSize(rows=1, pages=2, page_size=config.page_size, max_seq_len=config.page_size)
-        main = jax.eval_shape(lambda: family.resident_cache(module, size, offload.entry_dtype(module, config),
-                                                            config.index_dtype))
-        mtp = self.runner.mtp_cache
-        page = [(np.dtype(x.dtype).str, (x.shape[0], *x.shape[2:]))
-                for cache in (main, mtp) if cache is not None for x in jax.tree.leaves(cache.paged_arrays())]
-        state = None
-        if family.row_state:
-            shapes = jax.eval_shape(lambda: (steps.row_state(main, 0), mtp and steps.row_state(mtp, 0)))
-            state = (jax.tree.structure(shapes), [(np.dtype(x.dtype).str, x.shape) for x in jax.tree.leaves(shapes)])
-        directory = Path(config.prefix_cache_dir)
-        if jax.process_count() > 1:
-            directory /= f"process-{jax.process_index()}"
-        return PrefixDisk(PrefixStore(directory, int(config.prefix_cache_disk_gb * 2**30), salt), page, state)
 
     # ---- any thread ----------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
@@ -230,16 +150,9 @@ class Engine:
             return self.scheduler.outputs()
 
     def speculative_metrics(self) -> dict | None:
-        """Speculative decoding's counters as the ``--json`` ``metrics.speculative`` object; None without. An
-        engine that records its steps (``record_steps``) adds the median seconds per decode step of verifying
-        (``verify_s``: the main model's pass over each row's token and drafts) and of the MTP module's drafting
-        (``draft_s``)."""
-        if not self.stats.speculative:
-            return None
-        timed = [s for s in self.stats.steps or () if s.draft_s is not None]
-        return self.stats.speculative.report() | ({
-            "verify_s": statistics.median(s.verify_s for s in timed),
-            "draft_s": statistics.median(s.draft_s for s in timed)} if timed else {})
+        """Speculative decoding's counters as the ``--json`` ``metrics.speculative`` object (``speculate``); None
+        without."""
+        return self.proposer.metrics(self.stats.steps)
 
     def _timed_prefill(self, seconds: float, times: StepTimes | None) -> None:
         self.stats.prefill_s += seconds
@@ -254,8 +167,7 @@ class Engine:
         while self.has_unfinished():
             bar.update(sum(len(out.new_token_ids) for out in self.step()))
         self.offload.flush()  # the last step's rows reach the host store too
-        if self.scheduler.disk is not None:
-            self.scheduler.disk.store.flush()  # and the prompts' pages the disk store
+        self.scheduler.prefix.flush()  # and the prompts' pages the disk store
         bar.close()
         return [requests[i] for i in sorted(requests)]
 
@@ -270,7 +182,7 @@ class Engine:
         if self.has_unfinished():
             raise RuntimeError("warm_up needs an idle engine: requests are unfinished")
         room = (min(self.max_seq_len, self.scheduler.allocators[0].capacity * self.config.page_size) - 1
-                - self.scheduler.reserve)  # and the drafts' positions
+                - self.proposer.reserve)  # and the drafts' positions
         prompt = [0] * min(2 * self.config.prefill_chunk - 1, room)
         self.add_request(prompt, 1, ignore_eos=True)
         self.add_request(prompt, 0, prompt_logprobs=0)
@@ -279,9 +191,7 @@ class Engine:
             self.add_request(prompt, 1, ignore_eos=True)
             self.run()
         self.stats.peak_reserved_pages = self.stats.reserved_pages  # the warm-up request is no workload
-        self.stats.prefix_queries.clear()
-        self.stats.prefix_hits.clear()
-        self.stats.prefix_disk_hits.clear()
+        self.scheduler.prefix.stats.reset()
         if self.stats.steps is not None:
             self.stats.steps.clear()
 
@@ -293,9 +203,8 @@ class Engine:
         its counters so far (``speculative``: ``speculative_metrics``), and with the prefix cache its pages no
         request holds (``prefix_cache_pages``, free to admission) and its counters (``prefix_cache``)."""
         scheduled = self.scheduler.usage()
-        spec = {"speculative": self.speculative_metrics()} if self.stats.speculative else {}
-        prefix = {"prefix_cache": self.prefix_cache_metrics()} if self.prefix_cache else {}
-        return {**scheduled, **self.offload.usage(scheduled), **spec, **prefix}
+        return {**scheduled, **self.offload.usage(scheduled), **self.proposer.usage(self.stats.steps),
+                **self.scheduler.prefix.usage()}
 
     def cache_bytes(self) -> dict[str, int]:
         """Bytes of the real cache arrays: device (the decode-time cache), host (the offload store), and
@@ -303,27 +212,18 @@ class Engine:
         pages of every paged part and every batch row's fixed parts): at the peak of the requests reserved at
         once (``resident_device_bytes``; for a batch added at once, all of it) and for the unfinished requests
         now (``resident_device_bytes_now``). Finished requests count in neither once gone, so a long-lived
-        engine's figures stay bounded. With offload also the prefill scratch's bytes."""
+        engine's figures stay bounded. With offload also the prefill scratch's bytes. ``prefix_snapshot_bytes``: the
+        prefix cache's row-state snapshots kept now, in host memory (DeepSeek-V4's; at most ``layout.snapshot_bytes``)."""
         parts, size = self.layout.parts, self.layout.size
         return {**self.offload.cache_bytes(),
+                "prefix_snapshot_bytes": sum(pool.state_bytes for pool in self.scheduler.allocators),
                 "resident_device_bytes": int(families.resident_bytes(parts, size, self.stats.peak_reserved_pages)),
                 "resident_device_bytes_now": int(families.resident_bytes(parts, size, self.stats.reserved_pages))}
 
     def prefix_cache_metrics(self) -> dict | None:
-        """The prefix cache's counters as the ``--json`` ``metrics.prefix_cache`` object: prompt tokens of the
-        requests that looked it up (``query_tokens``) and those found cached (``hit_tokens``), per tier (where the
-        cached pages were read from) and per data shard; None with the prefix cache off."""
-        if not self.prefix_cache:
-            return None
-        stats, shards = self.stats, range(self.layout.size.shards)
-        queries, memory, disk = (sum(d.values()) for d in (stats.prefix_queries, stats.prefix_hits,
-                                                            stats.prefix_disk_hits))
-        hits = memory + disk
-        return {"query_tokens": queries, "hit_tokens": hits, "hit_rate": hits / queries if queries else 0.0,
-                "per_tier": {"device": 0, "host": 0, self.offload.prefix_tier: memory, "disk": disk},
-                "per_shard": [{"shard": d, "query_tokens": stats.prefix_queries.get(d, 0),
-                               "hit_tokens": stats.prefix_hits.get(d, 0) + stats.prefix_disk_hits.get(d, 0)}
-                              for d in shards]}
+        """The prefix cache's counters as the ``--json`` ``metrics.prefix_cache`` object (``PrefixCache.metrics``);
+        None with the prefix cache off."""
+        return self.scheduler.prefix.metrics()
 
     def offload_metrics(self) -> dict | None:
         """Tier counters (read from the device once) as the ``--json`` ``metrics.offload`` object; None

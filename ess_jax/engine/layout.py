@@ -14,6 +14,7 @@ from ess_jax import families, mesh
 from ess_jax.cache import check_geometry
 from ess_jax.engine import offload
 from ess_jax.engine.config import EngineConfig
+from ess_jax.plan import snapshot_bytes
 
 GiB = 2**30
 
@@ -34,6 +35,8 @@ class CacheLayout:
     host_bytes: int  # ess: the host store, every data shard's together
     logits_bytes: int  # one decode step's float32 logits [max_batch, 1 + drafts, vocab]
     placed: list  # the parts where the mode places them (ess: ``families.host_rings`` with --rings host)
+    snapshot_bytes: int  # the prefix cache's row-state snapshots at most (DeepSeek-V4's: ``prefix_cache_states`` per
+    # data shard, each ``plan.snapshot_bytes`` of the model's parts and the MTP module's), in host memory
 
 
 def cache_layout(cfg, config: EngineConfig, model_format: str, *, lower_bound: bool = False) -> CacheLayout:
@@ -57,13 +60,16 @@ def cache_layout(cfg, config: EngineConfig, model_format: str, *, lower_bound: b
             check_geometry(config.page_size, p.tokens_per_row)
     part = next(p for p in parts if p.where == "offloaded")
     sized = offload.MODES[config.offload].sizes(cfg, config, size, parts, lower_bound=lower_bound)
-    device = sized.device_bytes
+    device, snapshot = sized.device_bytes, snapshot_bytes(parts)
     if config.speculative:  # the MTP module's cache: its one block's parts, resident, in every page
         formats = family.stored_formats(config.cache_dtype or model_format, model_format, config.index_dtype)
-        device += families.resident_bytes(family.mtp_cache_parts(cfg, formats), sized.size, sized.size.pages)
+        mtp = family.mtp_cache_parts(cfg, formats)
+        device += families.resident_bytes(mtp, sized.size, sized.size.pages)
+        snapshot += snapshot_bytes(mtp)
+    snapshots = shards * config.prefix_cache_states * snapshot if config.prefix_cache and family.row_state else 0
     logits = 4 * config.max_batch * (1 + config.num_speculative_tokens) * cfg.vocab_size
     return CacheLayout(max_seq_len, pages_per_row, sized.size, parts, part, sized.pool_slots, int(device),
-                       int(sized.host_bytes), logits, sized.parts or parts)
+                       int(sized.host_bytes), logits, sized.parts or parts, int(snapshots))
 
 
 def memory_limits() -> tuple[int | None, int]:
@@ -80,18 +86,20 @@ def memory_limits() -> tuple[int | None, int]:
 def check_memory(layout: CacheLayout, weights_bytes: int = 0) -> None:
     """Refuse a layout the machine cannot hold, with the numbers: a device's part of the caches and logits (1 /
     data shards of them) and ``weights_bytes`` (the weights on one device) against the device memory, the host
-    store against the host memory (all of it against the host's on a device without its own memory)."""
+    store and the prefix cache's snapshots against the host memory (all of it against the host's on a device without
+    its own memory)."""
     device_limit, host_limit = memory_limits()
     s = layout.size
     what = (f"{s.pages} pages of {s.page_size} tokens, {s.rows} batch rows of up to {layout.max_seq_len} tokens"
             + (f", {layout.pool_slots} pool slots per layer and row" if layout.pool_slots else "")
             + (f" over {s.shards} data shards" if s.shards > 1 else ""))
     fix = "lower --num-pages, --page-size, --max-batch or --max-seq-len"
+    host = layout.host_bytes + layout.snapshot_bytes
     if device_limit is None:
-        need = layout.device_bytes + layout.logits_bytes + weights_bytes + layout.host_bytes
+        need = layout.device_bytes + layout.logits_bytes + weights_bytes + host
         if need > host_limit:
             raise ValueError(f"the engine needs {need / GiB:.2f} GiB ({what}: device cache "
-                             f"{layout.device_bytes / GiB:.2f} GiB, host store {layout.host_bytes / GiB:.2f} GiB, "
+                             f"{layout.device_bytes / GiB:.2f} GiB, host store and snapshots {host / GiB:.2f} GiB, "
                              f"logits {layout.logits_bytes / GiB:.2f} GiB, weights {weights_bytes / GiB:.2f} GiB) but "
                              f"this machine has {host_limit / GiB:.2f} GiB: {fix}")
         return
@@ -100,6 +108,7 @@ def check_memory(layout: CacheLayout, weights_bytes: int = 0) -> None:
         raise ValueError(f"the engine needs {(cache + logits + weights_bytes) / GiB:.2f} GiB on each device ({what}: "
                          f"cache {cache / GiB:.2f} GiB, logits {logits / GiB:.2f} GiB, weights "
                          f"{weights_bytes / GiB:.2f} GiB) but a device has {device_limit / GiB:.2f} GiB: {fix}")
-    if layout.host_bytes > host_limit:
-        raise ValueError(f"the host store needs {layout.host_bytes / GiB:.2f} GiB ({what}) but this machine has "
-                         f"{host_limit / GiB:.2f} GiB: {fix}, or set --host-cache-mb")
+    if host > host_limit:
+        raise ValueError(f"the host store and the prefix cache's snapshots need {host / GiB:.2f} GiB ({what}) but this "
+                         f"machine has {host_limit / GiB:.2f} GiB: {fix}, or set --host-cache-mb or "
+                         "--prefix-cache-states")

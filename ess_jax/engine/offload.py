@@ -238,7 +238,8 @@ class Ess:
         with self.runner.on_mesh():
             self.runner.cache = steps.flush(self.family, self.runner.cache, shardings=self.runner.shardings)
 
-    def _store(self) -> tier.Tier:
+    def store(self) -> tier.Tier:
+        """The decode cache's tier."""
         return self.family.store_of(self.runner.cache)
 
     def usage(self, scheduled: dict) -> dict:
@@ -247,7 +248,7 @@ class Ess:
         row, in use where a request holds the row)."""
         page_bytes = self.layout.offloaded.page_bytes(self.layout.size.page_size)
         ring_bytes = sum(p.bytes(0) for p in self.layout.placed if p.where == "host")  # per batch row
-        return {"pool_slots_in_use": int((mesh.host_array(self._store().lru.slot_entry) >= 0).sum()),
+        return {"pool_slots_in_use": int((mesh.host_array(self.store().lru.slot_entry) >= 0).sum()),
                 "pool_slots_total": self.layout.pool_slots * self.layout.size.rows * self.layout.offloaded.layers,
                 "host_pages_in_use": scheduled["pages_in_use"], "host_pages_total": scheduled["pages_total"],
                 "host_bytes_in_use": scheduled["pages_in_use"] * page_bytes + scheduled["rows_in_use"] * ring_bytes,
@@ -258,7 +259,7 @@ class Ess:
         """Tier counters (read from the device once) as the ``--json`` ``metrics.offload`` object: over the union of
         each step's queries' top-k ids (what was fetched), per layer and per data shard, and over each query position's
         own ids (``per_position``: a verification step's last token, then its drafts; one position without)."""
-        store = self._store()
+        store = self.store()
         rows_LB4 = mesh.host_array(store.counters)  # lookups, hits, misses, staged per layer and row
         counts = rows_LB4.sum(1)
         lookups, hits, misses, staged = (int(x) for x in counts.sum(0))

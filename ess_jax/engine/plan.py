@@ -41,40 +41,19 @@ class EngineStats:
     reserved_pages: int = 0
     peak_reserved_pages: int = 0
     steps: list[StepTimes] | None = None
-    speculative: SpecStats | None = None  # with speculative decoding
-    prefix_queries: dict[int, int] = dataclasses.field(default_factory=dict)  # data shard -> prompt tokens admitted
-    # there that looked up the prefix cache
-    prefix_hits: dict[int, int] = dataclasses.field(default_factory=dict)  # data shard -> of them, found cached
-    # in memory
-    prefix_disk_hits: dict[int, int] = dataclasses.field(default_factory=dict)  # data shard -> of them, read from
-    # the disk store
 
 
-@dataclasses.dataclass
-class SpecStats:
-    """Speculative decoding's counters: drafts verified, drafts accepted, and per draft position how often it was
-    accepted (vLLM's ``spec_decode`` counters)."""
+@dataclasses.dataclass(frozen=True)
+class PrefixWork:
+    """The prefix cache's part of a prefill piece (``ess_jax.engine.prefix``; nothing to do by default)."""
 
-    num_drafts: int = 0  # verification steps of one request (each verifies K drafts)
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    accepted_per_position: list[int] = dataclasses.field(default_factory=list)  # [K]
-
-    def record(self, drafts: int, accepted: int) -> None:
-        self.num_drafts += 1
-        self.draft_tokens += drafts
-        self.accepted_tokens += accepted
-        for i in range(accepted):
-            self.accepted_per_position[i] += 1
-
-    def report(self) -> dict:
-        """The ``--json`` ``metrics.speculative`` object: acceptance rate per draft position, mean accepted length
-        (tokens per verification step: the accepted drafts and the token after them), drafts and accepted."""
-        n = self.num_drafts
-        return {"acceptance_rate": [a / n if n else 0.0 for a in self.accepted_per_position],
-                "mean_accepted_length": 1 + self.accepted_tokens / n if n else 0.0,
-                "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
-                "num_drafts": n, "accepted_per_position": list(self.accepted_per_position)}
+    resume: Any = None  # the row state at the piece's start (a snapshot per cache the piece writes), loaded before the
+    # first piece past a cached prefix of a family with row state; None: nothing to load
+    snapshot: bool = False  # take the row state after this piece
+    loaded: int = 0  # the prompt's tokens after ``PrefillSlice.cached`` read from the disk store into its own pages
+    disk: tuple = ()  # the first piece past them: those pages' arrays (``PrefixDisk.pages``), written before it
+    save: tuple[int, ...] = ()  # the last piece: the prompt pages (indices in the request's pages) to read back after
+    # it for the disk store
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,19 +72,13 @@ class PrefillSlice:
     targets: tuple[int, ...]  # the prompt token after each of its positions (the last piece: one fewer)
     prompt_logprobs: int | None  # the top-N of each target's log-probability to report (None: not scored)
     cached: int = 0  # the prompt's first tokens read from the prefix cache (its first pages, shared); the first
-    # piece starts there
-    resume: Any = None  # the row state at ``cached`` (a snapshot, ``Family.row_state``), loaded before the first
-    # piece past a cached prefix of a family with row state; None: nothing to load
-    snapshot: bool = False  # take the row state after this piece (it ends at one of the prompt's snapshot points)
-    loaded: int = 0  # the prompt's tokens after ``cached`` read from the disk store into its own pages
-    disk: tuple = ()  # the first piece past them: those pages' arrays (``PrefixDisk.page``), written before it
-    save: tuple[int, ...] = ()  # the last piece: the prompt pages (indices in the request's pages) to read back
-    # after it for the disk store
+    # piece starts there (or past the pages read from the disk store)
+    prefix: PrefixWork = PrefixWork()
 
     @property
     def first(self) -> bool:
         """The request's first piece: it starts where the cache left off."""
-        return self.start == self.cached + self.loaded
+        return self.start == self.cached + self.prefix.loaded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,10 +102,10 @@ class PrefillResult:
     # (logprob_T, rank_T, top_ids_TK, top_TK), for the scored pieces
     drafts: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # data shard -> i32[K] the MTP module's
     # drafts after a prompt its piece finished (speculative decoding)
-    states: dict[int, tuple[Any, int]] = dataclasses.field(default_factory=dict)  # data shard -> the row state
-    # after its piece and its bytes, for the pieces that take one (``PrefillSlice.snapshot``)
-    saved: dict[int, list] = dataclasses.field(default_factory=dict)  # data shard -> the arrays of the pages its
-    # piece asked for (``PrefillSlice.save``), in that order
+    states: dict[int, tuple[Any, int] | None] = dataclasses.field(default_factory=dict)  # data shard -> the row
+    # state after its piece and its bytes (``PrefixWork.snapshot``; None: not taken)
+    saved: dict[int, list | None] = dataclasses.field(default_factory=dict)  # data shard -> the arrays of the pages
+    # its piece asked for (``PrefixWork.save``), in that order (None: none asked)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,10 @@ from ess_jax.engine import steps
 from ess_jax.engine.config import EngineConfig
 from ess_jax.engine.layout import CacheLayout
 from ess_jax.engine.request import MAX_PROMPT_LOGPROBS
-from ess_jax.engine.plan import DecodeBatch, DecodeResult, EngineStats, PrefillGroup, PrefillResult, StepTimes
+from ess_jax.engine.plan import (DecodeBatch, DecodeResult, EngineStats, PrefillGroup, PrefillResult, PrefillSlice,
+                                 StepTimes)
+from ess_jax.engine.prefix import NoPrefixIO, PrefixIO, Target
+from ess_jax.engine.speculate import CallerDrafts, NoDrafts
 from ess_jax.sampling import SamplingParams
 
 
@@ -58,11 +61,13 @@ def window_shape(module, layout: CacheLayout, kernels: str) -> tuple[int, ...]:
 
 class Runner:
     def __init__(self, model, config: EngineConfig, layout: CacheLayout, stats: EngineStats,
-                 decode_cache: Callable[[families.CacheSize], object],
-                 mtp_cache: Callable[[families.CacheSize], object] | None = None):
-        """``decode_cache(size)``: the empty decode cache of ``size`` (the offload mode's); ``mtp_cache(size)``: the
-        MTP module's (speculative decoding with its drafts; None: no MTP drafting)."""
+                 decode_cache: Callable[[families.CacheSize], object], prefix: PrefixIO | NoPrefixIO,
+                 proposer: NoDrafts | CallerDrafts):
+        """``decode_cache(size)``: the empty decode cache of ``size`` (the offload mode's); ``prefix``: the prefix
+        cache's runner half; ``proposer``: speculative decoding's (``speculate``), whose device part (the MTP
+        module's cache and drafting) runs within the steps."""
         self.model, self.config, self.layout, self.stats = model, config, layout, stats
+        self.prefix, self.proposer = prefix, proposer
         ops.resolve_kernels(config.kernels)  # Pallas where this backend has no kernels for it: refused here
         self.kernels = config.kernels  # static in the compiled steps
         self.mesh = mesh.make(mesh.parse(config.mesh)) if config.mesh else None
@@ -70,12 +75,11 @@ class Runner:
         self.shards = layout.size.shards
         self.rows_per_shard = config.max_batch // self.shards
         self.prompt_top = min(MAX_PROMPT_LOGPROBS, model.cfg.vocab_size)  # the top-N a scored prefill piece keeps
-        self._compiled_decode = self._compiled_draft = None
+        self._compiled_decode = None
         with self.on_mesh():
             self.cache, self.shardings = self.build(decode_cache, layout.size)
-            self.mtp_cache, self.mtp_shardings = self.build(mtp_cache, layout.size) if mtp_cache else (None, None)
+            proposer.place(self.build, layout.size)
             self.window = self._empty_window()
-        self.drafts = config.num_speculative_tokens if mtp_cache else 0  # the MTP's drafts per step
 
     def on_mesh(self):
         """The context the engine's arrays are made and its steps run in: ``jax.set_mesh`` of its mesh."""
@@ -103,64 +107,23 @@ class Runner:
         """Run ``group`` on ``cache`` (the decode cache, or the offload mode's scratch; ``rows`` batch rows per data
         shard) with each shard's page table ``table_DX`` and batch row ``row_D`` (in its shard); the result and the
         cache. A piece past a cached prefix first resumes its row's state (and its MTP cache's) from the prefix's
-        snapshot; a piece ending at its prompt's boundary takes the snapshot after it (``PrefillSlice``)."""
-        page_size = self.config.page_size
+        snapshot; a piece the prefix cache snapshots after takes it (``prefix.PrefixIO``)."""
         for shard, piece in group.slices.items():
-            if piece.disk:  # pages read back from the disk store: into the request's own pages
-                at = piece.cached // page_size + np.arange(len(piece.disk))
-                cache = self._write_pages(cache, shardings, shard, table_DX[shard, at], piece.disk, 0)
-                if self.mtp_cache is not None:
-                    self.mtp_cache = self._write_pages(self.mtp_cache, self.mtp_shardings, shard, piece.pages_X[at],
-                                                       piece.disk, len(jax.tree.leaves(cache.paged_arrays())))
-            if piece.resume is not None:
-                main, mtp = piece.resume
-                cache = steps.resume(cache, jnp.int32(shard * rows + row_D[shard]), main, shardings=shardings)
-                if mtp is not None:
-                    self.mtp_cache = steps.resume(self.mtp_cache, jnp.int32(piece.row), mtp,
-                                                  shardings=self.mtp_shardings)
+            cache, *rest = self.prefix.before(self._targets(cache, shardings, shard, piece, table_DX, row_D, rows),
+                                              shard, piece)
+            self.proposer.resumed(rest)
         result, cache = self._prefill(cache, shardings, group, table_DX, row_D)
         states, saved = {}, {}
         for shard, piece in group.slices.items():
-            if piece.snapshot:
-                state = jax.device_get((steps.row_state(cache, jnp.int32(shard * rows + row_D[shard])),
-                                        None if self.mtp_cache is None else
-                                        steps.row_state(self.mtp_cache, jnp.int32(piece.row))))
-                states[shard] = (state, sum(x.nbytes for x in jax.tree.leaves(state)))
-            if piece.save:  # the prompt's pages for the disk store: each page's arrays, then the MTP module's
-                at = np.asarray(piece.save)
-                pages = self._read_pages(cache, shard, table_DX[shard, at])
-                if self.mtp_cache is not None:
-                    pages = [a + b for a, b in zip(pages, self._read_pages(self.mtp_cache, shard, piece.pages_X[at]))]
-                saved[shard] = pages
+            states[shard], saved[shard] = self.prefix.after(
+                self._targets(cache, shardings, shard, piece, table_DX, row_D, rows), shard, piece)
         return dataclasses.replace(result, states=states, saved=saved), cache
 
-    def _global_pages(self, cache, shard: int, local) -> jax.Array:
-        """Pages ``local`` of data shard ``shard`` as ids in ``cache``'s whole paged arrays, padded with the shard's
-        null page to a request's width (one compiled shape)."""
-        per_shard = jax.tree.leaves(cache.paged_arrays())[0].shape[1] // self.shards
-        ids = np.zeros(self.layout.pages_per_row, np.int32)
-        ids[:len(local)] = local
-        return jnp.asarray(shard * per_shard + ids)
-
-    def _read_pages(self, cache, shard: int, local) -> list[list[np.ndarray]]:
-        """The arrays of pages ``local`` of ``shard`` in ``cache``, a list per page."""
-        leaves = jax.tree.leaves(jax.device_get(steps.read_pages(cache, self._global_pages(cache, shard, local))))
-        return [[np.asarray(x[:, j]) for x in leaves] for j in range(len(local))]
-
-    def _write_pages(self, cache, shardings, shard: int, local, pages: tuple, skip: int):
-        """``cache`` with pages ``local`` of ``shard`` set to ``pages`` (a list of arrays per page, its own from
-        ``skip`` on)."""
-        structure = jax.tree.structure(cache.paged_arrays())
-        n = structure.num_leaves
-        width = self.layout.pages_per_row
-        leaves = []
-        for i in range(n):
-            stacked = np.stack([page[skip + i] for page in pages], axis=1)
-            padded = np.zeros(stacked.shape[:1] + (width,) + stacked.shape[2:], stacked.dtype)
-            padded[:, :len(pages)] = stacked
-            leaves.append(jnp.asarray(padded))
-        return steps.write_pages(cache, self._global_pages(cache, shard, local), jax.tree.unflatten(structure, leaves),
-                                 shardings=shardings)
+    def _targets(self, cache, shardings, shard: int, piece: PrefillSlice, table_DX: np.ndarray, row_D: np.ndarray,
+                 rows: int) -> list[Target]:
+        """The caches a piece writes, with its row and pages in each: ``cache`` (``rows`` per data shard), then the
+        MTP module's (the request's own batch row and pages)."""
+        return [(cache, shardings, shard * rows + int(row_D[shard]), table_DX[shard]), *self.proposer.targets(piece)]
 
     def _prefill(self, cache, shardings, group: PrefillGroup, table_DX: np.ndarray, row_D: np.ndarray):
         d, t = self.shards, group.size
@@ -174,20 +137,14 @@ class Runner:
             params[shard] = piece.sampling
             pages_DX[shard], rows_D[shard], last_D[shard] = piece.pages_X, piece.row % self.rows_per_shard, piece.last
         meta = StepMeta(*(jnp.asarray(x) for x in (positions, valid, table_DX, row_D)))
-        mtp = {}
-        if self.mtp_cache is not None:  # the MTP module's cache: the request's own pages and batch row
-            mtp = dict(mtp_cache=self.mtp_cache, mtp_meta=StepMeta(*(jnp.asarray(x) for x in (
-                positions, valid, pages_DX, rows_D))), last_B=jnp.asarray(last_D), mtp_shardings=self.mtp_shardings,
-                drafts=self.drafts)
+        mtp = self.proposer.prefill_args(positions, valid, pages_DX, rows_D, last_D)
         targets = jnp.asarray(targets)
         token, logits_DV, hidden, self.window, cache, drafts_DK, mtp_cache = steps.prefill(
             self.model.graphdef, self.kernels, self.params, jnp.asarray(tokens), meta, cache,
             sampling_batch(tuple(params), steps_D), self.window, targets, shardings=shardings, **mtp)
         scores = steps.score(self.model.graphdef, self.params, hidden, targets, top=self.prompt_top,
                              shardings=shardings) if group.scored else None
-        if self.mtp_cache is not None:
-            self.mtp_cache = mtp_cache
-        drafts = mesh.host_array(drafts_DK) if drafts_DK is not None else None
+        drafts = self.proposer.prefill_done(mtp_cache, drafts_DK, group)
         sampled = mesh.host_array(token)
         wanted = [s for s, piece in group.slices.items() if piece.last and piece.wants_logits]
         logits = mesh.host_array(logits_DV) if wanted else None
@@ -196,9 +153,7 @@ class Runner:
             fields = [mesh.host_array(x) for x in jax.tree.leaves(scores)]  # in PromptScores' field order
             scored = {s: tuple(x[s, :len(piece.targets)] for x in fields) for s, piece in group.slices.items()
                       if piece.prompt_logprobs is not None}
-        return PrefillResult(sampled, {s: logits[s] for s in wanted}, scored,
-                             {s: drafts[s] for s, piece in group.slices.items() if piece.last} if drafts is not None
-                             else {}), cache
+        return PrefillResult(sampled, {s: logits[s] for s in wanted}, scored, drafts), cache
 
     # ---- decode --------------------------------------------------------------------------------
     def _decode_args(self, batch: DecodeBatch):
@@ -223,11 +178,7 @@ class Runner:
         args = self._decode_args(idle)
         self._compiled_decode = steps.decode.lower(self.model.graphdef, self.kernels, *args,
                                                    shardings=self.shardings).compile()
-        if self.mtp_cache is not None:
-            tokens_BT, _, _, _, hidden, kept_B = self._compiled_decode.out_info  # placed as the decode returns them
-            self._compiled_draft = steps.draft.lower(
-                self.model.graphdef, self.kernels, self.params, hidden, tokens_BT, args[2], kept_B, self.mtp_cache,
-                mtp_shardings=self.mtp_shardings).compile()
+        self.proposer.compile(self.model.graphdef, self.kernels, self.params, self._compiled_decode, args[2])
         self.stats.compile_s = time.perf_counter() - start
 
     def decode(self, batch: DecodeBatch, times: StepTimes | None) -> DecodeResult:
@@ -239,10 +190,7 @@ class Runner:
         start = time.perf_counter()
         args = self._decode_args(batch)
         tokens_BT, accepted_B, logits_BTV, self.cache, hidden, kept_B = self._compiled_decode(*args)
-        drafts_BK = None
-        if self.mtp_cache is not None:  # launched behind the verification, which the device runs first
-            drafts_BK, self.mtp_cache = self._compiled_draft(self.params, hidden, tokens_BT, args[2], kept_B,
-                                                             self.mtp_cache)
+        drafts_BK = self.proposer.draft(self.params, hidden, tokens_BT, args[2], kept_B)  # None: it drafts no more
         if times is not None:
             times.decode_dispatch_s = time.perf_counter() - start
         tokens_BT, accepted_B = mesh.host_array(tokens_BT), mesh.host_array(accepted_B)

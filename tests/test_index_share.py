@@ -2,6 +2,7 @@
 cached step against the training form, resident against ESS (both fetch backends) with requests joining and aborted,
 shared layers' misses fetched at their full layer, checkpoints and the planner."""
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from ess_jax import checkpoint, tier, train
+from ess_jax import checkpoint, families, tier, train
 from ess_jax.api import load_model
 from ess_jax.bench.__main__ import main as bench_main
 from ess_jax.cache import StepMeta
@@ -196,14 +197,20 @@ def test_shared_layers_misses_are_fetched_at_their_full_layer(shared, fetch):
     """Per layer: a full layer fetches its own misses (lead 0); a shared layer's are all fetched at its full layer's
     step, ``lead`` layers before it runs."""
     model, _, served = shared
-    cfg = model.cfg
-    per_layer = served("ess", fetch)[1].offload_metrics()["per_layer"]
+    cfg, engine = model.cfg, served("ess", fetch)[1]
+    per_layer = engine.offload_metrics()["per_layer"]
     assert [c["layer"] for c in per_layer] == cfg.index_layers
     full = 0
     for c, kind in zip(per_layer, cfg.indexer_types):
         full = c["layer"] if kind == "full" else full
         assert c["misses"] > 0 and c["lead"] == c["layer"] - full
         assert c["fetched_ahead"] == (c["misses"] if kind == "shared" else 0)
+    # the tier's device arrays, the rows fetched ahead included, as the engine sized them
+    store, layout = families.get(cfg.family).store_of(engine.runner.cache), engine.layout
+    assert sum(x.nbytes for x in jax.tree.leaves(dataclasses.replace(store, host=None))) == tier.device_bytes(
+        layers=len(cfg.index_layers), rows=2, slots=layout.pool_slots, row_bytes=layout.offloaded.row_bytes,
+        entries=layout.offloaded.row_entries(layout.size), topk=cfg.index_topk,
+        sources=tier.share_sources(cfg.indexer_types)) > 0 < store.ahead.nbytes
 
 
 def test_a_shared_layers_rows_are_fetched_before_it_runs():

@@ -83,7 +83,7 @@ def render(result: dict) -> str:
     from ess_jax.cli import table
 
     s = result["setup"]
-    rows = [[r["index_share"], r["pattern"], "-" if r["heldout_nll"] is None else f"{r['heldout_nll']:.4f}",
+    rows = [[Path(r["index_share"]).name, r["pattern"], "-" if r["heldout_nll"] is None else f"{r['heldout_nll']:.4f}",
              "resident" if r["offload"] == "none" else f"ess r={r['pool_ratio']:g} {r['fetch']}",
              f"{r['decode_tokens_per_s']:.1f}", f"{r['prefill_tokens_per_s']:.0f}",
              "-" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}",

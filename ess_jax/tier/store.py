@@ -53,10 +53,11 @@ class Tier:
     query_counters: jax.Array  # i32[L, B, T, 3] lookups, hits, misses of each query position's own top-k ids (T: a
     # decode step's query tokens per row, 1 + the drafts it verifies)
     host: Any  # host.PinnedHostStore | host.NumpyHostStore: [L, G, Z, W]
-    ahead: jax.Array  # [A, B, U, W] Index Share: the misses a full layer fetched for the A shared layers after it
-    # (A: the most a full layer serves, 0 without sharing; U: a step's queries times top-k), read when they run
-    ahead_counters: jax.Array  # i32[L', B, 2] per layer (L' = L with sharing, else 0) and row: misses fetched at
-    # an earlier layer's step than the layer's own, and the layer whose step last fetched its misses
+    ahead: jax.Array | None  # [A, B, U, W] Index Share: the misses a full layer fetched for the A shared layers
+    # after it (A: the most a full layer serves; U: a step's queries times top-k), read when they run; None without
+    # sharing (no zero-sized arrays: XLA:CPU's SPMD compile crashes on one sharded over the batch rows)
+    ahead_counters: jax.Array | None  # i32[L, B, 2] per layer and row: misses fetched at an earlier layer's step
+    # than the layer's own, and the layer whose step last fetched its misses; None without sharing
     page_size: int = dataclasses.field(metadata=dict(static=True))  # tokens per page (Z)
     rate: int = dataclasses.field(metadata=dict(static=True))  # tokens per entry (m)
     miss_budget: float = dataclasses.field(default=1.0, metadata=dict(static=True))  # rows fetched per batch row
@@ -299,8 +300,8 @@ def init_tier(*, layers: int, rows: int, slots: int, pages: int, page_size: int,
         counters=jnp.zeros((layers, rows, 4), jnp.int32),
         query_counters=jnp.zeros((layers, rows, queries, 3), jnp.int32),
         host=host_store(fetch, (layers, pages, per_page, width), dtype),
-        ahead=jnp.zeros((ahead, rows, queries * topk if ahead else 0, width), dtype),
-        ahead_counters=jnp.full((layers if ahead else 0, rows, 2), -1, jnp.int32).at[..., 0].set(0),
+        ahead=jnp.zeros((ahead, rows, queries * topk, width), dtype) if ahead else None,
+        ahead_counters=jnp.full((layers, rows, 2), -1, jnp.int32).at[..., 0].set(0) if ahead else None,
         page_size=page_size, rate=rate, sources=sources,
     )
 

@@ -152,13 +152,13 @@ def test_v4_prompts_submitted_together_share_a_system_prompt(engines, mode):
     assert_idle_holds_only_cached_pages(on)
 
 
-def test_v4_prompts_submitted_together_on_a_mesh_share_their_system_prompt(engines):
+def test_v4_prompts_submitted_together_on_a_mesh_share_their_system_prompt():
     """``test_prefix_cache``'s in-batch run on a data=2 mesh on DeepSeek-V4 (blocks of 16 tokens): the first prompt
     snapshots where the waiting ones part from it (48) and the next one on its shard resumes there; tokens as on one
     device without the prefix cache."""
     from test_prefix_cache import in_batch_on_a_mesh
 
-    for mode, hits in in_batch_on_a_mesh(engines, FIXTURE).items():
+    for mode, hits in in_batch_on_a_mesh(FIXTURE).items():
         assert hits[0] >= 2 * 48, mode
 
 

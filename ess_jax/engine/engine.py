@@ -175,7 +175,7 @@ class Engine:
         """Compile ahead on the calling thread: the decode step, every prefill piece size and its prompt
         log-probabilities (``steps.score``) and the offload mode's steps, through two requests of
         ``2 x prefill_chunk - 1`` tokens (one piece of each size): one served to the end, one scoring its prompt
-        and ending after its prefill; with the prefix cache the first again, which reads its prompt's cached pages
+        and ending after its prefill (never cut at the prefix cache's snapshot points, so every size runs); with the prefix cache the first again, which reads its prompt's cached pages
         (ESS: ``load_prefix``).
         Every step's arguments are placed as in serving (``Runner``), so nothing compiles afterwards. Call it on
         an idle engine, before serving."""

@@ -114,7 +114,7 @@ class PrefixCache:
         if request.prompt_logprobs is None:
             loaded = self._read_disk(entry, request) if self.disk is not None else 0
             self.stats.count(admission.shard_of(entry.row), len(request.prompt_ids), shared, loaded)
-        if self.row_state:
+        if self.row_state and request.prompt_logprobs is None:  # a scored prompt is shared with none: never cut
             boundary = self.boundary(len(request.prompt_ids))
             marks = (n * self.block for n in range(boundary // self.block) if 2 * n * self.block >= boundary
                      and landmark(n))

@@ -239,6 +239,27 @@ def test_a_shared_layers_rows_are_fetched_before_it_runs():
     assert tiered.counters[:, 0, 2].tolist() == [3, 3, 3]
 
 
+@pytest.mark.parametrize("fixture", ["hf-v32-a", "hf-v4-a"])
+def test_an_all_full_pattern_is_the_model_transformers_runs(fixture):
+    """Every indexed layer given as full (``--index-share FF...``) is the model without Index Share: the training
+    form's logits and the resident and ESS engines' greedy tokens are transformers' (the golden fixtures)."""
+    import ess_jax
+    from helpers import ONLINE
+
+    path = Path(__file__).parent / "fixtures" / fixture
+    layers = len(load_model(path).cfg.index_layers)
+    model = load_model(path, index_share="F" * layers)
+    assert model.cfg.indexer_types == ("full",) * layers
+    ref = np.load(path / "reference.npz")
+    for i in range(len([k for k in ref.files if k.startswith("prompt_")])):
+        prompt, logits, full = ref[f"prompt_{i}"], ref[f"logits_{i}"], ref[f"generate_{i}"]
+        got = model.logits(prompt[None])[0]
+        assert np.abs(got - logits).max() <= 1e-4 * np.abs(logits).max(), (fixture, i)
+        for engine in ONLINE.values():
+            result = ess_jax.generate(model, [prompt.tolist()], max_new_tokens=len(full) - len(prompt), engine=engine)
+            assert result.output_ids[0] == full[len(prompt):].tolist(), (fixture, i, engine.offload)
+
+
 def test_the_pattern_changes_the_model():
     """A shared pattern is not the all-full model (the shared layers' own indexers would pick other entries)."""
     full = load_model("tiny-v32-code")

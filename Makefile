@@ -10,6 +10,7 @@ demo: venv
 		--temperature 0.7 --top-p 0.9 --seed 0
 
 test: venv
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q -n auto --dist loadfile --durations=15
 
 # The inner loop: everything but the multi-device, multi-process and Pallas-interpreter tests (CI runs `test`).

@@ -22,7 +22,6 @@ import math
 import os
 import re
 
-import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 

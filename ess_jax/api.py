@@ -70,7 +70,8 @@ class Model:
         if tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}); got [{tokens.min()}, {tokens.max()}]")
         if tokens.shape[1] > self.cfg.max_position_embeddings:
-            raise ValueError(f"{tokens.shape[1]} tokens exceed max_position_embeddings={self.cfg.max_position_embeddings}")
+            raise ValueError(f"{tokens.shape[1]} tokens exceed "
+                             f"max_position_embeddings={self.cfg.max_position_embeddings}")
         return tokens.astype(np.int32)
 
 

@@ -419,7 +419,8 @@ def _join(arrays: list, combine, where: list[str]):
     one storage format, quantized ones with their scales (concatenated FP8 matrices become ``parts``)."""
     formats = {_format(a) for a in arrays}
     if len(formats) > 1:
-        raise CheckpointError(f"{where[0]} ... {where[-1]} are stored in different formats ({', '.join(sorted(formats))}) "
+        raise CheckpointError(f"{where[0]} ... {where[-1]} are stored in different formats "
+                              f"({', '.join(sorted(formats))}) "
                               "but load as one tensor: store them alike")
     if isinstance(arrays[0], np.ndarray):
         return combine(arrays)

@@ -260,7 +260,8 @@ def flags_config(args: argparse.Namespace, **overrides):
     return EngineConfig(**dict(dict(
         max_batch=args.max_batch, page_size=args.page_size, num_pages=args.num_pages, max_seq_len=args.max_seq_len,
         prefill_chunk=args.prefill_chunk, offload=args.offload, pool_size=args.pool_size, pool_ratio=args.pool_ratio,
-        fetch=args.fetch, miss_budget=args.miss_budget, host_cache_mb=args.host_cache_mb, rings=args.rings, kernels=args.kernels,
+        fetch=args.fetch, miss_budget=args.miss_budget, host_cache_mb=args.host_cache_mb, rings=args.rings,
+        kernels=args.kernels,
         cache_dtype=args.cache_dtype, index_dtype=args.index_dtype, mesh=args.mesh, prefix_cache=args.prefix_cache,
         prefix_cache_states=args.prefix_cache_states, prefix_cache_dir=args.prefix_cache_dir,
         prefix_cache_disk_gb=args.prefix_cache_disk_gb,

@@ -603,7 +603,8 @@ def check_v32(cfg: ModelConfig) -> None:
     checks = [
         (len(cfg.mlp_layer_types) == cfg.num_hidden_layers,
          f"mlp_layer_types has {len(cfg.mlp_layer_types)} entries for num_hidden_layers={cfg.num_hidden_layers}"),
-        (set(cfg.mlp_layer_types) <= {"dense", "sparse"}, f"mlp_layer_types={cfg.mlp_layer_types} must be 'dense' or 'sparse'"),
+        (set(cfg.mlp_layer_types) <= {"dense", "sparse"},
+         f"mlp_layer_types={cfg.mlp_layer_types} must be 'dense' or 'sparse'"),
         (cfg.n_group >= 1 and cfg.n_routed_experts % cfg.n_group == 0,
          f"n_routed_experts={cfg.n_routed_experts} is not divisible by n_group={cfg.n_group}"),
         (1 <= cfg.topk_group <= cfg.n_group, f"topk_group={cfg.topk_group} must be in [1, n_group={cfg.n_group}]"),
@@ -622,9 +623,9 @@ def check_v32(cfg: ModelConfig) -> None:
 
 # ---- deepseek_v4 -------------------------------------------------------------------------------
 
-V4_ONLY_FIELDS = frozenset({"head_dim", "layer_types", "mtp_layer_types", "compress_rate_csa", "compress_rate_hca", "sliding_window",
-                            "compress_rope", "o_groups", "o_lora_rank", "hc_mult", "hc_sinkhorn_iters", "hc_eps",
-                            "swiglu_limit"})
+V4_ONLY_FIELDS = frozenset({"head_dim", "layer_types", "mtp_layer_types", "compress_rate_csa", "compress_rate_hca",
+                            "sliding_window", "compress_rope", "o_groups", "o_lora_rank", "hc_mult",
+                            "hc_sinkhorn_iters", "hc_eps", "swiglu_limit"})
 
 
 class V4Layer(enum.StrEnum):

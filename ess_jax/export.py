@@ -205,7 +205,8 @@ def engine_steps(cfg: ModelConfig, config, engine: Abstract, target: Target) -> 
     found = {"decode": Step(steps.decode, static, (engine.params, jax.ShapeDtypeStruct((b, t), I32), meta(b, t, x),
                                                    engine.cache, sampling(b), jax.ShapeDtypeStruct((b,), bool)),
                             dict(shardings=engine.shardings),
-                            # with drafts also the verified step's hidden states and kept lengths (``steps.draft``'s input)
+                            # with drafts also the verified step's hidden states and kept lengths
+                            # (``steps.draft``'s input)
                             (rows, rows, rows, cache_out) + ((rows, rows) if t > 1 else ()))}
     for t in plan.piece_sizes(config.prefill_chunk):
         found[f"prefill_{t}"] = Step(

@@ -89,7 +89,8 @@ class Part:
     def page_bytes(self, page_size: int) -> int:
         """Bytes of one page of ``page_size`` tokens of this part (every layer; 0 for fixed parts): the
         engine's paged arrays hold ``cache.entries_per_page`` rows per page."""
-        return self.layers * entries_per_page(page_size, self.tokens_per_row) * self.row_bytes if self.tokens_per_row else 0
+        return (self.layers * entries_per_page(page_size, self.tokens_per_row) * self.row_bytes
+                if self.tokens_per_row else 0)
 
 
 def resident_bytes(parts: list[Part], size: CacheSize, reserved_pages: int) -> int:

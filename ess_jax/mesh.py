@@ -290,7 +290,8 @@ def per_shard(fn: Callable, mesh: jax.sharding.Mesh, in_specs, out_specs) -> Cal
     callbacks under a ``shard_map`` whose only Auto axes have one device)."""
     if mesh.shape["data"] == 1:  # one shard: the step as it is, the partitioner splitting the experts
         return fn
-    manual = {"data"} | {name for name, size in mesh.shape.items() if size == 1}  # an axis of one device: nothing to split
+    # an axis of one device: nothing to split
+    manual = {"data"} | {name for name, size in mesh.shape.items() if size == 1}
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=manual, check_vma=False)
 
 

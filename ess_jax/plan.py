@@ -50,8 +50,8 @@ its own requests: data shards of one device each.
 residency map (4 bytes per entry of each offloaded layer), two int32 slot tables (8 bytes per pool
 slot), the staged row of each offloaded layer (one row) with its int32 page and offset (8 bytes), and
 the int32 counters (16 bytes per offloaded layer); ``--accounting paper`` counts KV rows only, as ESS's
-Table 2 does. With paper accounting and ``f = i / (a + i)`` the offloaded batch is ``B(r) = B0 / (f + (1 - f) r)`` (DOMAIN.md 4.2; for
-deepseek-v3.2 FP8, f = 8052 / 48068 = 0.1675), up to floors and the pool minimum.
+Table 2 does. With paper accounting and ``f = i / (a + i)`` the offloaded batch is ``B(r) = B0 / (f + (1 - f) r)``
+(DOMAIN.md 4.2; for deepseek-v3.2 FP8, f = 8052 / 48068 = 0.1675), up to floors and the pool minimum.
 
 Example (ESS's setting: 82 GB of FP8 KV per GPU; Table 2's baselines 52 at 32K and 13 at 128K):
     python -m ess_jax.plan --model deepseek-v3.2 --cache-dtype fp8 --kv-budget-gb 82 \\
@@ -314,7 +314,8 @@ def render(result: dict) -> str:
                 per_row = f"{p['tokens_per_row']}" if p["tokens_per_row"] else "fixed"
                 per_token = (f"{p['bytes_per_token']:,.2f}" if p["tokens_per_row"]
                              else f"{p['layers'] * p['row_bytes']:,} / req")
-                rows.append([lay["cache_dtype"], p["name"], p["where"], p["layers"], p["row_bytes"], per_row, per_token])
+                rows.append([lay["cache_dtype"], p["name"], p["where"], p["layers"], p["row_bytes"], per_row,
+                             per_token])
             rows.append([lay["cache_dtype"], "total per token", f"offloaded {100 * lay['offloaded_fraction']:.2f} %",
                          "", "", "", f"{lay['bytes_per_token']:,.2f}"])
         out.append(table(["dtype", "part", "where", "layers", "row B", "tokens/row", "B/token"], rows, {3, 4, 5, 6}))

@@ -7,7 +7,8 @@ Examples:
         -d '{"model": "tiny-v32-code", "prompt": "Hello", "max_tokens": 16, "temperature": 0}'
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": true), GET /v1/models,
-GET /health, GET /metrics (Prometheus), POST /tokenize, POST /detokenize, GET /tokenizer_info (vLLM's). SIGINT / SIGTERM: stop accepting, let running requests finish
+GET /health, GET /metrics (Prometheus), POST /tokenize, POST /detokenize, GET /tokenizer_info (vLLM's).
+SIGINT / SIGTERM: stop accepting, let running requests finish
 for up to --shutdown-timeout seconds, abort the rest, exit 0. Bad flags, models or checkpoints print
 one line starting with "error:" and exit with 2.
 

@@ -94,7 +94,8 @@ class ChatTemplate:
         def raise_exception(message):
             raise ValueError(f"the chat template refused the messages: {message}")
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent,
                                                                                     ensure_ascii=ensure_ascii)
         env.globals["raise_exception"] = raise_exception

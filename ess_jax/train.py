@@ -175,7 +175,8 @@ def trainable(stage: str, train: str = "all", mtp: bool = False):
 
     indexer = lambda path, value: is_indexer(path)  # noqa: E731
     in_mtp = lambda path, value: is_mtp(path)  # noqa: E731
-    learns = {"dense": nnx.All(nnx.Param, nnx.Not(indexer)), "warmup": nnx.All(nnx.Param, indexer)}.get(stage, nnx.Param)
+    learns = {"dense": nnx.All(nnx.Param, nnx.Not(indexer)),
+              "warmup": nnx.All(nnx.Param, indexer)}.get(stage, nnx.Param)
     if train == "mtp":
         return nnx.All(learns, in_mtp)
     return learns if mtp else nnx.All(learns, nnx.Not(in_mtp))
@@ -194,7 +195,8 @@ def mtp_agreement(logits_BTV, mtp_logits_BTV, tokens_BT):
 
     draft_BT = jnp.argmax(mtp_logits_BTV, axis=-1)
     m = draft_BT.shape[1]
-    return jnp.mean(draft_BT == jnp.argmax(logits_BTV[:, 1:m + 1], axis=-1)), jnp.mean(draft_BT == tokens_BT[:, 2:m + 2])
+    return (jnp.mean(draft_BT == jnp.argmax(logits_BTV[:, 1:m + 1], axis=-1)),
+            jnp.mean(draft_BT == tokens_BT[:, 2:m + 2]))
 
 
 def loss_fn(graphdef, stage: str, dtypes: tuple, mtp_weight: float = 0.0, train: str = "all"):
@@ -486,7 +488,8 @@ def train(args) -> dict:
         if not math.isfinite(total):
             raise FloatingPointError(f"step {step}: loss is {total}; lower --lr or check the data")
         rate = (step - start_step) * tokens_per_step / (time.perf_counter() - start)
-        record = {"step": step, "loss": total, **{k: v for k, v in zip(AUX, aux) if args.mtp_weight or k in ("lm", "kl")},
+        record = {"step": step, "loss": total,
+                  **{k: v for k, v in zip(AUX, aux) if args.mtp_weight or k in ("lm", "kl")},
                   "grad_norm": float(norm), "lr": float(schedule(step - 1)), "tokens_per_s": rate}
         if step % args.eval_every == 0 or step == args.steps:
             record.update(evaluate())

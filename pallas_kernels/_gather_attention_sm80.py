@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax._src.interpreters import mlir

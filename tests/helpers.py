@@ -62,7 +62,8 @@ ENGINE = EngineConfig(max_batch=3, page_size=8, num_pages=25, prefill_chunk=32, 
 # One shape pair (resident, ESS) for the online-engine and server tests on the hf-v32-a / hf-v4-a fixtures
 # (prompts up to 600 tokens), so the servers reuse the engines' compiled steps.
 ONLINE_LONGEST, ONLINE_NEW = 600, 6
-ONLINE = {"resident": EngineConfig(max_batch=2, page_size=16, prefill_chunk=64, max_seq_len=ONLINE_LONGEST + ONLINE_NEW)}
+ONLINE = {"resident": EngineConfig(max_batch=2, page_size=16, prefill_chunk=64,
+                                   max_seq_len=ONLINE_LONGEST + ONLINE_NEW)}
 ONLINE["ess"] = dataclasses.replace(ONLINE["resident"], offload="ess", pool_size=40)
 
 

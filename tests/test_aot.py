@@ -34,7 +34,8 @@ ENTRY %main (p: bf16[4,8]) -> bf16[4,8] {
   %p = bf16[4,8]{1,0} parameter(0)
   %zero = s32[] constant(0)
   %init = (s32[], bf16[4,8]{1,0}) tuple(%zero, %p)
-  %loop = (s32[], bf16[4,8]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"61"}}
+  %loop = (s32[], bf16[4,8]{1,0}) while(%init), condition=%cond, body=%body, \
+backend_config={"known_trip_count":{"n":"61"}}
   %sum = bf16[4,8]{1,0} all-reduce(%p), channel_id=2, replica_groups=[1,8]<=[8], to_apply=%add
   %call = bf16[4,8]{1,0} custom-call(%sum), custom_call_target="tpu_custom_call"
   ROOT %out = bf16[4,8]{1,0} get-tuple-element(%loop), index=1

@@ -92,6 +92,6 @@ def test_model_names_resolve_in_one_place(tmp_path):
     directory = resolve_model(tmp_path)
     assert directory == ModelSource(str(tmp_path), tmp_path)
     assert directory.config() == ModelConfig.from_preset("tiny-v32")
-    with pytest.raises(ConfigError, match=r"'no-such' is neither a shipped checkpoint \(tiny-v32-code, tiny-v4-code\), a "
-                                          r"preset \(tiny-v32, .*\) nor a checkpoint directory"):
+    with pytest.raises(ConfigError, match=r"'no-such' is neither a shipped checkpoint \(tiny-v32-code, tiny-v4-code\), "
+                                          r"a preset \(tiny-v32, .*\) nor a checkpoint directory"):
         resolve_model("no-such")

@@ -115,7 +115,8 @@ def test_one_shot_prefill_then_greedy_matches_generate(hf, one_shot):
     got, cache = one_shot
     _close(got, logits, "T=300 one-shot prefill vs transformers")
     cache = jax.tree.map(jnp.asarray, cache)
-    assert _greedy(step, jnp.asarray(got[None]), cache, len(prompt), len(full) - len(prompt)) == full[len(prompt):].tolist()
+    assert _greedy(step, jnp.asarray(got[None]), cache, len(prompt),
+                   len(full) - len(prompt)) == full[len(prompt):].tolist()
 
 
 def test_chunked_prefill_matches_one_shot(hf, one_shot):
@@ -267,7 +268,8 @@ def test_grad_of_loss(hf):
 def test_real_presets_match_domain_schedules():
     flash, pro = ModelConfig.from_preset("deepseek-v4-flash"), ModelConfig.from_preset("deepseek-v4-pro")
     csa, hca, swa = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
-    assert flash.layer_types[:2] == (swa, swa) and flash.layer_types.count(csa) == 21 and flash.layer_types.count(hca) == 20
+    assert (flash.layer_types[:2] == (swa, swa) and flash.layer_types.count(csa) == 21
+            and flash.layer_types.count(hca) == 20)
     assert [i for i, t in enumerate(flash.layer_types) if t == csa] == list(range(2, 43, 2))
     assert pro.layer_types[:2] == (hca, hca) and pro.layer_types.count(csa) == 30 and pro.layer_types.count(hca) == 31
     for cfg, topk in [(flash, 512), (pro, 1024)]:
@@ -277,7 +279,8 @@ def test_real_presets_match_domain_schedules():
         c = cfg.compress_rope
         assert (c.rope_type, c.theta, c.factor, c.original_max_position_embeddings) == ("yarn", 160000.0, 16.0, 65536)
         assert c.cos_sin_scale == 1.0  # no YaRN mscale on cos / sin (DOMAIN 2.3)
-    assert (flash.hidden_size, flash.o_groups, flash.n_routed_experts, flash.routed_scaling_factor) == (4096, 8, 256, 1.5)
+    assert ((flash.hidden_size, flash.o_groups, flash.n_routed_experts, flash.routed_scaling_factor)
+            == (4096, 8, 256, 1.5))
     assert (pro.hidden_size, pro.o_groups, pro.n_routed_experts, pro.routed_scaling_factor) == (7168, 16, 384, 2.5)
 
 
@@ -293,7 +296,8 @@ def test_v4_defaults_legacy_keys_and_fallbacks():
         "model_type": "deepseek_v4", "num_hidden_layers": 3, "compress_ratios": [0, 4, 128, 0],
         "num_hash_layers": 1, "qk_rope_head_dim": 32, "compress_rate_hca": 64,
         "rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 1024}})
-    assert legacy.layer_types == ("sliding_attention", csa, hca) and legacy.mlp_layer_types == ("hash_moe", "moe", "moe")
+    assert (legacy.layer_types == ("sliding_attention", csa, hca)
+            and legacy.mlp_layer_types == ("hash_moe", "moe", "moe"))
     assert legacy.qk_rope_head_dim == 32 and legacy.compress_rate_hca == 64 and legacy.compress_rate_csa == 4
     assert legacy.compress_rope.factor == 4 and legacy.compress_rope.attention_factor == 1.0
     assert legacy.n_group == 1  # V3.2's grouped-routing checks do not apply
@@ -385,7 +389,8 @@ def _write_raw_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
     header, blobs, offset = {}, [], 0
     for name, array in tensors.items():
         blob = np.ascontiguousarray(array).tobytes()
-        header[name] = {"dtype": codes[array.dtype], "shape": list(array.shape), "data_offsets": [offset, offset + len(blob)]}
+        header[name] = {"dtype": codes[array.dtype], "shape": list(array.shape),
+                        "data_offsets": [offset, offset + len(blob)]}
         blobs.append(blob)
         offset += len(blob)
     text = json.dumps(header).encode()
@@ -426,11 +431,13 @@ def test_release_format_fp8_e8m0_sharded_with_mtp(hf, tmp_path):
         p = f"model.layers.{layer}.mlp.experts."
         r = f"layers.{layer}.ffn.experts."
         e = model.cfg.n_routed_experts
-        expected[p + "gate_up_proj"] = np.stack([np.concatenate([release[f"{r}{i}.w1.weight"], release[f"{r}{i}.w3.weight"]])
+        expected[p + "gate_up_proj"] = np.stack([np.concatenate([release[f"{r}{i}.w1.weight"],
+                                                                 release[f"{r}{i}.w3.weight"]])
                                                  for i in range(e)])
         expected[p + "down_proj"] = np.stack([release[f"{r}{i}.w2.weight"] for i in range(e)])
     quantized["mtp.0.emb.weight"] = np.ones((4, 4), np.float32)
-    quantized["mtp.0.attn.wq_a.weight"], quantized["mtp.0.attn.wq_a.scale"] = _fp8_e8m0(np.ones((32, 32), np.float32), 16)[:2]
+    quantized["mtp.0.attn.wq_a.weight"], quantized["mtp.0.attn.wq_a.scale"] = _fp8_e8m0(
+        np.ones((32, 32), np.float32), 16)[:2]
     names = list(quantized)
     shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
               "model-00002-of-00002.safetensors": names[len(names) // 2:]}
@@ -439,7 +446,8 @@ def test_release_format_fp8_e8m0_sharded_with_mtp(hf, tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {k: f for f, keys in shards.items() for k in keys}}))
     raw = json.loads((FIXTURE / "config.json").read_text())
-    raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [16, 16]}
+    raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                  "weight_block_size": [16, 16]}
     raw["num_nextn_predict_layers"] = 0  # a model without the MTP module skips the block (tests/test_mtp.py loads it)
     (tmp_path / "config.json").write_text(json.dumps(raw))
     assert any(k.endswith(".scale") and quantized[k].size > 1 for k in quantized)  # blocks really tile

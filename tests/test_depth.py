@@ -92,7 +92,8 @@ def test_a_checkpoint_holds_each_layer_and_loads_into_the_runs(tmp_path):
                                       np.asarray(module.runs[run].self_attn.q_a_proj.weight[...][offset]))
     assert "model.layers.4.mlp.experts.gate_up_proj" in tensors and "model.layers.1.mlp.gate_proj.weight" in tensors
     loaded = checkpoint.load_into(lambda: DeepseekV32(module.cfg, rngs=nnx.Rngs(1)), module.cfg, directory, jnp.float32)
-    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(module)), nnx.to_flat_state(nnx.state(loaded)), strict=True):
+    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(module)), nnx.to_flat_state(nnx.state(loaded)),
+                                 strict=True):
         np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))
 
 
@@ -163,8 +164,8 @@ def test_v4_traced_step_does_not_grow_with_depth():
     def program(layers):
         module = _v4(layers)
         graphdef, params = nnx.split(module)
-        meta = StepMeta(jnp.full((2, 1), 3, jnp.int32), jnp.ones((2, 1), bool), jnp.asarray([[1, 2], [3, 0]], jnp.int32),
-                        jnp.arange(2, dtype=jnp.int32))
+        meta = StepMeta(jnp.full((2, 1), 3, jnp.int32), jnp.ones((2, 1), bool),
+                        jnp.asarray([[1, 2], [3, 0]], jnp.int32), jnp.arange(2, dtype=jnp.int32))
         step = lambda params, cache: nnx.merge(graphdef, params).step(jnp.zeros((2, 1), jnp.int32), meta, cache)  # noqa: E731
         eqns = jax.make_jaxpr(step)(params, module.init_cache(2, 5, 16)).eqns
         return len(eqns), [len(e.params["jaxpr"].jaxpr.eqns) for e in eqns if e.primitive.name == "scan"]
@@ -191,5 +192,6 @@ def test_v4_checkpoint_names_each_layer_of_a_block(tmp_path):
     assert any(name.startswith("model.layers.7.self_attn.compressor.indexer.") for name in tensors)  # 7: CSA
     assert not any(name.startswith("model.layers.8.self_attn.compressor.indexer.") for name in tensors)  # 8: HCA
     loaded = checkpoint.load_into(lambda: DeepseekV4(module.cfg, rngs=nnx.Rngs(1)), module.cfg, directory, jnp.float32)
-    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(module)), nnx.to_flat_state(nnx.state(loaded)), strict=True):
+    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(module)), nnx.to_flat_state(nnx.state(loaded)),
+                                 strict=True):
         np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))

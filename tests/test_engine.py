@@ -40,7 +40,8 @@ def test_batch_invariance_mixed_lengths_joining_and_leaving(model):
         alone.add_request(p, n)
         assert alone.run()[0].output_ids == got
         assert len(got) == n
-    assert together.scheduler.allocators[0].num_free == together.scheduler.allocators[0].capacity  # every page came back
+    # every page came back
+    assert together.scheduler.allocators[0].num_free == together.scheduler.allocators[0].capacity
 
 
 def test_prefill_chunk_size_does_not_change_tokens(model):

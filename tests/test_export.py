@@ -15,7 +15,7 @@ from flax import nnx
 
 from ess_jax import export, families, mesh
 from ess_jax.api import Model
-from ess_jax.engine import Engine, EngineConfig, cache_layout, plan, steps
+from ess_jax.engine import Engine, EngineConfig, cache_layout, plan
 from ess_jax.engine.plan import DecodeBatch
 from ess_jax.tokenizer import load_tokenizer
 
@@ -73,7 +73,8 @@ def test_decode_runs_the_targets_kernels_over_the_host_tier(tmp_path, model, pla
     assert max(text.count(f"@{call}("), text.count(f"call @{name}(")) >= 2
     assert mark.format(name=name) in text
     host = _host_bytes(model, layers, prefill_chunk=chunk)
-    assert decode["argument_bytes_per_device"]["pinned_host"] == decode["output_bytes_per_device"]["pinned_host"] == host
+    assert (decode["argument_bytes_per_device"]["pinned_host"] == decode["output_bytes_per_device"]["pinned_host"]
+            == host)
     assert text.count('mhlo.memory_kind = "pinned_host"') >= 2  # the store in and out
 
 
@@ -132,7 +133,8 @@ def test_the_export_takes_the_arguments_the_runner_builds():
     runner = engine.runner
     decode = export.engine_steps(cfg, config, abstract, target)["decode"]
     runs = runner._decode_args(DecodeBatch.idle(2, 4))
-    pairs = [(abstract.params, runner.params), (abstract.cache, runner.cache), (abstract.scratch, engine.offload.scratch),
+    pairs = [(abstract.params, runner.params), (abstract.cache, runner.cache),
+             (abstract.scratch, engine.offload.scratch),
              (abstract.window, runner.window),
              ((*decode.args[1:3], decode.args[4]), (*runs[1:3], runs[4]))]  # tokens, step metadata, sampling
     for shapes, arrays in pairs:

@@ -89,7 +89,8 @@ def test_stored_parts_are_the_init_cache_arrays(cfg, cache):
     offloaded = next(p for p in stored if p.where == "offloaded")
     rows = family.store_of(shapes).pages
     assert rows.shape[0] == offloaded.layers and rows.shape[-1] * rows.dtype.itemsize == offloaded.row_bytes
-    assert rows.shape[1] * rows.shape[2] * rows.shape[3] * rows.dtype.itemsize * rows.shape[0] == 9 * offloaded.page_bytes(64)
+    assert (rows.shape[1] * rows.shape[2] * rows.shape[3] * rows.dtype.itemsize * rows.shape[0]
+            == 9 * offloaded.page_bytes(64))
 
 
 def test_lookups():

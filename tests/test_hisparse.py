@@ -124,7 +124,8 @@ def test_fp8_entries_bounded_exact_through_the_tier_and_counted(model):
     prompt = np.random.default_rng(2).integers(0, model.cfg.vocab_size, 512).tolist()
     runs = {}
     for name, config in {"f32": dict(offload="none"), "fp8": dict(offload="none", cache_dtype="fp8"),
-                         "fp8 tier": dict(offload="ess", cache_dtype="fp8", pool_size=model.cfg.index_topk + 1)}.items():
+                         "fp8 tier": dict(offload="ess", cache_dtype="fp8",
+                                          pool_size=model.cfg.index_topk + 1)}.items():
         engine = Engine(model, EngineConfig(max_batch=1, max_seq_len=530, prefill_chunk=512, keep_logits=True,
                                             **config))
         engine.add_request(prompt, 12)

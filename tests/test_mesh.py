@@ -54,7 +54,8 @@ for run in ["none:inline:", "ess:inline:", *sys.argv[2:]]:
     out[run] = {"tokens": tokens, "logits": [np.stack(r.logits).tolist() for r in served],
                 "pool_slots": engine.layout.pool_slots, "first_step": first,
                 "host_rings": any(p.where == "host" for p in engine.layout.placed),
-                "counters": offload and {"total": counts(offload), "per_shard": [counts(c) for c in offload["per_shard"]]},
+                "counters": offload and {"total": counts(offload),
+                                         "per_shard": [counts(c) for c in offload["per_shard"]]},
                 "expert_shard": list(experts.addressable_shards[0].data.shape), "expert_shape": list(experts.shape),
                 "cache_specs": sorted({str(x.sharding.spec) for x in jax.tree.leaves(engine.runner.cache)
                                        if hasattr(x.sharding, "spec")}),
@@ -120,7 +121,8 @@ def test_mesh_tokens_equal_one_device(family, runs, experts, entries):
             counters, alone_counters = got["counters"], out["ess:inline:"]["counters"]
             assert len(counters["per_shard"]) == shape.data
             assert [sum(c) for c in zip(*counters["per_shard"])] == counters["total"] == alone_counters["total"]
-            assert alone_counters["total"][0] > 0 and (shape.data == 1 or sum(c[0] > 0 for c in counters["per_shard"]) >= 2)
+            assert alone_counters["total"][0] > 0 and (
+                shape.data == 1 or sum(c[0] > 0 for c in counters["per_shard"]) >= 2)
         # every cache array is split over the data shards: on its batch-row axis or its page axis (each shard's
         # own pool, residency map and host store)
         assert all("'data'" in s for s in got["cache_specs"]) == (shape.data > 1), got["cache_specs"]

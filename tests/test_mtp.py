@@ -172,7 +172,7 @@ def test_the_cached_form_matches_the_training_form(model, full):
     second that only request 0 runs (request 1's rows must survive it), then request 1's, then both, the MTP
     step at each step's positions with the next tokens. Logits and hidden states of both the main
     model and the MTP module equal the training forms'."""
-    cfg, page_size, pages = model.cfg, 4, 7
+    page_size, pages = 4, 7
     seqs = full["tokens"]
     table = jnp.asarray(np.stack([np.arange(b + 1, 2 * pages + 1, 2)[::-1] for b in range(2)]).astype(np.int32))
     cache = model.init_cache(2, 2 * pages + 1, page_size)

@@ -286,7 +286,8 @@ def test_logprobs_follow_the_logits():
 @pytest.mark.parametrize("family,mode", COMBOS)
 def test_nothing_compiles_after_warm_up(family, mode):
     """After ``warm_up`` a mixed workload lowers no program: prompts of several lengths (every piece size),
-    one scoring its prompt and ending after its prefill, two finishing their prefill in one step, two waiting for a row, an abort mid-decode, requests leaving
+    one scoring its prompt and ending after its prefill, two finishing their prefill in one step, two waiting for a
+    row, an abort mid-decode, requests leaving
     while others decode. Every compiled program is dropped first (``jax.clear_caches``), so the warm-up
     alone must have made what the workload runs (the earlier tests' compiles come back from the persistent
     cache, so it stays cheap)."""

@@ -75,10 +75,12 @@ def test_each_process_reads_only_the_experts_it_holds():
 
 @pytest.mark.parametrize("flags, message", [
     (["--num-processes", "2", "--process-id", "0"], "--num-processes 2 needs --coordinator HOST:PORT"),
-    (["--num-processes", "2", "--process-id", "2", "--coordinator", "127.0.0.1:1"], r"--process-id 2 must be an integer in \[0, 2\)"),
+    (["--num-processes", "2", "--process-id", "2", "--coordinator", "127.0.0.1:1"],
+     r"--process-id 2 must be an integer in \[0, 2\)"),
     (["--num-processes", "0"], "--num-processes 0 must be an integer >= 1"),
     (["--num-processes", "2", "--process-id", "1", "--coordinator", "127.0.0.1:1"], "--num-processes 2 needs --mesh"),
-    (["--num-processes", "2", "--coordinator", "127.0.0.1:1", "--mesh", "data=2", "--offload", "ess", "--fetch", "split"],
+    (["--num-processes", "2", "--coordinator", "127.0.0.1:1", "--mesh", "data=2", "--offload", "ess",
+      "--fetch", "split"],
      "--fetch split keeps the host store in one process's NumPy memory"),
 ])
 def test_bad_process_flags_are_refused_before_anything_starts(capsys, flags, message):

@@ -230,7 +230,8 @@ def test_device_bytes_on_a_mesh_equal_the_planners(release):
     model = ess_jax.load_model(release["released"], "bfloat16", weights="release")
     flat = [(path, variable.get_value()) for path, variable in nnx.to_flat_state(model.params)]
     for expert in (1, 2, model.cfg.n_routed_experts):
-        assert _bytes_per_device(flat, expert) == sum(plan.weight_bytes(model.cfg, mesh.MeshShape(expert=expert)).values())
+        assert _bytes_per_device(flat, expert) == sum(
+            plan.weight_bytes(model.cfg, mesh.MeshShape(expert=expert)).values())
 
 
 def _release_shapes(cfg: ModelConfig):
@@ -290,7 +291,8 @@ def test_checkpoints_the_release_formats_cannot_be_read_from(release, tmp_path):
         return directory
 
     narrow = dict(stored, **{f"{expert}.scale": stored[f"{expert}.scale"][:16]})
-    with pytest.raises(CheckpointError, match=r"experts\.1\.w1\.weight: packed FP4 .* weight_scale_inv shape \[16, 1\]"):
+    with pytest.raises(CheckpointError,
+                       match=r"experts\.1\.w1\.weight: packed FP4 .* weight_scale_inv shape \[16, 1\]"):
         ess_jax.load_model(write(tmp_path / "narrow", narrow), weights="release")
     mixed = {k: v for k, v in stored.items() if k != f"{expert}.scale"}
     mixed[f"{expert}.weight"] = release["expected"]["model.layers.2.mlp.experts.gate_up_proj"][1, :32]

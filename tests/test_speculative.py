@@ -4,7 +4,8 @@ Greedy tokens with drafts verified equal those without, token for token: both fa
 the tier (pools of top_k + 1 slots, 2 top_k, about half the entries and every entry; both fetch backends), K = 1 and
 3, with requests joining, ending inside an accepted run (a stop id, max_new_tokens) and aborting. The drafts come
 through the engine's drafter entry from a run without speculation, corrupted at chosen positions, so every step
-accepts a known prefix (all, none, or some). After every step the tier holds nothing a rejected draft wrote, its slot table and residency
+accepts a known prefix (all, none, or some). After every step the tier holds nothing a rejected draft wrote, its slot
+table and residency
 map are inverse, and after the last request every page, batch row and slot is free. Rejection sampling keeps the
 target's distribution: a chi-square test on a small vocabulary that a sampler without the correction fails.
 """

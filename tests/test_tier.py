@@ -105,8 +105,8 @@ def test_device_bytes_are_the_real_arrays(model, offloaded):
                 + latent.staged_offset.nbytes + latent.counters.nbytes + latent.query_counters.nbytes)
     report = engine.cache_bytes()
     assert report["device_bytes"] == expected
-    assert report["host_bytes"] == latent.host.array.nbytes == cfg.num_hidden_layers * engine.scheduler.allocators[0].num_pages * 16 * \
-        cfg.latent_dim * 4
+    assert report["host_bytes"] == latent.host.array.nbytes == \
+        cfg.num_hidden_layers * engine.scheduler.allocators[0].num_pages * 16 * cfg.latent_dim * 4
     assert latent.host.array.sharding.memory_kind == "pinned_host"
     # the pool holds a fraction of what the resident latent pages would
     assert latent.pool.nbytes < 0.5 * report["resident_device_bytes"]

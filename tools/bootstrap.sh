@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 EXTRAS=${EXTRAS:-test}
 if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c 'import ess_jax' 2>/dev/null; then
-  "$VENV/bin/python" -c 'import lm_eval, transformers' 2>/dev/null || "$VENV/bin/python" -m pip install --quiet -e ".[$EXTRAS]"
+  "$VENV/bin/python" -c 'import lm_eval, transformers, pytest_timeout, ruff' 2>/dev/null || "$VENV/bin/python" -m pip install --quiet -e ".[$EXTRAS]"
   exit 0
 fi
 

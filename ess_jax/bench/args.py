@@ -197,7 +197,8 @@ def _output_flags(p: argparse.ArgumentParser) -> None:
                         "(default 64)")
     p.add_argument("--chat-turns", type=int, default=4, help="--shared-prefix: the chat's turns (default 4)")
     p.add_argument("--index-share", type=_names, default=None, metavar="none,every-N,PATTERN,DIR,...",
-                   help="instead of the runs above: Index Share (ess_jax.bench.index_share), the model served with each "
+                   help="instead of the runs above: Index Share (ess_jax.bench.index_share), the model served with "
+                        "each "
                         "pattern (none: its config's; DIR: a checkpoint python -m ess_jax.train searched or distilled, "
                         "its config's pattern), resident and ESS (the first --ratios and --fetch): held-out NLL (the "
                         "model's train.json held-out text), decode and prefill tokens/s, the hit rate and the fetch "
@@ -219,7 +220,8 @@ def _serve_flags(serve) -> None:
     serve.add_argument("--concurrency", type=_ints, default=[1, 8, 32],
                        help="requests in flight, comma-separated levels (default 1,8,32)")
     serve.add_argument("--prompt-lengths", type=_ints, default=[16, 256, 1024],
-                       help="prompt lengths in tokens (random byte ids), cycled over the requests (default 16,256,1024)")
+                       help="prompt lengths in tokens (random byte ids), cycled over the requests "
+                            "(default 16,256,1024)")
     serve.add_argument("--requests", type=int, default=32, help="requests per level (default 32)")
     serve.add_argument("--max-tokens", type=int, default=32, help="new tokens per request (default 32)")
     serve.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")

@@ -66,8 +66,8 @@ def hf_generate_timing(checkpoint: str, prompts: list[list[int]], new_tokens: in
     prefill_rate, prefill_why = rate(ids.numel(), prefill)
     return {"torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
             "prefill_s": prefill, "decode_s": decode, "prefill_tokens_per_s": prefill_rate,
-            "decode_tokens_per_s": decode_rate, "unmeasured": {k: v for k, v in
-                                                                (("decode", decode_why), ("prefill", prefill_why)) if v},
+            "decode_tokens_per_s": decode_rate,
+            "unmeasured": {k: v for k, v in (("decode", decode_why), ("prefill", prefill_why)) if v},
             "output_ids": outputs}
 
 

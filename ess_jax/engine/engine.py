@@ -19,12 +19,11 @@ import threading
 import time
 from typing import Sequence
 
-import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
 from ess_jax import families, mesh
-from ess_jax.engine import offload, steps
+from ess_jax.engine import offload
 from ess_jax.engine.config import EngineConfig
 from ess_jax.engine.layout import cache_layout, check_memory
 from ess_jax.engine.request import Request, RequestOutput, check_ids, make_request
@@ -175,8 +174,8 @@ class Engine:
         """Compile ahead on the calling thread: the decode step, every prefill piece size and its prompt
         log-probabilities (``steps.score``) and the offload mode's steps, through two requests of
         ``2 x prefill_chunk - 1`` tokens (one piece of each size): one served to the end, one scoring its prompt
-        and ending after its prefill (never cut at the prefix cache's snapshot points, so every size runs); with the prefix cache the first again, which reads its prompt's cached pages
-        (ESS: ``load_prefix``).
+        and ending after its prefill (never cut at the prefix cache's snapshot points, so every size runs); with the
+        prefix cache the first again, which reads its prompt's cached pages (ESS: ``load_prefix``).
         Every step's arguments are placed as in serving (``Runner``), so nothing compiles afterwards. Call it on
         an idle engine, before serving."""
         if self.has_unfinished():
@@ -213,7 +212,8 @@ class Engine:
         once (``resident_device_bytes``; for a batch added at once, all of it) and for the unfinished requests
         now (``resident_device_bytes_now``). Finished requests count in neither once gone, so a long-lived
         engine's figures stay bounded. With offload also the prefill scratch's bytes. ``prefix_snapshot_bytes``: the
-        prefix cache's row-state snapshots kept now, in host memory (DeepSeek-V4's; at most ``layout.snapshot_bytes``)."""
+        prefix cache's row-state snapshots kept now, in host memory (DeepSeek-V4's; at most
+        ``layout.snapshot_bytes``)."""
         parts, size = self.layout.parts, self.layout.size
         return {**self.offload.cache_bytes(),
                 "prefix_snapshot_bytes": sum(pool.state_bytes for pool in self.scheduler.allocators),

@@ -358,7 +358,8 @@ def prefix_cache_for(model, config: EngineConfig, layout, mode, proposer
     disk = _disk(model, config, proposer.abstract(layout.size), salt) if config.prefix_cache_dir else None
     scheduler_half = PrefixCache(config, salt=salt, tail=mode.computed_tail,
                                  block=family.prefix_block(model.cfg, config.page_size), row_state=family.row_state,
-                                 lookahead=proposer.lookahead, disk=disk, tier=mode.prefix_tier, shards=layout.size.shards)
+                                 lookahead=proposer.lookahead, disk=disk, tier=mode.prefix_tier,
+                                 shards=layout.size.shards)
     return scheduler_half, PrefixIO(config.page_size, layout.pages_per_row, layout.size.shards)
 
 

@@ -255,8 +255,8 @@ def proposer_for(model, config: EngineConfig, drafter: Drafter | None, entry_dty
     if not k:
         return NoDrafts(rows)
     if drafter is None and not has_mtp(model):
-        raise ValueError(f"--speculative mtp: this checkpoint has no MTP layer (num_nextn_predict_layers = 0) to "
-                         f"draft with; use a checkpoint with one, or serve without --speculative")
+        raise ValueError("--speculative mtp: this checkpoint has no MTP layer (num_nextn_predict_layers = 0) to "
+                         "draft with; use a checkpoint with one, or serve without --speculative")
     if config.offload == "ess" and config.ring_placement == "host" and V4Layer.HCA in model.cfg.layer_types:
         raise ValueError("--speculative with --rings host: the host rings take one token per request and step; leave "
                          "--rings unset or use --rings device (the HCA compressor rings on the device)")

@@ -8,6 +8,6 @@ from ess_jax.tier.lru import WARMUP_QUERIES, LruPool, pool_slots, resolve, warm_
 from ess_jax.tier.rings import HostRings, init_host_rings
 from ess_jax.tier.store import Tier, device_bytes, init_tier, share_sources
 
-__all__ = ["FETCH_BACKENDS", "HOST_STORES", "NumpyHostStore", "PinnedHostStore", "WARMUP_QUERIES", "LruPool", "pool_slots",
-           "resolve", "warm_layer", "HostRings", "init_host_rings", "Tier", "device_bytes", "init_tier",
+__all__ = ["FETCH_BACKENDS", "HOST_STORES", "NumpyHostStore", "PinnedHostStore", "WARMUP_QUERIES", "LruPool",
+           "pool_slots", "resolve", "warm_layer", "HostRings", "init_host_rings", "Tier", "device_bytes", "init_tier",
            "share_sources"]

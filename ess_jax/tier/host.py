@@ -5,8 +5,9 @@ pages), behind one contract with two backends (DESIGN.md §5), tested for identi
   on the host under ``compute_on("device_host")`` and transfers them inside the step; ``backup`` and
   ``store_prompt`` send only their rows to the host and write them there in place (dynamic updates of the donated
   store, all operands in host memory, which XLA:TPU runs on the host without a copy; under ``compute_on`` their
-  result would come back in the host computation's own layout and be copied through the device), ``load`` (a cached prefix's whole pages) gathers there. One compiled step, no host round trip; the
-  store itself never passes through device memory.
+  result would come back in the host computation's own layout and be copied through the device), ``load`` (a cached
+  prefix's whole pages) gathers there. One compiled step, no host round trip; the store itself never passes through
+  device memory.
 
   Its array is page-major, ``[G, Z * L * W]``: a page's rows, each offset's rows of every layer side by side. A
   step's new row of every layer is then one contiguous update, and the array's shape gets the row-major layout

@@ -135,6 +135,51 @@ def compile_mesh(s: Spec, shape: device_mesh.MeshShape) -> Mesh:
     return Mesh(devices, device_mesh.AXES, axis_types=(AxisType.Auto,) * len(device_mesh.AXES))
 
 
+@dataclasses.dataclass(frozen=True)
+class HostKindsCompiled:
+    """A program compiled by ``compile_with_host_memory``, read as ``analyze`` reads a ``jax.stages.Compiled``."""
+
+    executable: object  # jaxlib's Executable
+
+    def memory_analysis(self):
+        return self.executable.get_compiled_memory_stats()
+
+    def cost_analysis(self):
+        """XLA:GPU's compile-only client has none ("GetCostAnalysis is not supported"): None, as ``Compiled`` gives."""
+        from jax.errors import JaxRuntimeError
+
+        try:
+            return self.executable.cost_analysis()
+        except JaxRuntimeError:
+            return None
+
+    def as_text(self) -> str:
+        return self.executable.hlo_modules()[0].to_string()
+
+
+def compile_with_host_memory(jitted, args, s: Spec) -> HostKindsCompiled:
+    """``jitted`` over ``args`` (``ShapeDtypeStruct``s sharded on a mesh of *CPU* devices, host arrays in
+    ``pinned_host``) compiled for NVIDIA target ``s`` on as many compile-only GPUs. Compile-only NVIDIA devices list
+    no memories, so a sharding on them drops ``pinned_host`` (the host store becomes a device array); the CPU devices
+    have it, so the program is lowered for ``cuda`` from there (its arguments and results keep
+    ``mhlo.memory_kind``) and compiled by the compile-only client: XLA:GPU lays the host arrays out in host memory
+    (``S(5)``) and runs its host offloader on them."""
+    import jax
+    from jax._src import compiler
+    from jax._src.lib import xla_client
+
+    lowered = jitted.trace(*args).lower(lowering_platforms=(s.platform,))
+    count = len({d for a in jax.tree.leaves(args) for d in a.sharding.device_set})
+    devices = compile_devices(s, count)
+    options = compiler.get_compile_options(num_replicas=1, num_partitions=count,
+                                           device_assignment=np.array([d.id for d in devices]).reshape(1, count),
+                                           backend=devices[0].client)
+    options.executable_build_options.use_spmd_partitioning = True
+    options.executable_build_options.use_shardy_partitioner = True
+    return HostKindsCompiled(compiler.backend_compile_and_load(devices[0].client, lowered.compiler_ir("stablehlo"),
+                                                               xla_client.DeviceList(tuple(devices)), options, []))
+
+
 # ---- reading a compiled program -----------------------------------------------------------------------------------
 
 _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e8m0fnu": 1,

@@ -117,3 +117,30 @@ def test_a_program_the_chip_cannot_hold_exits_2_naming_the_step(tmp_path):
     assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
     assert "decode: does not" in run.stderr or "decode: needs" in run.stderr, run.stderr[-2000:]
     assert not json.loads((tmp_path / "summary.json").read_text())["steps"]["decode"].get("fits", False)
+
+
+@pytest.mark.skipif(not aot.available("cuda"), reason="compiling for NVIDIA GPUs needs jax's CUDA plugin")
+def test_a_pinned_host_store_stays_in_host_memory_on_a_compile_only_gpu():
+    """ESS's host store written in place with a step's new rows, compiled for an H200 (``compile_with_host_memory``):
+    the store is an argument and the result in host memory (``S(5)``), aliased, and only the rows leave the device."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+    cpu = Mesh(np.array(jax.devices("cpu")[:1]), ("data",), axis_types=(AxisType.Auto,))
+    host, device = NamedSharding(cpu, P(), memory_kind="pinned_host"), NamedSharding(cpu, P())
+    write = jax.jit(lambda store, rows, at: jax.lax.dynamic_update_slice(
+        store, jax.device_put(rows, jax.memory.Space.Host), (at, 0)), out_shardings=host, donate_argnums=0)
+    store = jax.ShapeDtypeStruct((1 << 19, 576), jnp.bfloat16, sharding=host)  # 604 MB: 8192 pages of 64 rows
+    rows = jax.ShapeDtypeStruct((16, 576), jnp.bfloat16, sharding=device)
+    compiled = aot.compile_with_host_memory(write, (store, rows, jax.ShapeDtypeStruct((), jnp.int32, sharding=device)),
+                                            aot.spec("H200"))
+    head = compiled.as_text().splitlines()[0]
+    assert "->bf16[524288,576]{1,0:S(5)}" in head and "(bf16[524288,576]{1,0:S(5)}," in head
+    assert "input_output_alias={ {}: (0, {}" in head
+    report = aot.analyze(compiled, aot.spec("H200"))
+    sizes = report["bytes_per_device"]
+    assert sizes["host_arguments"] == sizes["host_outputs"] == store.size * 2
+    assert sizes["arguments"] < 32 << 10 and report["host_to_device_bytes"] == 0
+    assert 0 < report["device_to_host_bytes"] <= 4 * rows.size * 2  # the rows (each copy stage counted), no store

@@ -247,13 +247,15 @@ def test_an_all_full_pattern_is_the_model_transformers_runs(fixture):
     from helpers import ONLINE
 
     path = Path(__file__).parent / "fixtures" / fixture
-    layers = len(load_model(path).cfg.index_layers)
+    plain = load_model(path)
+    layers = len(plain.cfg.index_layers)
     model = load_model(path, index_share="F" * layers)
     assert model.cfg.indexer_types == ("full",) * layers
     ref = np.load(path / "reference.npz")
     for i in range(len([k for k in ref.files if k.startswith("prompt_")])):
         prompt, logits, full = ref[f"prompt_{i}"], ref[f"logits_{i}"], ref[f"generate_{i}"]
         got = model.logits(prompt[None])[0]
+        np.testing.assert_array_equal(got, plain.logits(prompt[None])[0])  # bit for bit the model without a pattern
         assert np.abs(got - logits).max() <= 1e-4 * np.abs(logits).max(), (fixture, i)
         for engine in ONLINE.values():
             result = ess_jax.generate(model, [prompt.tolist()], max_new_tokens=len(full) - len(prompt), engine=engine)

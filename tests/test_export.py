@@ -132,7 +132,7 @@ def test_the_export_takes_the_arguments_the_runner_builds():
     abstract = export.abstract_engine(cfg, config, "bfloat16", 0, target)
     runner = engine.runner
     decode = export.engine_steps(cfg, config, abstract, target)["decode"]
-    runs = runner._decode_args(DecodeBatch.idle(2, 4))
+    runs = runner.decode_args(DecodeBatch.idle(2, 4))
     pairs = [(abstract.params, runner.params), (abstract.cache, runner.cache),
              (abstract.scratch, engine.offload.scratch),
              (abstract.window, runner.window),

@@ -156,7 +156,7 @@ class Runner:
         return PrefillResult(sampled, {s: logits[s] for s in wanted}, scored, drafts), cache
 
     # ---- decode --------------------------------------------------------------------------------
-    def _decode_args(self, batch: DecodeBatch):
+    def decode_args(self, batch: DecodeBatch):
         """The decode step's arguments: each row's last token and its drafts ``[B, T]`` at positions ``length +
         t`` (a row that does not run: positions from 0, nothing written)."""
         tokens_BT = np.concatenate([batch.tokens_B[:, None], batch.drafts_BK], axis=1)
@@ -175,7 +175,7 @@ class Runner:
             return
         start = time.perf_counter()
         idle = DecodeBatch.idle(self.config.max_batch, self.layout.pages_per_row, self.config.num_speculative_tokens)
-        args = self._decode_args(idle)
+        args = self.decode_args(idle)
         self._compiled_decode = steps.decode.lower(self.model.graphdef, self.kernels, *args,
                                                    shardings=self.shardings).compile()
         self.proposer.compile(self.model.graphdef, self.kernels, self.params, self._compiled_decode, args[2])
@@ -188,7 +188,7 @@ class Runner:
         order, so timing them apart waits for nothing the step would not."""
         self.compile_decode()
         start = time.perf_counter()
-        args = self._decode_args(batch)
+        args = self.decode_args(batch)
         tokens_BT, accepted_B, logits_BTV, self.cache, hidden, kept_B = self._compiled_decode(*args)
         drafts_BK = self.proposer.draft(self.params, hidden, tokens_BT, args[2], kept_B)  # None: it drafts no more
         if times is not None:

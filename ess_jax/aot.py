@@ -157,7 +157,7 @@ class HostKindsCompiled:
         return self.executable.hlo_modules()[0].to_string()
 
 
-def compile_with_host_memory(jitted, args, s: Spec) -> HostKindsCompiled:
+def compile_with_host_memory(jitted, args, s: Spec, kwargs: dict | None = None) -> HostKindsCompiled:
     """``jitted`` over ``args`` (``ShapeDtypeStruct``s sharded on a mesh of *CPU* devices, host arrays in
     ``pinned_host``) compiled for NVIDIA target ``s`` on as many compile-only GPUs. Compile-only NVIDIA devices list
     no memories, so a sharding on them drops ``pinned_host`` (the host store becomes a device array); the CPU devices
@@ -168,8 +168,9 @@ def compile_with_host_memory(jitted, args, s: Spec) -> HostKindsCompiled:
     from jax._src import compiler
     from jax._src.lib import xla_client
 
-    lowered = jitted.trace(*args).lower(lowering_platforms=(s.platform,))
-    count = len({d for a in jax.tree.leaves(args) for d in a.sharding.device_set})
+    lowered = jitted.trace(*args, **(kwargs or {})).lower(lowering_platforms=(s.platform,))
+    count = len({d for a in jax.tree.leaves(args) if getattr(a, "sharding", None) is not None
+                 for d in a.sharding.device_set})
     devices = compile_devices(s, count)
     options = compiler.get_compile_options(num_replicas=1, num_partitions=count,
                                            device_assignment=np.array([d.id for d in devices]).reshape(1, count),

@@ -24,6 +24,7 @@ target: exit 2, the step, the target and the lowering's message on standard erro
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import json
@@ -35,6 +36,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
@@ -64,6 +66,12 @@ class Target:
 
     @property
     def mesh(self) -> AbstractMesh | jax.sharding.Mesh:
+        """Lowering: an abstract mesh of the target's devices. Compiling: a mesh of its compile-only devices; for
+        NVIDIA GPUs, which list no memories (a sharding on them drops ``pinned_host``), a mesh of this machine's CPU
+        devices of the same shape instead, the programs traced there and compiled for the GPUs
+        (``aot.compile_with_host_memory``)."""
+        if self.spec is not None and self.platform == "cuda":
+            return _host_mesh(self.shape)
         if self.spec is not None:
             return _compile_mesh(self.spec.name, self.shape)
         device = AbstractDevice(device_kind=self.kind, num_cores=1 if self.platform == "tpu" else None,
@@ -71,9 +79,19 @@ class Target:
         return AbstractMesh(tuple(getattr(self.shape, a) for a in mesh.AXES), mesh.AXES,
                             axis_types=(AxisType.Auto,) * len(mesh.AXES), abstract_device=device)
 
+    @contextlib.contextmanager
     def using(self):
-        """The context the steps are traced in: the abstract mesh, or the compile-only devices' mesh."""
-        return jax.set_mesh(self.mesh) if self.spec is not None else jax.sharding.use_abstract_mesh(self.mesh)
+        """The context the steps are traced in: the abstract mesh, or the compile-only devices' mesh (NVIDIA: the CPU
+        mesh, with the kernels chosen for the target's devices)."""
+        if self.spec is None:
+            with jax.sharding.use_abstract_mesh(self.mesh):
+                yield
+            return
+        with jax.set_mesh(self.mesh), contextlib.ExitStack() as stack:
+            if self.platform == "cuda":
+                gpu = ops.Device("cuda", self.kind, ops.compute_capability("", self.kind))
+                stack.enter_context(ops.kernels_for(gpu))
+            yield
 
     def __str__(self) -> str:
         name = self.spec.name if self.spec is not None else self.kind
@@ -83,6 +101,16 @@ class Target:
 @functools.cache
 def _compile_mesh(target: str, shape: mesh.MeshShape) -> jax.sharding.Mesh:
     return aot.compile_mesh(aot.spec(target), shape)
+
+
+@functools.cache
+def _host_mesh(shape: mesh.MeshShape) -> jax.sharding.Mesh:
+    cpus = jax.devices("cpu")
+    if len(cpus) < shape.size:
+        raise ValueError(f"compiling for {shape.size} NVIDIA GPUs traces on as many CPU devices; this process has "
+                         f"{len(cpus)}: set XLA_FLAGS=--xla_force_host_platform_device_count={shape.size}")
+    return jax.sharding.Mesh(np.array(cpus[:shape.size]).reshape(tuple(getattr(shape, a) for a in mesh.AXES)),
+                             mesh.AXES, axis_types=(AxisType.Auto,) * len(mesh.AXES))
 
 
 class StepError(Exception):
@@ -293,7 +321,10 @@ def compile_step(name: str, step: Step, target: Target) -> dict:
     own jit: the caches donated, so updated in place), and what the compiled program says (``aot.analyze``); a step
     that does not compile: ``compiled: False`` and the compiler's message."""
     try:
-        compiled = step.step.lower(*step.static, *step.args, **step.kwargs).compile()
+        if target.platform == "cuda":
+            compiled = aot.compile_with_host_memory(step.step, (*step.static, *step.args), target.spec, step.kwargs)
+        else:
+            compiled = step.step.lower(*step.static, *step.args, **step.kwargs).compile()
     except Exception as e:  # the compiler's verdict, whatever it raises, is the report
         lines = [line for line in str(e).splitlines() if line.strip()]
         return {"compiled": False, "error": f"{type(e).__name__}: {' '.join(lines[:4])[:1500]}"}

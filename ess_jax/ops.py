@@ -27,6 +27,8 @@ Axis letters: ess_jax.notation.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import re
@@ -67,16 +69,33 @@ class Device:
         return f"{self.kind or self.platform}{cc}"
 
 
-def _capability(text: str, kind: str) -> tuple[int, int] | None:
+def compute_capability(text: str, kind: str) -> tuple[int, int] | None:
     if m := re.fullmatch(r"(\d+)\.(\d+)", text.strip()):
         return int(m[1]), int(m[2])
     return next((cc for pattern, cc in _CAPABILITIES if re.search(pattern, kind)), None)
 
 
+# The device kernels are chosen for while a program for one is traced from another's mesh (``kernels_for``)
+_KERNELS_FOR: contextvars.ContextVar[Device | None] = contextvars.ContextVar("kernels_for", default=None)
+
+
+@contextlib.contextmanager
+def kernels_for(device: Device):
+    """Choose kernels for ``device`` whatever mesh is in use (``export --compile`` for NVIDIA GPUs traces their
+    programs on a CPU mesh, whose devices have the host memory kind that compile-only GPUs lack)."""
+    token = _KERNELS_FOR.set(device)
+    try:
+        yield
+    finally:
+        _KERNELS_FOR.reset(token)
+
+
 def target_device() -> Device:
-    """The device kernels are chosen for: the abstract device of the mesh in use (``jax.set_mesh``, or
-    ``jax.sharding.use_abstract_mesh`` when lowering for another machine; a local device of its kind
-    reports its compute capability, else the kind decides), else the default backend's first device."""
+    """The device kernels are chosen for: ``kernels_for``'s, else the abstract device of the mesh in use
+    (``jax.set_mesh``, or ``jax.sharding.use_abstract_mesh`` when lowering for another machine; a local device of
+    its kind reports its compute capability, else the kind decides), else the default backend's first device."""
+    if (chosen := _KERNELS_FOR.get()) is not None:
+        return chosen
     abstract = jax.sharding.get_abstract_mesh().abstract_device
     if abstract is not None:  # a mesh in use (abstract, or this machine's own devices: then they report)
         platform, kind = abstract.platform, abstract.device_kind
@@ -85,7 +104,7 @@ def target_device() -> Device:
     else:
         platform, device = jax.default_backend(), jax.devices()[0]
         kind, reported = str(getattr(device, "device_kind", "")), str(getattr(device, "compute_capability", ""))
-    capability = _capability(reported, kind) if platform in ("gpu", "cuda") else None
+    capability = compute_capability(reported, kind) if platform in ("gpu", "cuda") else None
     if platform in ("gpu", "cuda", "rocm"):  # ROCm devices report a gfx architecture, not an NVIDIA capability
         platform = "cuda" if capability or "NVIDIA" in kind else "rocm"
     return Device(platform, kind, capability)

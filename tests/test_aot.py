@@ -144,3 +144,21 @@ def test_a_pinned_host_store_stays_in_host_memory_on_a_compile_only_gpu():
     assert sizes["host_arguments"] == sizes["host_outputs"] == store.size * 2
     assert sizes["arguments"] < 32 << 10 and report["host_to_device_bytes"] == 0
     assert 0 < report["device_to_host_bytes"] <= 4 * rows.size * 2  # the rows (each copy stage counted), no store
+
+
+@pytest.mark.skipif(not aot.available("cuda"), reason="compiling for NVIDIA GPUs needs jax's CUDA plugin")
+def test_v32_ess_decode_compiles_for_an_h200_with_its_store_in_host_memory(tmp_path):
+    """tiny-v32's shapes with ESS through the Hopper kernels, compiled for an H200 (traced on a CPU mesh, which has
+    the pinned host memory kind compile-only GPUs lack): the host store is in host memory, in and out aliased, and a
+    decode step moves far less than it between host and device."""
+    run = _export("--target", "H200", "--model", "tiny-v32", "--offload", "ess", "--kernels", "auto",
+                  "--max-batch", "4", "--max-seq-len", "4096", "--steps", "decode", out=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["kernels"] == "mosaic_gpu"
+    decode = summary["steps"]["decode"]
+    assert decode["compiled"] and decode["fits"] and decode["custom_calls"]["mosaic_gpu_v2"] >= 1
+    sizes = decode["bytes_per_device"]
+    store = sizes["host_arguments"]  # the host store (and nothing else in host memory)
+    assert store == sizes["host_outputs"] > 4 * 4 * 4096 * 64  # updated in place: 4 layers, 4 x 4K rows of 64+ bytes
+    assert 0 < decode["host_to_device_bytes"] < store / 8, decode

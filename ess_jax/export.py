@@ -86,12 +86,13 @@ class Target:
         if self.spec is None:
             with jax.sharding.use_abstract_mesh(self.mesh):
                 yield
-            return
-        with jax.set_mesh(self.mesh), contextlib.ExitStack() as stack:
-            if self.platform == "cuda":
-                gpu = ops.Device("cuda", self.kind, ops.compute_capability("", self.kind))
-                stack.enter_context(ops.kernels_for(gpu))
-            yield
+        elif self.platform == "cuda":
+            with jax.set_mesh(self.mesh), ops.kernels_for(ops.Device("cuda", self.kind,
+                                                                     ops.compute_capability("", self.kind))):
+                yield
+        else:
+            with jax.set_mesh(self.mesh):
+                yield
 
     def __str__(self) -> str:
         name = self.spec.name if self.spec is not None else self.kind

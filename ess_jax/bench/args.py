@@ -198,11 +198,10 @@ def _output_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-turns", type=int, default=4, help="--shared-prefix: the chat's turns (default 4)")
     p.add_argument("--index-share", type=_names, default=None, metavar="none,every-N,PATTERN,DIR,...",
                    help="instead of the runs above: Index Share (ess_jax.bench.index_share), the model served with "
-                        "each "
-                        "pattern (none: its config's; DIR: a checkpoint python -m ess_jax.train searched or distilled, "
-                        "its config's pattern), resident and ESS (the first --ratios and --fetch): held-out NLL (the "
-                        "model's train.json held-out text), decode and prefill tokens/s, the hit rate and the fetch "
-                        "lead per layer, tokens against resident")
+                        "each pattern (none: its config's; DIR: a checkpoint python -m ess_jax.train searched or "
+                        "distilled, its config's pattern), resident and ESS (the first --ratios and --fetch): "
+                        "held-out NLL (the model's train.json held-out text), decode and prefill tokens/s, the hit "
+                        "rate and the fetch lead per layer, tokens against resident")
     p.add_argument("--record", action="store_true",
                    help="--index-share: write each entry's pattern and held-out NLL into the model's train.json "
                         "(its index_share entry)")

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import math
 import os
 import sys
 import tempfile
+import typing
 from collections.abc import Collection
 from pathlib import Path
-
-from ess_jax.pallas_kernels.target import TARGETS
 
 
 def default_compile_cache() -> str:
@@ -96,111 +96,50 @@ def add_index_share_flag(p: argparse.ArgumentParser) -> None:
                         "N-th full")
 
 
-class _EssOnly(argparse.Action):
-    """Store the value and remember the flag was given: these apply to ``--offload ess`` only, and
-    ``engine_config`` refuses them with ``--offload none``."""
+class _ModeOnly(argparse.Action):
+    """Store the value and remember the flag was given: it applies to one ``--offload`` mode only (its field's
+    ``only``), and ``flags_config`` refuses it with the other."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         setattr(namespace, self.dest, values)
-        namespace.ess_only_flags = sorted({*getattr(namespace, "ess_only_flags", ()), option_string})
+        namespace.mode_only_flags = sorted({*getattr(namespace, "mode_only_flags", ()), option_string})
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    """The cache, batching, kernel and dtype flags that generate, serve and bench share, one meaning each."""
-    cache = p.add_argument_group("cache and batching")
-    cache.add_argument("--offload", choices=["ess", "none"], default="ess",
-                       help="'ess' (default): V3.2 latent rows live in pinned host memory behind an LRU device pool "
-                            "of --pool-size / --pool-ratio slots per layer and request, misses fetched each step; "
-                            "'none': the whole cache on the device. Both give the same tokens")
-    cache.add_argument("--pool-size", action=_EssOnly, type=int, default=None,
-                       help="ess: device pool slots per (layer, request); at least index_topk + 1")
-    cache.add_argument("--pool-ratio", action=_EssOnly, type=float, default=0.2,
-                       help="ess: pool slots as a fraction of the longest request's tokens, raised to "
-                            "index_topk + 1 (default 0.2; --pool-size wins)")
-    cache.add_argument("--fetch", action=_EssOnly, choices=["inline", "split"], default="inline",
-                       help="ess: how missed rows reach the device: 'inline' gathers them host-side inside the "
-                            "compiled step and moves them with an in-step device_put; 'split' calls back to the "
-                            "host at each layer's fetch point and gathers from a NumPy store (default inline)")
-    cache.add_argument("--miss-budget", action=_EssOnly, type=float, default=0.25,
-                       help="ess: rows a decode step fetches per request and layer, as a fraction of the top-k ids "
-                            "it looks up (every request's misses share one buffer); a step that misses more fetches "
-                            "every id's row, so tokens stay exact (default 0.25; 1: always every id)")
-    cache.add_argument("--host-cache-mb", action=_EssOnly, type=float, default=None,
-                       help="ess: host store budget in MiB per --mesh data shard; sets the page count (default: "
-                            "enough for the shard's --max-batch / D requests of --max-seq-len tokens)")
-    cache.add_argument("--rings", action=_EssOnly, choices=["host", "device"], default=None,  # engine.config.RINGS
-                       help="ess: DeepSeek-V4's HCA compressor rings (each request's open 128-token window of "
-                            "projected inputs and gate logits) in host memory, the device keeping each ring's "
-                            "newest row and reading a ring when its window closes ('host'), or on the device "
-                            "('device'). Same tokens. Default: host, or device with --speculative (the host rings "
-                            "take one token per request and step)")
-    cache.add_argument("--max-batch", type=int, default=8, help="decode batch rows (default 8)")
-    cache.add_argument("--page-size", type=int, default=64, help="tokens per cache page (default 64)")
-    cache.add_argument("--num-pages", type=int, default=None,
-                       help="pages in each --mesh data shard's pool, its page 0 included; default: enough for "
-                            "the shard's --max-batch / D requests of --max-seq-len tokens")
-    cache.add_argument("--max-seq-len", type=int, default=None,
-                       help="longest prompt + new tokens of one request (at most the model's "
-                            "max_position_embeddings); default: generate sizes it to its prompts, serve uses 4096")
-    cache.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
-                       help="share the cached pages of prompt prefixes between requests and keep them after their "
-                            "requests finish (evictable, least recently used first), so a prompt that starts like an "
-                            "earlier one skips that part's prefill; same tokens either way. DeepSeek-V4 shares "
-                            "prefixes of whole compressed windows (lcm of the page size and its compress rates) and "
-                            "resumes from a snapshot of the window and compressor rings kept there (default on; "
-                            "--no-prefix-cache turns it off)")
-    cache.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
-                       help="the prefix cache's disk store: each cached prompt page (and DeepSeek-V4's window / ring "
-                            "snapshot) is written to DIR when its prompt is prefilled (one file per page, named by its "
-                            "key, written atomically, checksummed) and read back on a hit the memory cache misses, "
-                            "also after a restart; a missing, truncated or corrupted file is logged and recomputed. "
-                            "Several processes of one mesh use DIR/process-N")
-    cache.add_argument("--prefix-cache-disk-gb", type=float, default=16.0,
-                       help="the bound on --prefix-cache-dir in GiB, least recently used files out first (default 16)")
-    cache.add_argument("--prefix-cache-states", type=int, default=16,
-                       help="DeepSeek-V4 with the prefix cache: window and compressor-ring snapshots kept per --mesh "
-                            "data shard, one per cached prompt, least recently used out first (default 16)")
-    cache.add_argument("--prefill-chunk", type=int, default=256,
-                       help="longest prefill piece in tokens; a shorter remainder runs as power-of-two pieces "
-                            "(default 256)")
-    spec = p.add_argument_group("speculative decoding")
-    spec.add_argument("--speculative", choices=["mtp"], default=None,
-                      help="'mtp': the checkpoint's multi-token-prediction module drafts --num-speculative-tokens "
-                           "tokens per request and step, the model verifies them in one step (greedy: the same "
-                           "tokens as without; sampled: rejection sampling, the same distribution); refused for a "
-                           "checkpoint without an MTP layer (default: off)")
-    spec.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
-                      help="drafts per request and step with --speculative (K = 1 is DeepSeek's MTP = 2; default 1); "
-                           "a request reserves 2K positions more (the verified drafts and the MTP's chain)")
-    p.add_argument("--kernels", choices=("auto", "xla", "pallas", *TARGETS), default="xla",  # ess_jax.ops.KERNELS
-                   help="attention kernels: 'xla' (default: the Pallas kernels have not yet run on a device), "
-                        "'auto' = the device's Pallas kernels (Hopper: mosaic_gpu, other NVIDIA from sm_80: "
-                        "mosaic_gpu_sm80, TPU: mosaic_tpu) and XLA elsewhere, 'pallas' = the device's (on CPU: the "
-                        "Mosaic GPU interpreter, slow, for checking), or a kernel target by name (refused where "
-                        "it cannot run; interpreted on CPU)")
+    """The flags that generate, serve, eval, export and lm-eval share, one meaning each: the model's dtype and
+    weights, then one flag per ``EngineConfig`` field with a ``help`` (``engine.config``'s docstring): an int or
+    float field's type, an enum field's values as choices, a bool field as ``--x`` / ``--no-x``."""
+    from ess_jax.engine.config import EngineConfig, flag
+
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32", help="parameter and compute dtype")
     p.add_argument("--weights", choices=["dequantized", "release"], default="dequantized",
                    help="a checkpoint's quantized weights (FP8 e4m3 with 128x128 block scales; V4's FP4 experts): "
                         "'dequantized' (default) to --dtype at load; 'release': kept in their stored bytes on the "
                         "device and dequantized inside each step, layer by layer (the device holds the release's "
                         "bytes). Same logits to float32 rounding")
-    p.add_argument("--cache-dtype", choices=["bfloat16", "float32", "fp8"], default=None,
-                   help="V3.2 latent rows / V4 CSA entries in the cache, host store and pool: default the --dtype; "
-                        "'fp8' = FlashMLA-style rows (V3.2: e4m3 latent + one float32 scale per 128 values + bf16 "
-                        "rope, 656 bytes, and the indexer keys as 128 e4m3 + one float32 scale, 132 bytes; V4: e4m3 + "
-                        "ue8m0 scale per 64 values + bf16 rope, 584 bytes); V4's indexer keys, window and HCA "
-                        "entries stay in --dtype")
-    p.add_argument("--index-dtype", choices=["fp4", "fp8", "bfloat16"], default=None,  # engine.config.INDEX_DTYPES
-                   help="the indexer keys in the cache: 'fp4' = DeepSeek-V4's official QAT format (a Hadamard "
-                        "rotation, e2m1 values with a ue8m0 scale per 32: 68 bytes a key; the queries get the same "
-                        "round trip), refused for V3.2; 'fp8' = 128 e4m3 + one float32 scale (132 bytes; V3.2's "
-                        "official format); 'bfloat16'. Default: V3.2 fp8 with --cache-dtype fp8, else --dtype")
     p.add_argument("--weights-seed", type=int, default=0, help="seed of a preset's random weights (default 0)")
-    p.add_argument("--mesh", default=None, metavar="data=D,expert=E",
-                   help="a device mesh over every device jax sees (D x E of them): the routed experts sharded over "
-                        "'expert', the batch rows' cache state (ESS pools and slot tables, V4's window and rings) "
-                        "over 'data' (--max-batch a multiple of D); attention weights, page pools and the host "
-                        "store replicated. Same tokens as one device (default: one device)")
+    groups = {}
+    hints = typing.get_type_hints(EngineConfig)
+    for field in dataclasses.fields(EngineConfig):
+        meta = field.metadata
+        if "help" not in meta:
+            continue
+        kind = next(t for t in typing.get_args(hints[field.name]) or (hints[field.name],) if t is not type(None))
+        kwargs = {key: meta[key] for key in ("choices", "metavar") if key in meta}
+        default = meta.get("cli_default", field.default)
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif issubclass(kind, enum.Enum):
+            kwargs["choices"] = [member.value for member in kind]
+            default = None if default is None else kind(default).value
+        elif kind in (int, float):
+            kwargs["type"] = kind
+        if "only" in meta:
+            kwargs["action"] = _ModeOnly
+        group = meta.get("group")
+        if group is not None and group not in groups:
+            groups[group] = p.add_argument_group(group)
+        (groups[group] if group else p).add_argument(flag(field.name), default=default, help=meta["help"], **kwargs)
 
 
 def add_process_flags(p: argparse.ArgumentParser) -> None:
@@ -248,32 +187,23 @@ def engine_config(args: argparse.Namespace, **overrides):
 
 def flags_config(args: argparse.Namespace, **overrides):
     """The EngineConfig the shared flags describe, checked without asking this machine: the engine's checks
-    (``EngineConfig`` checks types, ranges and NaN / inf), ESS-only flags given with ``--offload none``, the
-    sampling and length flags of the entry points that have them."""
-    from ess_jax.engine import EngineConfig
+    (``EngineConfig`` checks types, ranges and NaN / inf), flags of one offload mode given with the other, the
+    sampling and length flags of the entry points that have them. ``--num-speculative-tokens`` defaults to 1 with
+    ``--speculative``, else to 0 (K without ``--speculative`` is refused by the config)."""
+    from ess_jax.engine.config import EngineConfig, flag
 
-    given = getattr(args, "ess_only_flags", [])
-    if args.offload == "none" and given:
-        raise ValueError(f"{' and '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --offload ess only; "
-                         f"drop {'it' if len(given) == 1 else 'them'} or use --offload ess")
+    flagged = [field for field in dataclasses.fields(EngineConfig) if "help" in field.metadata]
+    only = {flag(field.name): field.metadata["only"] for field in flagged if "only" in field.metadata}
+    given = [name for name in getattr(args, "mode_only_flags", []) if only[name] != args.offload]
+    if given:
+        raise ValueError(f"{' and '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --offload "
+                         f"{only[given[0]]} only; drop {'it' if len(given) == 1 else 'them'} or use --offload "
+                         f"{only[given[0]]}")
     check_run_flags(args)
-    return EngineConfig(**dict(dict(
-        max_batch=args.max_batch, page_size=args.page_size, num_pages=args.num_pages, max_seq_len=args.max_seq_len,
-        prefill_chunk=args.prefill_chunk, offload=args.offload, pool_size=args.pool_size, pool_ratio=args.pool_ratio,
-        fetch=args.fetch, miss_budget=args.miss_budget, host_cache_mb=args.host_cache_mb, rings=args.rings,
-        kernels=args.kernels,
-        cache_dtype=args.cache_dtype, index_dtype=args.index_dtype, mesh=args.mesh, prefix_cache=args.prefix_cache,
-        prefix_cache_states=args.prefix_cache_states, prefix_cache_dir=args.prefix_cache_dir,
-        prefix_cache_disk_gb=args.prefix_cache_disk_gb,
-        **speculative(args)), **overrides))
-
-
-def speculative(args: argparse.Namespace) -> dict:
-    """``--speculative`` / ``--num-speculative-tokens`` as EngineConfig fields (K defaults to 1; K without
-    --speculative is refused by the config)."""
-    k = getattr(args, "num_speculative_tokens", None)
-    mode = getattr(args, "speculative", None)
-    return dict(speculative=mode, num_speculative_tokens=k if k is not None else 1 if mode else 0)
+    values = {field.name: getattr(args, field.name) for field in flagged}
+    if values["num_speculative_tokens"] is None:
+        values["num_speculative_tokens"] = 1 if args.speculative else 0
+    return EngineConfig(**{**values, **overrides})
 
 
 def check_run_flags(args: argparse.Namespace) -> None:

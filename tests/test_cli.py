@@ -1,5 +1,8 @@
-"""``python -m ess_jax.generate``: JSON output and one-line errors for bad input."""
+"""``python -m ess_jax.generate``: JSON output and one-line errors for bad input; the engine flags made from
+``EngineConfig``'s fields."""
 
+import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -8,6 +11,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+
+from ess_jax import cli as engine_cli
+from ess_jax.engine import EngineConfig
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf-v32-a"
 REF = np.load(FIXTURE / "reference.npz")
@@ -112,3 +118,27 @@ def test_bad_input_exits_with_one_line_error(cli, args, needle):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_every_engine_config_field_has_a_flag_that_reaches_it():
+    """One flag per EngineConfig field (``keep_logits``, the API's alone, has none), beside the model's three; a
+    value other than the default for each flag lands in its field through ``flags_config``."""
+    parser = argparse.ArgumentParser()
+    engine_cli.add_engine_flags(parser)
+    dests = {action.dest for action in parser._actions} - {"help"}
+    fields = {field.name for field in dataclasses.fields(EngineConfig)}
+    assert fields - dests == {"keep_logits"}
+    assert dests - fields == {"dtype", "weights", "weights_seed"}
+    values = dict(offload="ess", pool_size=33, pool_ratio=0.5, fetch="split", miss_budget=0.5, host_cache_mb=64.0,
+                  rings="device", max_batch=4, page_size=16, num_pages=40, max_seq_len=128, prefix_cache=True,
+                  prefix_cache_dir="dir", prefix_cache_disk_gb=2.0, prefix_cache_states=3, prefill_chunk=64,
+                  speculative="mtp", num_speculative_tokens=2, kernels="pallas", cache_dtype="fp8",
+                  index_dtype="fp4", mesh="data=2")
+    argv = [f"--{name.replace('_', '-')}={value}" for name, value in values.items() if name != "prefix_cache"]
+    config = engine_cli.flags_config(parser.parse_args(argv))
+    assert config == EngineConfig(**values)
+    other = engine_cli.flags_config(parser.parse_args(["--offload", "none", "--no-prefix-cache"]))
+    assert (other.offload, other.prefix_cache) == ("none", False)
+    default = engine_cli.flags_config(parser.parse_args([]))
+    assert [name for name in values if getattr(config, name) == getattr(default, name)] == ["offload",
+                                                                                             "prefix_cache"]

@@ -1,5 +1,11 @@
 """The engine's configuration: ``EngineConfig`` and the enums of its modes (they compare equal to the CLI
-strings, so ``config.offload == "ess"`` reads as the flag does)."""
+strings, so ``config.offload == "ess"`` reads as the flag does).
+
+A field's metadata describes its flag (``cli.add_engine_flags``, ``--`` and the name with ``-`` for ``_``):
+``help``, the flag's help text (a field without one has no flag); ``group``, its help section; ``choices``, a
+string field's values (an enum field's are its members); ``metavar``; ``cli_default``, the flag's default where
+it is not the field's; ``only``, the offload mode the flag applies to (``cli.flags_config`` refuses it with the
+other)."""
 
 from __future__ import annotations
 
@@ -15,11 +21,13 @@ from ess_jax import mesh, ops, tier
 CACHE_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "fp8": jnp.uint8}  # fp8: 656-byte-style rows
 RINGS = ("host", "device")  # ess: where DeepSeek-V4's HCA compressor rings live (ess_jax.tier.rings)
 INDEX_DTYPES = ("fp4", "fp8", "bfloat16")  # indexer keys: 68 / 132 / 256 bytes at J = 128 (ops.index_key_storage)
+_CACHE = "cache and batching"  # the flags' help sections
+_SPECULATIVE = "speculative decoding"
 
 
 class Offload(enum.StrEnum):
-    NONE = "none"  # every cache part on the device
     ESS = "ess"  # the offloaded part (V3.2 latent rows, V4 CSA entries) in host memory behind an LRU device pool
+    NONE = "none"  # every cache part on the device
 
 
 class Fetch(enum.StrEnum):
@@ -34,38 +42,119 @@ class Speculative(enum.StrEnum):
     MTP = "mtp"  # the checkpoint's multi-token-prediction module drafts, the model verifies
 
 
+def _flag(default, help: str, **cli):
+    """A field with a flag: ``help`` and the other ``cli`` keys (the module docstring's) as its metadata."""
+    return dataclasses.field(default=default, metadata={"help": help, **cli})
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    max_batch: int = 8  # decode batch rows
-    page_size: int = 64  # tokens per cache page
-    num_pages: int | None = None  # pages in each data shard's pool incl. its null page; default: its rows' requests
-    # at full length
-    max_seq_len: int | None = None  # longest prompt + max_new_tokens served; default: max_position_embeddings
-    prefill_chunk: int = 256  # longest prefill piece; a shorter remainder is cut into power-of-two pieces
-    offload: Offload = Offload.NONE  # "ess": the offloaded part in host memory behind an LRU device pool
-    pool_size: int | None = None  # ess: pool slots per (layer, request); wins over pool_ratio
-    pool_ratio: float = 0.2  # ess: pool slots as a fraction of the longest request's entries
-    fetch: Fetch = Fetch.INLINE  # ess: how misses reach the device (ess_jax.tier)
-    miss_budget: float = 0.25  # ess: rows a decode step fetches per batch row and layer, a fraction of the ids it
-    # looks up (every row's misses in one buffer); a step that misses more fetches every id's row (exact)
-    host_cache_mb: float | None = None  # ess: host store budget per data shard; sets the page count when given
-    rings: str | None = None  # ess: DeepSeek-V4's HCA compressor rings in host memory ("host") or on the device;
-    # None: ring_placement's default
-    keep_logits: bool = False  # keep each output token's float32 logits in Request.logits
-    kernels: str = "xla"  # attention kernels: "xla", "pallas", "auto" (Pallas on GPU, XLA elsewhere)
-    cache_dtype: str | None = None  # offloaded part's rows: None = the model's dtype, or a CACHE_DTYPES key
-    index_dtype: str | None = None  # indexer keys, an INDEX_DTYPES entry ("fp4": DeepSeek-V4 only); None: V3.2 fp8
-    # with --cache-dtype fp8, else the model's dtype
-    mesh: str | None = None  # "data=D,expert=E": a device mesh over every device (ess_jax.mesh); None: one device
-    speculative: Speculative | None = None  # "mtp": speculative decoding, drafts from the MTP module
-    num_speculative_tokens: int = 0  # K: drafts verified per request per decode step (with --speculative)
-    prefix_cache: bool = True  # full prompt pages shared between requests whose prompts start alike, kept cached
-    # (evictable) after their requests finish (ess_jax.allocator)
-    prefix_cache_dir: str | None = None  # the prefix cache's disk store: cached prompt pages (and V4 snapshots)
-    # written there, read back on a hit, also after a restart (ess_jax.prefix_store); None: none
-    prefix_cache_disk_gb: float = 16.0  # the disk store's bound in GiB, least recently used files out first
-    prefix_cache_states: int = 16  # DeepSeek-V4: snapshots of a request's window and compressor rings the prefix
-    # cache keeps per data shard (one per cached prompt, at its last cacheable boundary), least recently used out
+    """How the engine serves a model: cache placement and sizes, batching, speculative decoding, kernels, cache
+    dtypes, the device mesh. The fields are in their flags' order; their help texts speak of the CLIs, whose
+    defaults differ in two: ``offload`` (the API: ``none``) and ``num_speculative_tokens`` (the API: 0; the CLI:
+    1 with ``--speculative``)."""
+
+    offload: Offload = _flag(
+        Offload.NONE, group=_CACHE, cli_default=Offload.ESS,
+        help="'ess' (default): V3.2 latent rows live in pinned host memory behind an LRU device pool of --pool-size / "
+             "--pool-ratio slots per layer and request, misses fetched each step; 'none': the whole cache on the "
+             "device. Both give the same tokens")
+    pool_size: int | None = _flag(
+        None, group=_CACHE, only=Offload.ESS,
+        help="ess: device pool slots per (layer, request); at least index_topk + 1")
+    pool_ratio: float = _flag(
+        0.2, group=_CACHE, only=Offload.ESS,
+        help="ess: pool slots as a fraction of the longest request's tokens, raised to index_topk + 1 (default 0.2; "
+             "--pool-size wins)")
+    fetch: Fetch = _flag(
+        Fetch.INLINE, group=_CACHE, only=Offload.ESS,
+        help="ess: how missed rows reach the device: 'inline' gathers them host-side inside the compiled step and "
+             "moves them with an in-step device_put; 'split' calls back to the host at each layer's fetch point and "
+             "gathers from a NumPy store (default inline)")
+    miss_budget: float = _flag(
+        0.25, group=_CACHE, only=Offload.ESS,
+        help="ess: rows a decode step fetches per request and layer, as a fraction of the top-k ids it looks up "
+             "(every request's misses share one buffer); a step that misses more fetches every id's row, so tokens "
+             "stay exact (default 0.25; 1: always every id)")
+    host_cache_mb: float | None = _flag(
+        None, group=_CACHE, only=Offload.ESS,
+        help="ess: host store budget in MiB per --mesh data shard; sets the page count (default: enough for the "
+             "shard's --max-batch / D requests of --max-seq-len tokens)")
+    rings: str | None = _flag(
+        None, group=_CACHE, only=Offload.ESS, choices=RINGS,
+        help="ess: DeepSeek-V4's HCA compressor rings (each request's open 128-token window of projected inputs and "
+             "gate logits) in host memory, the device keeping each ring's newest row and reading a ring when its "
+             "window closes ('host'), or on the device ('device'). Same tokens. Default: host, or device with "
+             "--speculative (the host rings take one token per request and step)")
+    max_batch: int = _flag(8, group=_CACHE, help="decode batch rows (default 8)")
+    page_size: int = _flag(64, group=_CACHE, help="tokens per cache page (default 64)")
+    num_pages: int | None = _flag(
+        None, group=_CACHE,
+        help="pages in each --mesh data shard's pool, its page 0 included; default: enough for the shard's "
+             "--max-batch / D requests of --max-seq-len tokens")
+    max_seq_len: int | None = _flag(  # the API's None: max_position_embeddings
+        None, group=_CACHE,
+        help="longest prompt + new tokens of one request (at most the model's max_position_embeddings); default: "
+             "generate sizes it to its prompts, serve uses 4096")
+    prefix_cache: bool = _flag(
+        True, group=_CACHE,
+        help="share the cached pages of prompt prefixes between requests and keep them after their requests finish "
+             "(evictable, least recently used first), so a prompt that starts like an earlier one skips that part's "
+             "prefill; same tokens either way. DeepSeek-V4 shares prefixes of whole compressed windows (lcm of the "
+             "page size and its compress rates) and resumes from a snapshot of the window and compressor rings kept "
+             "there (default on; --no-prefix-cache turns it off)")
+    prefix_cache_dir: str | None = _flag(
+        None, group=_CACHE, metavar="DIR",
+        help="the prefix cache's disk store: each cached prompt page (and DeepSeek-V4's window / ring snapshot) is "
+             "written to DIR when its prompt is prefilled (one file per page, named by its key, written atomically, "
+             "checksummed) and read back on a hit the memory cache misses, also after a restart; a missing, "
+             "truncated or corrupted file is logged and recomputed. Several processes of one mesh use "
+             "DIR/process-N")
+    prefix_cache_disk_gb: float = _flag(
+        16.0, group=_CACHE,
+        help="the bound on --prefix-cache-dir in GiB, least recently used files out first (default 16)")
+    prefix_cache_states: int = _flag(
+        16, group=_CACHE,
+        help="DeepSeek-V4 with the prefix cache: window and compressor-ring snapshots kept per --mesh data shard, "
+             "one per cached prompt, least recently used out first (default 16)")
+    prefill_chunk: int = _flag(
+        256, group=_CACHE,
+        help="longest prefill piece in tokens; a shorter remainder runs as power-of-two pieces (default 256)")
+    speculative: Speculative | None = _flag(
+        None, group=_SPECULATIVE,
+        help="'mtp': the checkpoint's multi-token-prediction module drafts --num-speculative-tokens tokens per "
+             "request and step, the model verifies them in one step (greedy: the same tokens as without; sampled: "
+             "rejection sampling, the same distribution); refused for a checkpoint without an MTP layer (default: "
+             "off)")
+    num_speculative_tokens: int = _flag(
+        0, group=_SPECULATIVE, cli_default=None, metavar="K",
+        help="drafts per request and step with --speculative (K = 1 is DeepSeek's MTP = 2; default 1); a request "
+             "reserves 2K positions more (the verified drafts and the MTP's chain)")
+    kernels: str = _flag(
+        "xla", choices=ops.KERNELS,
+        help="attention kernels: 'xla' (default: the Pallas kernels have not yet run on a device), 'auto' = the "
+             "device's Pallas kernels (Hopper: mosaic_gpu, other NVIDIA from sm_80: mosaic_gpu_sm80, TPU: "
+             "mosaic_tpu) and XLA elsewhere, 'pallas' = the device's (on CPU: the Mosaic GPU interpreter, slow, for "
+             "checking), or a kernel target by name (refused where it cannot run; interpreted on CPU)")
+    cache_dtype: str | None = _flag(
+        None, choices=tuple(CACHE_DTYPES),
+        help="V3.2 latent rows / V4 CSA entries in the cache, host store and pool: default the --dtype; 'fp8' = "
+             "FlashMLA-style rows (V3.2: e4m3 latent + one float32 scale per 128 values + bf16 rope, 656 bytes, and "
+             "the indexer keys as 128 e4m3 + one float32 scale, 132 bytes; V4: e4m3 + ue8m0 scale per 64 values + "
+             "bf16 rope, 584 bytes); V4's indexer keys, window and HCA entries stay in --dtype")
+    index_dtype: str | None = _flag(
+        None, choices=INDEX_DTYPES,
+        help="the indexer keys in the cache: 'fp4' = DeepSeek-V4's official QAT format (a Hadamard rotation, e2m1 "
+             "values with a ue8m0 scale per 32: 68 bytes a key; the queries get the same round trip), refused for "
+             "V3.2; 'fp8' = 128 e4m3 + one float32 scale (132 bytes; V3.2's official format); 'bfloat16'. Default: "
+             "V3.2 fp8 with --cache-dtype fp8, else --dtype")
+    mesh: str | None = _flag(
+        None, metavar="data=D,expert=E",
+        help="a device mesh over every device jax sees (D x E of them): the routed experts sharded over 'expert', "
+             "the batch rows' cache state (ESS pools and slot tables, V4's window and rings) over 'data' "
+             "(--max-batch a multiple of D); attention weights, page pools and the host store replicated. Same "
+             "tokens as one device (default: one device)")
+    keep_logits: bool = False  # keep each output token's float32 logits in Request.logits (the API's alone)
 
     def __post_init__(self):
         for name in ("max_batch", "page_size", "prefill_chunk", "num_pages", "max_seq_len", "pool_size",
@@ -124,7 +213,7 @@ class EngineConfig:
         if self.mesh is not None:
             mesh.check_rows(mesh.parse(self.mesh), self.max_batch)
         # The ESS-only fields are ignored with offload "none" (one config serves both paths through
-        # dataclasses.replace); the CLIs refuse ESS-only flags given with --offload none (cli.engine_config).
+        # dataclasses.replace); the CLIs refuse ESS-only flags given with --offload none (cli.flags_config).
 
     @property
     def ring_placement(self) -> str:

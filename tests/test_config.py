@@ -6,6 +6,7 @@ import pytest
 
 from ess_jax.config import (ConfigError, ModelConfig, ModelSource, RopeConfig, preset_dict, resolve_model,
                             shipped_checkpoint)
+from ess_jax.engine import EngineConfig
 from ess_jax.models.layers import rope_inv_freq
 
 
@@ -95,3 +96,29 @@ def test_model_names_resolve_in_one_place(tmp_path):
     with pytest.raises(ConfigError, match=r"'no-such' is neither a shipped checkpoint \(tiny-v32-code, tiny-v4-code\), "
                                           r"a preset \(tiny-v32, .*\) nor a checkpoint directory"):
         resolve_model("no-such")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("max_batch", 0, "--max-batch 0 must be an integer >= 1"),
+    ("page_size", 2.0, "--page-size 2.0 must be an integer >= 1"),
+    ("prefill_chunk", True, "--prefill-chunk True must be an integer >= 1"),
+    ("num_pages", 1, "--num-pages 1 must be an integer >= 2 (page 0 is the reserved null page)"),
+    ("max_seq_len", np.int64(0), "--max-seq-len np.int64(0) must be an integer >= 1"),
+    ("pool_size", "8", "--pool-size '8' must be an integer >= 1"),
+    ("prefix_cache_states", None, "--prefix-cache-states None must be an integer >= 1"),
+    ("pool_ratio", 1.5, "--pool-ratio 1.5 must be a number in (0, 1]"),
+    ("miss_budget", math.nan, "--miss-budget nan must be a number in (0, 1]"),
+    ("host_cache_mb", math.inf, "--host-cache-mb inf must be a finite number of MiB > 0"),
+    ("prefix_cache_disk_gb", 0, "--prefix-cache-disk-gb 0 must be a finite number of GiB > 0"),
+    ("num_speculative_tokens", -1, "--num-speculative-tokens -1 must be an integer >= 0"),
+])
+def test_engine_config_numbers_are_refused_naming_the_flag(field, value, message):
+    with pytest.raises(ValueError) as refused:
+        EngineConfig(**{field: value})
+    assert str(refused.value) == message
+
+
+def test_engine_config_takes_numpy_integers_and_none_where_that_is_the_default():
+    config = EngineConfig(max_batch=np.int64(2), num_pages=None, max_seq_len=None, pool_size=None, host_cache_mb=None,
+                          pool_ratio=1, miss_budget=1, prefix_cache_disk_gb=0.5)
+    assert config.max_batch == 2 and config.pool_ratio == 1

@@ -157,28 +157,15 @@ class EngineConfig:
     keep_logits: bool = False  # keep each output token's float32 logits in Request.logits (the API's alone)
 
     def __post_init__(self):
-        for name in ("max_batch", "page_size", "prefill_chunk", "num_pages", "max_seq_len", "pool_size",
-                     "prefix_cache_states"):
-            value = getattr(self, name)
-            if value is None and name in ("num_pages", "max_seq_len", "pool_size"):
-                continue
-            low = 2 if name == "num_pages" else 1
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-                why = " (page 0 is the reserved null page)" if name == "num_pages" else ""
-                raise ValueError(f"{flag(name)} {value!r} must be an integer >= {low}{why}")
-        if (isinstance(self.pool_ratio, bool) or not isinstance(self.pool_ratio, (int, float))
-                or not 0 < self.pool_ratio <= 1):
-            raise ValueError(f"--pool-ratio {self.pool_ratio!r} must be a number in (0, 1]")
-        if (isinstance(self.miss_budget, bool) or not isinstance(self.miss_budget, (int, float))
-                or not 0 < self.miss_budget <= 1):
-            raise ValueError(f"--miss-budget {self.miss_budget!r} must be a number in (0, 1]")
-        if self.host_cache_mb is not None and (
-                isinstance(self.host_cache_mb, bool) or not isinstance(self.host_cache_mb, (int, float))
-                or not math.isfinite(self.host_cache_mb) or self.host_cache_mb <= 0):
-            raise ValueError(f"--host-cache-mb {self.host_cache_mb!r} must be a finite number of MiB > 0")
-        if (isinstance(self.prefix_cache_disk_gb, bool) or not isinstance(self.prefix_cache_disk_gb, (int, float))
-                or not math.isfinite(self.prefix_cache_disk_gb) or self.prefix_cache_disk_gb <= 0):
-            raise ValueError(f"--prefix-cache-disk-gb {self.prefix_cache_disk_gb!r} must be a finite number of GiB > 0")
+        for name in ("max_batch", "page_size", "prefill_chunk"):
+            self._check_number(name, 1, integer=True)
+        self._check_number("num_pages", 2, integer=True, why=" (page 0 is the reserved null page)")
+        for name in ("max_seq_len", "pool_size", "prefix_cache_states"):
+            self._check_number(name, 1, integer=True)
+        self._check_number("pool_ratio", 0, high=1)
+        self._check_number("miss_budget", 0, high=1)
+        self._check_number("host_cache_mb", 0, unit="MiB")
+        self._check_number("prefix_cache_disk_gb", 0, unit="GiB")
         if self.prefix_cache_dir is not None and not self.prefix_cache:
             raise ValueError("--prefix-cache-dir is the prefix cache's disk store: drop it or the --no-prefix-cache")
         for name in ("keep_logits", "prefix_cache"):
@@ -200,10 +187,8 @@ class EngineConfig:
         if self.speculative is not None and self.speculative not in tuple(Speculative):
             raise ValueError(f"--speculative {self.speculative!r} is not a drafter; use one of "
                              f"{', '.join(Speculative)}")
-        k = self.num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
-            raise ValueError(f"--num-speculative-tokens {k!r} must be an integer >= 0")
-        if (self.speculative is None) != (k == 0):
+        self._check_number("num_speculative_tokens", 0, integer=True)
+        if (self.speculative is None) != (self.num_speculative_tokens == 0):
             raise ValueError("--speculative and --num-speculative-tokens go together: --speculative mtp "
                              "--num-speculative-tokens K (K >= 1), or neither")
         if self.speculative is not None:
@@ -214,6 +199,24 @@ class EngineConfig:
             mesh.check_rows(mesh.parse(self.mesh), self.max_batch)
         # The ESS-only fields are ignored with offload "none" (one config serves both paths through
         # dataclasses.replace); the CLIs refuse ESS-only flags given with --offload none (cli.flags_config).
+
+    def _check_number(self, name: str, low: int, high: int | None = None, integer: bool = False, unit: str = "",
+                      why: str = "") -> None:
+        """ValueError naming the flag unless the field ``name`` is None where that is its default, or: with
+        ``integer`` an integer >= ``low``; with ``high`` a number in (``low``, ``high``]; else a finite number of
+        ``unit`` > ``low``. A bool is no number; ``why`` ends the message."""
+        value = getattr(self, name)
+        if value is None and self.__dataclass_fields__[name].default is None:
+            return
+        if integer:
+            ok, what = isinstance(value, (int, np.integer)) and value >= low, f"an integer >= {low}"
+        elif high is not None:
+            ok, what = isinstance(value, (int, float)) and low < value <= high, f"a number in ({low}, {high}]"
+        else:
+            ok = isinstance(value, (int, float)) and math.isfinite(value) and value > low
+            what = f"a finite number of {unit} > {low}"
+        if isinstance(value, bool) or not ok:
+            raise ValueError(f"{flag(name)} {value!r} must be {what}{why}")
 
     @property
     def ring_placement(self) -> str:

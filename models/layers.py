@@ -23,6 +23,7 @@ from jax.experimental.pallas.ops.tpu import megablox
 
 from ess_jax.config import RopeConfig
 from ess_jax.mesh import over_experts
+from ess_jax.models import quant
 
 
 def _normal(rngs: nnx.Rngs, shape, std: float, dtype) -> jax.Array:
@@ -260,8 +261,7 @@ def routed_experts(x_AD: jax.Array, weights_AK: jax.Array, experts_AK: jax.Array
                                                                   jnp.arange(tokens)[:, None]].set(weights_AK)[:held]
         chosen_GA = jnp.zeros((held + 1, tokens), bool).at[jnp.where(mine_AK, local_AK, held),
                                                            jnp.arange(tokens)[:, None]].set(True)[:held]
-        gate, up = jnp.split(jnp.einsum("ad,gnd->gan", x_AD, gate_up[...]), 2, axis=-1)
-        y_GAD = jnp.einsum("gaf,gdf->gad", swiglu(gate, up, limit), down[...])
+        y_GAD = dense_experts(x_AD, gate_up, down, limit)
         return jnp.where(chosen_GA[..., None], y_GAD.astype(jnp.float32) * routed_GA[..., None], 0).sum(0)
     local, mine = local_AK.reshape(-1), mine_AK.reshape(-1)
     key = jnp.where(mine, local, held)
@@ -273,6 +273,22 @@ def routed_experts(x_AD: jax.Array, weights_AK: jax.Array, experts_AK: jax.Array
     y = grouped_matmul(swiglu(gate, up, limit), down[...], group_sizes)
     y = jnp.where(mine[order][:, None], y.astype(jnp.float32) * weights_AK.reshape(-1)[order][:, None], 0)
     return jnp.zeros((tokens, x_AD.shape[-1]), jnp.float32).at[token_of].add(y)
+
+
+def dense_experts(x_AD: jax.Array, gate_up, down, limit: float | None) -> jax.Array:
+    """Every held expert over every token, ``[G, A, D]``. Weights held as arrays go through one batched matmul,
+    read as stored. Quantized ones are dequantized one expert at a time: a layer's held experts dequantized at
+    once are a weight-sized float32 temporary (3.76 GB for V3.2's 32 experts a device on ``expert=8``), which
+    XLA:TPU keeps whole."""
+    def expert(weights):
+        gate_up_ND, down_DF = weights
+        gate, up = jnp.split(jnp.einsum("ad,nd->an", x_AD, gate_up_ND[...]), 2, axis=-1)
+        return jnp.einsum("af,df->ad", swiglu(gate, up, limit), down_DF[...])
+
+    if isinstance(gate_up, quant.Quantized):
+        return jax.lax.map(expert, (gate_up, down))
+    gate, up = jnp.split(jnp.einsum("ad,gnd->gan", x_AD, gate_up), 2, axis=-1)
+    return jnp.einsum("gaf,gdf->gad", swiglu(gate, up, limit), down)
 
 
 def grouped_matmul(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array) -> jax.Array:

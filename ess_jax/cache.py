@@ -26,6 +26,8 @@ from typing import Any, Callable, ClassVar
 import jax
 import jax.numpy as jnp
 
+from ess_jax import ops
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -74,13 +76,33 @@ def write_slots(meta: StepMeta, page_size: int) -> tuple[jax.Array, jax.Array]:
     return locate(meta.page_table, jnp.where(meta.valid, meta.positions, -1), page_size=page_size)
 
 
+def request_slots(page_table_BX: jax.Array, count: int, *, page_size: int, rate: int = 1
+                  ) -> tuple[jax.Array, jax.Array]:
+    """Where each request's first ``count`` rows are, in order: ``(page, offset)``, each ``i32[B, count]``."""
+    ids_BM = jnp.broadcast_to(jnp.arange(count, dtype=jnp.int32), (page_table_BX.shape[0], count))
+    return locate(page_table_BX, ids_BM, page_size=page_size, rate=rate)
+
+
 def request_rows(pages_LGEX: jax.Array, layer, page_table_BX: jax.Array, count: int, *, page_size: int,
                  rate: int = 1) -> jax.Array:
     """Each request's first ``count`` rows of layer ``layer`` (an int, or i32[] inside a scan over layers) in
     order: pages ``[L, G, Z, ...]`` -> ``[B, count, ...]``, gathered from the whole array (no layer copy)."""
-    ids_BM = jnp.broadcast_to(jnp.arange(count, dtype=jnp.int32), (page_table_BX.shape[0], count))
-    page, offset = locate(page_table_BX, ids_BM, page_size=page_size, rate=rate)
+    page, offset = request_slots(page_table_BX, count, page_size=page_size, rate=rate)
     return pages_LGEX[layer, page, offset]
+
+
+def write_then_gather(pages_LGEX: jax.Array, layer, write_at: tuple[jax.Array, jax.Array], rows: jax.Array,
+                      read_at: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """``rows`` written into layer ``layer`` of the pages at ``write_at`` ``(page, offset)``, then that layer's rows
+    at ``read_at``: the pages and the rows read. For a TPU through the layer's slice: a scatter or gather into a
+    stacked 8-bit array at a traced layer makes XLA:TPU relay the whole stack out (``T(32,128)`` to ``T(8,128)``
+    and back, for every layer of every step: about 1 GB a layer of V3.2's FP8 indexer keys at batch 46 and 32K),
+    where the slice costs one layer's copy. Elsewhere in place in the stack, which the slice would copy."""
+    if ops.target_device().platform == "tpu":
+        one = jax.lax.dynamic_index_in_dim(pages_LGEX, layer, keepdims=False).at[write_at].set(rows)
+        return jax.lax.dynamic_update_index_in_dim(pages_LGEX, one, layer, 0), one[read_at]
+    pages_LGEX = pages_LGEX.at[(layer, *write_at)].set(rows)
+    return pages_LGEX, pages_LGEX[(layer, *read_at)]
 
 
 @jax.tree_util.register_dataclass

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ess_jax import ops
-from ess_jax.cache import PagedCacheV32, ResidentPages, StepMeta, request_rows, write_slots
+from ess_jax.cache import PagedCacheV32, ResidentPages, StepMeta, request_slots, write_slots, write_then_gather
 from ess_jax.config import ModelConfig
 from ess_jax.models.layers import (
     MLP, LayerNorm, Linear, MoE, MTPHost, RMSNorm, Router, apply_rope_half, apply_rope_interleaved, check_stage,
@@ -168,12 +168,12 @@ class MLA(nnx.Module):
             # FP8 keys (uint8 pages) are V3.2 FP8 rows without a rope part: 128 e4m3 + one float32 scale
             new_keys_BTJ = self.indexer.keys(x_BTD, cos, sin)
             j = new_keys_BTJ.shape[-1]
-            index_keys = cache.index_keys.at[key_layer, page_BT, offset_BT].set(
-                ops.encode_mla_rows(new_keys_BTJ, cache.index_keys.dtype, latent_dim=j))
             positions = meta.page_table.shape[1] * cache.page_size
-            keys_BSJ = ops.decode_mla_rows(request_rows(index_keys, key_layer, meta.page_table, positions,
-                                                        page_size=cache.page_size), x_BTD.dtype, latent_dim=j,
-                                           rope_dim=0)
+            index_keys, keys_BSX = write_then_gather(
+                cache.index_keys, key_layer, (page_BT, offset_BT),
+                ops.encode_mla_rows(new_keys_BTJ, cache.index_keys.dtype, latent_dim=j),
+                request_slots(meta.page_table, positions, page_size=cache.page_size))
+            keys_BSJ = ops.decode_mla_rows(keys_BSX, x_BTD.dtype, latent_dim=j, rope_dim=0)
             visible_BTS = ((jnp.arange(keys_BSJ.shape[1])[None, None, :] <= meta.positions[..., None])
                            & meta.valid[..., None])
             scores_BTS = self.indexer.scores(x_BTD, q_resid_BTQ, keys_BSJ, visible_BTS, cos, sin)

@@ -7,6 +7,7 @@ import optax
 import pytest
 from flax import nnx
 
+from ess_jax import ops
 from ess_jax.models.layers import Router, index_topk
 from helpers import PagedRun, lively_v32, small_v32
 
@@ -151,3 +152,25 @@ def test_training_steps_reduce_next_token_loss():
     assert float(jnp.abs(attn["q_a_proj"]["weight"][...]).max()) > 0
     # selection is non-differentiable (transformers runs the indexer under no_grad): its keys get no gradient
     assert float(jnp.abs(attn["indexer"]["wk"]["weight"][...]).max()) == 0
+
+
+def test_a_tpus_layer_slices_give_the_in_place_steps_values(model):
+    """Traced for a TPU (``ops.kernels_for``, XLA kernels), the indexer's keys are written and read through their
+    layer's slice (``cache.write_then_gather``): the same logits and top-k ids, bit for bit, as in place."""
+    seq = list(np.random.default_rng(3).integers(0, 256, 21))
+
+    def decode(run):
+        logits = [run([seq])[0][-1]]
+        for _ in range(4):
+            logits.append(run([[int(np.argmax(logits[-1]))]])[0][-1])
+        return np.stack(logits), np.asarray(run.ids)
+
+    in_place = decode(PagedRun(model, batch=1, capacity=30))
+    tpu = PagedRun(model, batch=1, capacity=30)
+    graphdef, _ = nnx.split(model)
+    step = jax.jit(lambda p, x, m, c: nnx.merge(graphdef, p).step(x, m, c, kernels="xla"), donate_argnums=3)
+    tpu._step = step  # a jit of its own: traced under the TPU target, not read from PagedRun's cache
+    with ops.kernels_for(ops.Device("tpu", "TPU v5p")):
+        sliced = decode(tpu)
+    np.testing.assert_array_equal(sliced[0], in_place[0])
+    np.testing.assert_array_equal(sliced[1], in_place[1])

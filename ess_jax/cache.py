@@ -91,18 +91,30 @@ def request_rows(pages_LGEX: jax.Array, layer, page_table_BX: jax.Array, count: 
     return pages_LGEX[layer, page, offset]
 
 
+def layer_view(stack_LX: jax.Array, layer) -> tuple[jax.Array, tuple]:
+    """What a step of layer ``layer`` (an int, or i32[] inside a scan over layers) reads and writes of the stacked
+    ``[L, ...]``, and the index of the layer's part in it: traced for a TPU the layer's slice and ``()``, as a
+    scatter or gather into a stacked 8-bit array at a traced layer makes XLA:TPU relay the whole stack out
+    (``T(32,128)`` to ``T(8,128)``) and back, every layer of every step, where the slice costs one layer's copy
+    (about 1 GB a layer for V3.2's FP8 indexer keys at batch 46 and 32K, against 0.2 GB); elsewhere the stack
+    itself and ``(layer,)``, updated in place (a slice would be a copy). ``with_layer_view`` puts it back."""
+    if ops.target_device().platform == "tpu":
+        return jax.lax.dynamic_index_in_dim(stack_LX, layer, keepdims=False), ()
+    return stack_LX, (layer,)
+
+
+def with_layer_view(stack_LX: jax.Array, view: jax.Array, layer) -> jax.Array:
+    """The stack with ``view`` (from ``layer_view``, then updated) in place of layer ``layer``'s part."""
+    return view if view.ndim == stack_LX.ndim else jax.lax.dynamic_update_index_in_dim(stack_LX, view, layer, 0)
+
+
 def write_then_gather(pages_LGEX: jax.Array, layer, write_at: tuple[jax.Array, jax.Array], rows: jax.Array,
                       read_at: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
     """``rows`` written into layer ``layer`` of the pages at ``write_at`` ``(page, offset)``, then that layer's rows
-    at ``read_at``: the pages and the rows read. For a TPU through the layer's slice: a scatter or gather into a
-    stacked 8-bit array at a traced layer makes XLA:TPU relay the whole stack out (``T(32,128)`` to ``T(8,128)``
-    and back, for every layer of every step: about 1 GB a layer of V3.2's FP8 indexer keys at batch 46 and 32K),
-    where the slice costs one layer's copy. Elsewhere in place in the stack, which the slice would copy."""
-    if ops.target_device().platform == "tpu":
-        one = jax.lax.dynamic_index_in_dim(pages_LGEX, layer, keepdims=False).at[write_at].set(rows)
-        return jax.lax.dynamic_update_index_in_dim(pages_LGEX, one, layer, 0), one[read_at]
-    pages_LGEX = pages_LGEX.at[(layer, *write_at)].set(rows)
-    return pages_LGEX, pages_LGEX[(layer, *read_at)]
+    at ``read_at``: the pages and the rows read (through ``layer_view``)."""
+    view, at = layer_view(pages_LGEX, layer)
+    view = view.at[(*at, *write_at)].set(rows)
+    return with_layer_view(pages_LGEX, view, layer), view[(*at, *read_at)]
 
 
 @jax.tree_util.register_dataclass

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import ess_jax
-from ess_jax import tier
+from ess_jax import ops, tier
 from ess_jax.tier import lru_reference
 from ess_jax.engine import Engine, EngineConfig
 
@@ -93,6 +93,21 @@ def test_offload_is_exact(model, resident, offloaded, pool, fetch):
 def test_split_and_inline_move_the_same_rows(offloaded):
     counts = [offloaded("top_k+1", f)[0].offload_metrics() for f in tier.FETCH_BACKENDS]
     assert counts[0] == counts[1]
+
+
+def test_a_tpus_layer_slices_move_the_same_rows(model, offloaded):
+    """Traced for a TPU (``ops.kernels_for``; XLA kernels), the pool is read and written through its layer's slice
+    (``cache.layer_view``): the same tokens, logits bit for bit and counters as in place. The steps' traces are
+    dropped before and after (the engine's jitted steps would otherwise be reused whatever the target)."""
+    in_place, reference = offloaded("top_k+1", "inline")
+    jax.clear_caches()
+    with ops.kernels_for(ops.Device("tpu", "TPU v5p")):
+        engine, requests = serve(model, offload="ess", fetch="inline", **POOLS["top_k+1"])
+    jax.clear_caches()
+    for got, ref in zip(requests, reference):
+        assert got.output_ids == ref.output_ids
+        np.testing.assert_array_equal(np.stack(got.logits), np.stack(ref.logits))
+    assert engine.offload_metrics() == in_place.offload_metrics()
 
 
 def test_device_bytes_are_the_real_arrays(model, offloaded):

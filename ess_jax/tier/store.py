@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from ess_jax import mesh
-from ess_jax.cache import RowSource, Sources, StepMeta, entries_per_page, locate
+from ess_jax.cache import RowSource, Sources, StepMeta, entries_per_page, layer_view, locate, with_layer_view
 from ess_jax.tier import lru
 from ess_jax.tier.host import fetch_wanted, host_store
 
@@ -98,8 +98,10 @@ class Tier:
         new_of_BU = jnp.argmax(ids_BU[:, :, None] == new_ids_BM[:, None, :], axis=2)
         arrival_BU = jnp.where(res.is_new_K, new_of_BU, jnp.where(res.miss_K, m + jnp.arange(u), -1))
         row_B1 = jnp.arange(b)[:, None]
-        # the pool viewed as one row array (every layer): row ((layer * B) + b) * P + slot
-        hit_BU = jnp.where(res.hit_K, (layer * rows + row_B1) * p + res.slot_K, -1)
+        # the pool as the layer's step sees it (cache.layer_view), as one row array: row (first + b) * P + slot
+        pool, at = layer_view(self.pool, layer)
+        first = at[0] * rows if at else 0
+        hit_BU = jnp.where(res.hit_K, (first + row_B1) * p + res.slot_K, -1)
         inflight_BU = jnp.where(arrival_BU >= 0, row_B1 * (m + u) + arrival_BU, -1)
         picked = lambda x_BU: jnp.where(ids_BTK >= 0, jax.vmap(lambda x, f: x[f])(x_BU, first_BTK), -1)  # noqa: E731
 
@@ -107,10 +109,10 @@ class Tier:
             """The arrivals into the slots they took (the pool read by the ready half first), residency and LRU
             state, counters, and the new entries staged for the host backup."""
             with jax.named_scope("pool_update"):
-                pool = ready[0].rows_PW.reshape(self.pool.shape)
+                view = ready[0].rows_PW.reshape(pool.shape)
                 slot_BA = jnp.concatenate([res.new_slot, jnp.where(res.miss_K & (res.slot_K >= 0), res.slot_K, p)],
                                           axis=1)
-                pool = pool.at[layer, row_B1, slot_BA].set(arrivals_BAW.astype(pool.dtype), mode="drop")
+                view = view.at[(*at, row_B1, slot_BA)].set(arrivals_BAW.astype(view.dtype), mode="drop")
                 new_page_BM, new_offset_BM = self._locate(meta.page_table, new_ids_BM)
                 counts_B4 = jnp.stack([(ids_BU >= 0).sum(-1), (res.hit_K | res.is_new_K).sum(-1), res.miss_K.sum(-1),
                                        (new_ids_BM >= 0).sum(-1)], axis=-1).astype(jnp.int32)
@@ -120,14 +122,15 @@ class Tier:
                                         at_query(res.miss_K).sum(-1)], axis=-1).astype(jnp.int32)
                 counts_BT3 = jnp.where(active_B[:, None, None], counts_BT3, 0)
             return dataclasses.replace(
-                self, pool=pool, lru=old.commit(layer, res, ids_BU, new_ids_BM, evicted_BK1),
+                self, pool=with_layer_view(self.pool, view, layer),
+                lru=old.commit(layer, res, ids_BU, new_ids_BM, evicted_BK1),
                 staged=self.staged.at[layer].set(new_rows_BMW.astype(self.staged.dtype)),
                 staged_page=new_page_BM,  # the null page where no entry is new
                 staged_offset=new_offset_BM, counters=self.counters.at[layer].add(counts_B4),
                 query_counters=self.query_counters.at[layer].add(counts_BT3), ahead=ahead,
                 ahead_counters=ahead_counters)
 
-        ready = [RowSource(self.pool.reshape(-1, w), picked(hit_BU))]
+        ready = [RowSource(pool.reshape(-1, w), picked(hit_BU))]
         return Sources(ready, [RowSource(arrivals_BAW.reshape(b * (m + u), w), picked(inflight_BU))], settle)
 
     def _fetch_misses(self, layer, miss_BU, ids_BU, new_ids_BM, active_B, page_BU, offset_BU):

@@ -3,7 +3,7 @@ reference written from the official ``fp4_act_quant`` / ``rotate_activation``, a
 
 The reference works in NumPy float64 on the e2m1 grid (nearest value, ties to the even code), takes the scale's
 exponent from ``frexp`` (not from the float's bits), packs nibbles by hand, and builds the Hadamard matrix by
-Kronecker products: none of it shares code with ``fp8_rows`` or ``models.compressor``."""
+Kronecker products: none of it shares code with ``fp8_rows`` or ``models.deepseek_v4.compressor``."""
 
 from pathlib import Path
 
@@ -18,7 +18,7 @@ import ess_jax
 from ess_jax import families, ops
 from ess_jax.config import ModelConfig
 from ess_jax.engine import Engine, EngineConfig, cache_layout
-from ess_jax.models.compressor import Indexer, TailRope, hadamard
+from ess_jax.models.deepseek_v4.compressor import Indexer, TailRope, hadamard
 from ess_jax.models.layers import index_scores
 from ess_jax.pallas_kernels import fp8_rows
 

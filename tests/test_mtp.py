@@ -25,7 +25,8 @@ from ess_jax.api import load_model
 from ess_jax.cache import StepMeta
 from ess_jax.checkpoint import CheckpointError
 from ess_jax.config import ConfigError, ModelConfig
-from ess_jax.models import deepseek_v32, deepseek_v4
+from ess_jax.models.deepseek_v32 import model as deepseek_v32
+from ess_jax.models.deepseek_v4 import model as deepseek_v4
 from ess_jax.models.layers import rope_cos_sin, rope_inv_freq
 from helpers import small_v32_json, v4_release_name
 

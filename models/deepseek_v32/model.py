@@ -21,8 +21,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ess_jax import ops
-from ess_jax.cache import PagedCacheV32, ResidentPages, StepMeta, request_rows, write_slots
+from ess_jax.cache import ResidentPages, StepMeta, request_rows, write_slots
 from ess_jax.config import ModelConfig
+from ess_jax.models.deepseek_v32.cache import PagedCacheV32
 from ess_jax.models.layers import (
     MLP, LayerNorm, Linear, MoE, MTPHost, RMSNorm, Router, apply_rope_half, apply_rope_interleaved, check_stage,
     index_scores, index_topk, indexer_kl, rope_cos_sin, rope_inv_freq, scan_runs, stack_runs)
@@ -218,11 +219,11 @@ class DeepseekV32(MTPHost, nnx.Module):
         self.runs = stack_runs([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
-        if cfg.num_nextn_predict_layers:  # the MTP module, named as layer num_hidden_layers (models.mtp)
-            from ess_jax.models.mtp import MTPLayerV32
+        if cfg.num_nextn_predict_layers:  # the MTP module, named as layer num_hidden_layers (mtp.py)
+            from ess_jax.models.deepseek_v32.mtp import MTPLayerV32
             self.mtp = nnx.Dict({str(cfg.num_hidden_layers): MTPLayerV32(cfg, dtype=dtype, rngs=rngs)})
 
-    def _cos_sin(self, positions_BT):
+    def cos_sin(self, positions_BT):
         inv_freq = rope_inv_freq(self.cfg.rope, self.cfg.qk_rope_head_dim)
         return rope_cos_sin(positions_BT, inv_freq, self.cfg.rope.cos_sin_scale)
 
@@ -241,7 +242,7 @@ class DeepseekV32(MTPHost, nnx.Module):
         the MTP module reads) and the indexer's loss summed over layers."""
         check_stage(stage)
         b, t = tokens_BT.shape
-        cos, sin = self._cos_sin(jnp.broadcast_to(jnp.arange(t), (b, t)))
+        cos, sin = self.cos_sin(jnp.broadcast_to(jnp.arange(t), (b, t)))
         h = self.embed_tokens[...][tokens_BT]
 
         def body(layer, index, carry):
@@ -285,7 +286,7 @@ class DeepseekV32(MTPHost, nnx.Module):
         The layers run as one ``jax.lax.scan`` per stacked run (``layers.scan_runs``); the cache's ``[L, ...]``
         arrays are carried whole and read and written at the layer index, so the compiled step does not grow
         with depth."""
-        cos, sin = self._cos_sin(meta.positions)
+        cos, sin = self.cos_sin(meta.positions)
         b, t = tokens_BT.shape
         key_layers = jnp.asarray(index_key_layers(self.cfg), jnp.int32)  # each layer's place among the full ones
         ids_BTK, _ = index_picks(b, t, meta.page_table.shape[1] * cache.page_size, self.cfg.index_topk)
@@ -298,7 +299,7 @@ class DeepseekV32(MTPHost, nnx.Module):
         (h, cache, _), ids_LBTK = scan_runs(self.runs, body, (self.embed_tokens[...][tokens_BT], cache, ids_BTK))
         return self.head(h), h, ids_LBTK, cache
 
-    # ---- the MTP module (models.mtp) -------------------------------------------------------------
+    # ---- the MTP module (models.deepseek_v32.mtp) ------------------------------------------------
     def init_mtp_cache(self, rows: int, num_pages: int, page_size: int, latent_dtype=None,
                        index_dtype: str | None = None) -> PagedCacheV32:
         """The MTP module's empty cache: ``init_cache`` of its one block (``L = 1``), in the same pages."""

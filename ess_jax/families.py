@@ -442,7 +442,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     _DeepseekV32(model_type="deepseek_v32", architecture="DeepseekV32ForCausalLM", row_state=False,
                  module="ess_jax.models.deepseek_v32:DeepseekV32", rename=None),
     _DeepseekV4(model_type="deepseek_v4", architecture="DeepseekV4ForCausalLM", row_state=True,
-                module="ess_jax.models.deepseek_v4:DeepseekV4", rename="ess_jax.checkpoint:release_to_hf_name"),
+                module="ess_jax.models.deepseek_v4:DeepseekV4",
+                rename="ess_jax.models.deepseek_v4.names:release_to_hf_name"),
 )}
 
 

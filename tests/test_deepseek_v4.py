@@ -21,10 +21,11 @@ from safetensors.numpy import save_file
 import ess_jax
 from ess_jax import ops
 from ess_jax.cache import StepMeta
-from ess_jax.checkpoint import CheckpointError, SafetensorsFile, hf_tensors, release_to_hf_name
+from ess_jax.checkpoint import CheckpointError, SafetensorsFile, hf_tensors
 from ess_jax.config import ConfigError, ModelConfig, RopeConfig
 from ess_jax.models.deepseek_v4.compressor import Compressor, TailRope
 from ess_jax.models.deepseek_v4 import DeepseekV4
+from ess_jax.models.deepseek_v4.names import release_to_hf_name
 from ess_jax.models.layers import Buffer
 from helpers import v4_release_name
 

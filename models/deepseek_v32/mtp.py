@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ess_jax.cache import StepMeta
-from ess_jax.config import ModelConfig
 from ess_jax.models.deepseek_v32 import model as deepseek_v32
 from ess_jax.models.deepseek_v32.cache import PagedCacheV32
+from ess_jax.models.deepseek_v32.config import DeepseekV32Config
 from ess_jax.models.layers import Linear, RMSNorm
 from ess_jax.models.mtp import SharedHead
 
@@ -29,7 +29,7 @@ class MTPLayerV32(deepseek_v32.DecoderLayer):
     """DeepSeek-V3.2's MTP module: a decoder layer (MLA, its own indexer, MoE) with ``enorm``, ``hnorm``,
     ``eh_proj`` and ``shared_head.norm``."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DeepseekV32Config, *, dtype, rngs: nnx.Rngs):
         super().__init__(cfg.mtp_block(), 0, dtype=dtype, rngs=rngs)
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.enorm = RMSNorm(d, eps, dtype=dtype)

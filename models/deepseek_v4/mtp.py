@@ -24,10 +24,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ess_jax.cache import StepMeta
-from ess_jax.config import ModelConfig, V4Layer
 from ess_jax.models.deepseek_v4 import mhc
 from ess_jax.models.deepseek_v4 import model as deepseek_v4
 from ess_jax.models.deepseek_v4.cache import V4Cache
+from ess_jax.models.deepseek_v4.config import DeepseekV4Config, V4Layer
 from ess_jax.models.layers import Linear, RMSNorm
 from ess_jax.models.mtp import SharedHead
 
@@ -36,7 +36,7 @@ class MTPLayerV4(deepseek_v4.DecoderLayer):
     """DeepSeek-V4's MTP module: an mHC decoder layer with ``enorm``, ``hnorm``, ``e_proj``, ``h_proj``, its own
     ``hc_head`` and ``shared_head.norm``."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DeepseekV4Config, *, dtype, rngs: nnx.Rngs):
         super().__init__(cfg.mtp_block(), 0, dtype=dtype, rngs=rngs)
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.enorm = RMSNorm(d, eps, dtype=jnp.float32)

@@ -2,10 +2,10 @@
 mHC, hash-routed MoE.
 
 ``model`` (``DeepseekV4``), ``compressor`` (the KV compressors and the CSA indexer), ``mhc`` (the hyper-connected
-residual), ``mtp`` (its MTP module), ``cache`` (its cache records), ``config``, ``names`` (the release's tensor
-names) and ``family`` (its entry in ``ess_jax.families``' registry)."""
+residual), ``mtp`` (its MTP module), ``cache`` (its cache records), ``config`` (``DeepseekV4Config``), ``names``
+(the release's tensor names) and ``family`` (its entry in ``ess_jax.families``' registry)."""
 
 from ess_jax.models import lazy_exports
 
-__all__ = ["DeepseekV4"]
-__getattr__ = lazy_exports(__name__, {"DeepseekV4": "model"})
+__all__ = ["DeepseekV4", "DeepseekV4Config"]
+__getattr__ = lazy_exports(__name__, {"DeepseekV4": "model", "DeepseekV4Config": "config"})

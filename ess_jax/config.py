@@ -50,7 +50,7 @@ _KINDS: dict[str, Any] = {
     **{k: ("int", 1) for k in (
         "vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings", "num_attention_heads",
         "index_n_heads", "index_head_dim", "index_topk", "intermediate_size", "moe_intermediate_size",
-        "n_routed_experts", "num_experts", "num_local_experts", "num_experts_per_tok")},
+        "n_routed_experts", "num_experts", "num_local_experts", "num_experts_per_tok", "n_group", "topk_group")},
     **{k: ("int", 0) for k in ("q_lora_rank", "qk_rope_head_dim", "n_shared_experts", "bos_token_id", "pad_token_id",
                                "num_nextn_predict_layers")},
     **{k: ("num", 0, True) for k in ("rms_norm_eps", "rope_theta", "routed_scaling_factor")},
@@ -296,6 +296,8 @@ class ModelConfig:
     n_routed_experts: int = 256
     n_shared_experts: int = 1
     num_experts_per_tok: int = 8
+    n_group: int = 8
+    topk_group: int = 4
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 2.5
     scoring_func: str = "sigmoid"

@@ -1,5 +1,5 @@
-"""DeepSeek-V3.2's config: the base (``ess_jax.config.ModelConfig``) with MLA's latent and head widths and
-group-limited routing, read from a ``DeepseekV32Config`` config.json."""
+"""DeepSeek-V3.2's config: the base (``ess_jax.config.ModelConfig``) with MLA's latent and head widths, read from a
+``DeepseekV32Config`` config.json."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ class DeepseekV32Config(ModelConfig):
     model_type: ClassVar[str] = "deepseek_v32"
     KINDS: ClassVar[dict[str, Any]] = {
         **ModelConfig.KINDS,
-        **{k: ("int", 1) for k in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "n_group", "topk_group")},
+        **{k: ("int", 1) for k in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim")},
         "first_k_dense_replace": ("int", 0),
     }
 
@@ -25,9 +25,6 @@ class DeepseekV32Config(ModelConfig):
     kv_lora_rank: int = 512
     qk_nope_head_dim: int = 128
     v_head_dim: int = 128
-    # moe: group-limited routing
-    n_group: int = 8
-    topk_group: int = 4
 
     @property
     def qk_head_dim(self) -> int:

@@ -24,6 +24,8 @@ V4_LAYER_TYPES = tuple(kind.value for kind in V4Layer)
 V4_MLP_LAYER_TYPES = ("hash_moe", "moe")
 V4_SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 _V4_RATIO_TO_LAYER_TYPE = {0: V4Layer.SLIDING, 4: V4Layer.CSA, 128: V4Layer.HCA}
+# V4 routes without expert groups: config.json's n_group / topk_group are not read (the config's are 1)
+_UNREAD_KEYS = frozenset({"n_group", "topk_group"})
 
 # transformers' DeepseekV4Config defaults (V4-Flash shapes) for keys a config.json leaves out.
 _V4_HF_DEFAULTS: dict[str, Any] = dict(
@@ -88,7 +90,7 @@ class DeepseekV4Config(ModelConfig):
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> DeepseekV4Config:
         """A ``DeepseekV4Config`` config.json (modern or legacy keys) -> its config, as transformers 5.23 reads it."""
-        check_raw(raw, cls.KINDS)
+        check_raw(raw, {key: kind for key, kind in cls.KINDS.items() if key not in _UNREAD_KEYS})
         for key, value in (raw.get("compress_rates") or {}).items():
             check_value(f"compress_rates.{key}", value, ("int", 1))
         kwargs = dict(_V4_HF_DEFAULTS)
@@ -99,6 +101,7 @@ class DeepseekV4Config(ModelConfig):
             if raw.get(alias) is not None and raw.get("n_routed_experts") is None:
                 kwargs["n_routed_experts"] = raw[alias]
         kwargs["intermediate_size"] = kwargs["moe_intermediate_size"]  # the shared expert's width
+        kwargs["n_group"] = kwargs["topk_group"] = 1  # V4 routes without expert groups
         kwargs["eos_token_id"] = eos_ids(raw)
         n = int(kwargs["num_hidden_layers"])
 

@@ -327,8 +327,8 @@ def check_before_load(args: argparse.Namespace, config) -> None:
     sizes it gets again, exactly, before it allocates."""
     from ess_jax import mesh, ops
     from ess_jax.config import resolve_model
-    from ess_jax.families import source_config
     from ess_jax.engine import cache_layout, check_memory
+    from ess_jax.families import source_config
 
     if config.mesh:
         mesh.check_devices(mesh.parse(config.mesh))

@@ -1,1 +1,1 @@
-"""Model presets as HuggingFace-style config.json files (loaded with ess_jax.config.ModelConfig.from_preset)."""
+"""Model presets as HuggingFace-style config.json files (loaded with ess_jax.families.load_config)."""

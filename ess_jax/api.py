@@ -16,8 +16,6 @@ from flax import nnx
 from ess_jax import checkpoint, families
 from ess_jax import mesh as device_mesh
 from ess_jax.config import ModelConfig, resolve_model
-from ess_jax.models.deepseek_v32 import DeepseekV32
-from ess_jax.models.deepseek_v4 import DeepseekV4
 from ess_jax.engine import Engine, EngineConfig
 from ess_jax.sampling import SamplingParams
 from ess_jax.tokenizer import ChatTemplate, Tokenizer, load_chat_template, load_tokenizer
@@ -32,7 +30,7 @@ class Model:
     jitted function merges them inside the trace, so each call pays no Python object-graph walk.
     """
 
-    def __init__(self, name: str, module: DeepseekV32 | DeepseekV4, tokenizer: Tokenizer,
+    def __init__(self, name: str, module: nnx.Module, tokenizer: Tokenizer,
                  chat_template: ChatTemplate | None = None):
         self.name = name
         self.cfg: ModelConfig = module.cfg
@@ -41,7 +39,7 @@ class Model:
         self.graphdef, self.params = nnx.split(module)
 
     @property
-    def module(self) -> DeepseekV32 | DeepseekV4:
+    def module(self) -> nnx.Module:
         return nnx.merge(self.graphdef, self.params)
 
     @functools.cached_property
@@ -104,7 +102,7 @@ def _load(name_or_dir: str | Path, dtype: str, seed: int, weights: str, mesh: ja
     if source.checkpoint is None and weights == "release":
         raise ValueError(f"weights='release' keeps a checkpoint's quantized tensors as stored; preset "
                          f"{source.name!r} has random weights and no checkpoint: load it dequantized")
-    cfg = source.config()
+    cfg = families.source_config(source)
     cls = families.get(cfg.family).module_cls
     if source.checkpoint is not None:
         module = checkpoint.load_into(lambda: cls(cfg, dtype=jdtype, rngs=nnx.Rngs(seed)), cfg, source.checkpoint,

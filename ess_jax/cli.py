@@ -258,6 +258,7 @@ def check_before_load(args: argparse.Namespace, config) -> None:
     from ess_jax import mesh, ops
     from ess_jax.config import resolve_model
     from ess_jax.engine import cache_layout, check_memory
+    from ess_jax.families import source_config
 
     if config.mesh:
         mesh.check_devices(mesh.parse(config.mesh))
@@ -270,7 +271,7 @@ def check_before_load(args: argparse.Namespace, config) -> None:
     if getattr(args, "weights", None) == "release" and source.checkpoint is None:
         raise ValueError(f"--weights release keeps a checkpoint's quantized tensors as stored; the preset {model} "
                          "has random weights and no checkpoint: drop --weights release or pass a checkpoint")
-    cfg = source.config()
+    cfg = source_config(source)
     prompts = getattr(args, "prompts", None)
     if config.max_seq_len is not None and config.max_seq_len > cfg.max_position_embeddings:
         raise ValueError(f"--max-seq-len {config.max_seq_len} exceeds the model's max_position_embeddings "

@@ -125,7 +125,7 @@ def shaped(x, sharding=None) -> jax.ShapeDtypeStruct:
 def model_config(name: str, num_layers: int | None) -> ModelConfig:
     """``--model``'s config, cut to its first ``num_layers`` layers when given."""
     raw = resolve_model(name).raw_config()
-    return ModelConfig.from_hf_dict(dict(raw, num_hidden_layers=num_layers) if num_layers else raw)
+    return families.load_config(dict(raw, num_hidden_layers=num_layers) if num_layers else raw)
 
 
 def abstract_cache(make, size: families.CacheSize, config, target: Target):

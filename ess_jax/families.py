@@ -1,8 +1,11 @@
-"""The model families: one registry entry per ``model_type``, carrying everything that differs between
-DeepSeek-V3.2 and DeepSeek-V4 above the models.
+"""The model families: the one registry, ``FAMILIES`` (one line per ``model_type``: where its family entry is,
+imported on first use), and what a family entry is, ``Family``: everything that differs between families above
+the models. Each family is one package, ``models/<model_type>/``, whose ``family.py`` holds its entry; the
+runtime reaches a family only through ``get(model_type)`` and ``load_config(raw)``.
 
-A ``Family`` holds (its config parser and checks are ``ess_jax.config``'s, which imports nothing of
-ess_jax)
+A ``Family`` holds
+- its config class (``ess_jax.config.ModelConfig``'s subclass in the family's ``config.py``: fields, parser,
+  checks);
 - the NNX module class and the checkpoint's tensor renames (both imported on first use: the models
   import flax, which ``python -m ess_jax.plan`` never loads);
 - a request's KV cache as ``Part``s with their byte sizes in given storage ``Formats``: the release
@@ -14,10 +17,9 @@ ess_jax)
   (``ess_jax.tier``), the scratch -> decode-cache handoff after an offloaded prefill, and ``store_of`` /
   ``with_store``.
 
-Both families page their cache through the engine's page tables (``ess_jax.cache``: ``Z`` rows of a
-part per page of ``Z`` tokens) and the host store has the same pages. DeepSeek-V3.2 offloads every
-layer's latent rows; DeepSeek-V4 the CSA layers' entries (HiSparse), its window and compressor rings
-fixed-size per batch row.
+Every family pages its cache through the engine's page tables (``ess_jax.cache``: ``Z`` rows of a part per
+page of ``Z`` tokens) and the host store has the same pages. DeepSeek-V3.2 offloads every layer's latent rows;
+DeepSeek-V4 the CSA layers' entries (HiSparse), its window and compressor rings fixed-size per batch row.
 """
 
 from __future__ import annotations
@@ -25,17 +27,24 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+from pathlib import Path
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
-from ess_jax import config, tier
+from ess_jax import tier
 from ess_jax.cache import entries_per_page
-from ess_jax.config import ModelConfig, V4Layer
+from ess_jax.config import ConfigError, ModelConfig, ModelSource, check_tokens, short
 from ess_jax.pallas_kernels import fp8_rows
 
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "int32": 4}
+# model_type -> "package.module:NAME" of its ``Family`` (its package's family.py), imported on first use
+FAMILIES: dict[str, str] = {
+    "deepseek_v32": "ess_jax.models.deepseek_v32.family:FAMILY",
+    "deepseek_v4": "ess_jax.models.deepseek_v4.family:FAMILY",
+}
+
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "int32": 4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +56,6 @@ class CacheSize:
     page_size: int  # tokens per page
     max_seq_len: int  # positions per request
     shards: int = 1  # data shards: each has rows / shards batch rows and pages / shards pages
-_SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,34 +149,21 @@ class Formats:
     ring: str  # V4 compressor rings: the projected inputs and gate projections (DeepSeek's release: float32)
 
 
-
-
-def _mla_row_bytes(latent_dim: int, rope_dim: int, fmt: str) -> int:
+def mla_row_bytes(latent_dim: int, rope_dim: int, fmt: str) -> int:
     """One V3.2 latent row ``[c | k_rope]`` (with ``rope_dim`` 0: one indexer key): ``C + R`` values, or
     the FP8 row (C e4m3 + an fp32 scale per 128 + R bf16: FlashMLA's 656 bytes at C = 512, R = 64)."""
-    return fp8_rows.mla_row_bytes(latent_dim, rope_dim) if fmt == "fp8" else _ITEMSIZE[fmt] * (latent_dim + rope_dim)
+    return fp8_rows.mla_row_bytes(latent_dim, rope_dim) if fmt == "fp8" else ITEMSIZE[fmt] * (latent_dim + rope_dim)
 
 
-def _v4_row_bytes(head_dim: int, rope_dim: int, fmt: str) -> int:
-    """One V4 row: ``H`` values, or the FP8 row ((H - R) e4m3 + R bf16 + a ue8m0 scale per 64, padded to
-    8 bytes: 584 at H = 512, R = 64)."""
-    return fp8_rows.v4_row_bytes(head_dim, rope_dim) if fmt == "fp8" else _ITEMSIZE[fmt] * head_dim
-
-
-def _index_key_bytes(width: int, fmt: str) -> int:
+def index_key_bytes(width: int, fmt: str) -> int:
     """One indexer key: ``width`` values, the FP8 row (132 bytes at 128) or the FP4 key (68 bytes at 128)."""
     if fmt == "fp4":
         return fp8_rows.fp4_key_bytes(width)
-    return _mla_row_bytes(width, 0, fmt)
+    return mla_row_bytes(width, 0, fmt)
 
 
-# the release's FP8 (e4m3, 128 x 128 block scales) weights besides the routed experts
-_V32_FP8 = {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "wq_b", "wk", "gate_proj", "up_proj",
-            "down_proj"}
-_V4_FP8 = {"q_a_proj", "q_b_proj", "kv_proj", "o_a_proj", "o_b_proj"}
-
-
-def _fp8_block_bytes(shape: tuple[int, ...], scale_bytes: int) -> int:
+def fp8_block_bytes(shape: tuple[int, ...], scale_bytes: int) -> int:
+    """Bytes of a weight in the releases' FP8 format: e4m3 values and a ``scale_bytes`` scale per 128 x 128 block."""
     *lead, out, inp = shape
     return math.prod(shape) + scale_bytes * math.prod(lead) * math.ceil(out / 128) * math.ceil(inp / 128)
 
@@ -183,13 +178,17 @@ class Family:
     """One model family: its fields, and the methods each family implements (those raising
     NotImplementedError here), which ``offloaded_cache`` and ``handoff`` compose."""
 
-    model_type: str
+    config: type[ModelConfig]  # the family's config class (its ``model_type``, fields, parser and checks)
     architecture: str  # config.json's "architectures" entry (transformers' class)
     row_state: bool  # a request's cache has state per batch row besides its pages (V4's window and compressor
     # rings, ``row_arrays``): a cached prefix is resumed from a snapshot of it; False: its pages are all of it
     module: str  # "package.module:Class" of the NNX module
     rename: str | None  # "package.module:function": (a checkpoint's tensor name, layers=num_hidden_layers) ->
     # transformers' name (the MTP block as layer num_hidden_layers); None: unchanged
+
+    @property
+    def model_type(self) -> str:
+        return self.config.model_type
 
     @property
     def module_cls(self) -> type:
@@ -205,7 +204,7 @@ class Family:
         raise NotImplementedError
 
     def mtp_cache_parts(self, cfg: ModelConfig, formats: Formats) -> list[Part]:
-        """The MTP module's cache of one request (``models.mtp``: its block's, in the main cache's pages), part
+        """The MTP module's cache of one request (the family's ``mtp.py``: its block's, in the main cache's pages), part
         by part, named "MTP ..."; none for a model without one."""
         if not cfg.num_nextn_predict_layers:
             return []
@@ -229,6 +228,10 @@ class Family:
         """The tokens a prefix the prefix cache shares is a multiple of: before such a boundary every page holds all
         it ever will (no later token writes it; V4: every compressed entry there closed)."""
         return page_size
+
+    def ring_layers(self, cfg: ModelConfig) -> int:
+        """Layers with compressor rings ``rings_to_host`` moves to host memory (``--rings host``); 0: none."""
+        return 0
 
     def step_tokens_limit(self, cfg: ModelConfig) -> int | None:
         """The most tokens per row one decode step may write (a verification step's last token and drafts): the
@@ -301,152 +304,34 @@ class Family:
         return self.with_store(self.admit_resident(cache, scratch, own_table_X, own_pages_X, row), tiered)
 
 
-class _DeepseekV32(Family):
-    """Per layer and token one latent row (offloaded) and one indexer key, in the engine's pages."""
-
-    def cache_parts(self, cfg, formats):
-        n, full = cfg.num_hidden_layers, cfg.indexer_types.count("full")  # Index Share: keys of full layers only
-        latent = _mla_row_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim, formats.entries)
-        return [Part("latent [c | k_rope]", "offloaded", n, latent, 1, cfg.index_topk),
-                Part("indexer key", "resident", full, _index_key_bytes(cfg.index_head_dim, formats.index), 1)]
-
-    def stored_formats(self, entries, model, index=None):
-        if index == "fp4":  # what init_cache refuses, refused before a model loads
-            raise ValueError("--index-dtype fp4 is DeepSeek-V4's indexer format (its QAT round trip); DeepSeek-V3.2's "
-                             "indexer was trained for FP8 keys: use fp8 (its official format) or bfloat16")
-        return Formats(entries, index=index or ("fp8" if entries == "fp8" else model), rows=model, ring=model)
-
-    def sparse_layers(self, cfg):
-        return list(range(cfg.num_hidden_layers))
-
-    def release_bytes(self, names, routed, shape):
-        leaf = names[-2] if names[-1] == "weight" else names[-1]
-        if leaf == "gate_up_proj":  # each expert's gate and up: two matrices, each with its own block scales
-            *lead, rows, cols = shape  # [(L,) E, 2F, D]
-            return 2 * _fp8_block_bytes((*lead, rows // 2, cols), 4)
-        if routed or (names[-1] == "weight" and leaf in _V32_FP8):
-            return _fp8_block_bytes(shape, 4)  # e4m3 + fp32 block scales
-        return None
-
-    def store_of(self, cache):
-        return cache.latent
-
-    def with_store(self, cache, store):
-        return dataclasses.replace(cache, latent=store)
-
-    def admit_resident(self, cache, scratch, table_X, pages_X, row):
-        index_keys = cache.index_keys.at[:, pages_X].set(scratch.index_keys[:, table_X])
-        return dataclasses.replace(cache, index_keys=index_keys)
-
-    def load_prefix(self, cache, scratch, table_X, pages_X):
-        latent = scratch.latent
-        rows = latent.pages.at[:, table_X].set(cache.latent.load_prefix(pages_X).astype(latent.pages.dtype))
-        return dataclasses.replace(scratch, index_keys=scratch.index_keys.at[:, table_X].set(
-            cache.index_keys[:, pages_X]), latent=dataclasses.replace(latent, pages=rows))
-
-
-class _DeepseekV4(Family):
-    """In the engine's pages: the CSA entries (offloaded), the CSA indexer keys and the HCA entries; per batch
-    row: the SWA window and the compressor rings."""
-
-    def cache_parts(self, cfg, formats):
-        n_csa, n_hca = cfg.layer_types.count(V4Layer.CSA), cfg.layer_types.count(V4Layer.HCA)
-        n_index = cfg.indexer_types.count("full")  # the CSA layers with an indexer (Index Share: the full ones)
-        h, r, j = cfg.head_dim, cfg.qk_rope_head_dim, cfg.index_head_dim
-        m, m_h = cfg.compress_rate_csa, cfg.compress_rate_hca
-        row = _v4_row_bytes(h, r, formats.rows)
-        ring = 2 * _ITEMSIZE[formats.ring]  # per value: the ring input and its gate projection
-        # the rings hold [coff * m, coff * D] values, coff = 2 for CSA (overlapping windows), 1 for HCA
-        csa_tail, index_tail, hca_tail = (2 * m) * (2 * h) * ring, (2 * m) * (2 * j) * ring, m_h * h * ring
-        parts = [Part("CSA main rows", "offloaded", n_csa, _v4_row_bytes(h, r, formats.entries), m, cfg.index_topk),
-                 Part("CSA indexer keys", "resident", n_index, _index_key_bytes(j, formats.index), m),
-                 Part("HCA rows", "resident", n_hca, row, m_h),
-                 Part("SWA window", "fixed", cfg.num_hidden_layers, cfg.sliding_window * row, 0),
-                 Part(f"CSA compressor tails ({_SHORT[formats.ring]})", "fixed", n_csa, csa_tail, 0),
-                 Part(f"CSA indexer compressor tails ({_SHORT[formats.ring]})", "fixed", n_index, index_tail, 0),
-                 Part(f"HCA compressor tails ({_SHORT[formats.ring]})", "fixed", n_hca, hca_tail, 0, ring=m_h)]
-        return parts
-
-    def stored_formats(self, entries, model, index=None):
-        return Formats(entries, index=index or model, rows=model, ring=model)
-
-    def sparse_layers(self, cfg):
-        return [i for i, t in enumerate(cfg.layer_types) if t == V4Layer.CSA]
-
-    def prefix_block(self, cfg, page_size):
-        blocks = [cfg] + ([cfg.mtp_block()] if cfg.num_nextn_predict_layers else [])
-        rates = {c.compress_rate(i) for c in blocks for i in range(c.num_hidden_layers)}
-        return math.lcm(page_size, *rates - {0})
-
-    def step_tokens_limit(self, cfg):
-        rings = [cfg.sliding_window]  # the window, then the compressor rings of the layers present
-        rings += [2 * cfg.compress_rate_csa] if V4Layer.CSA in cfg.layer_types else []
-        rings += [cfg.compress_rate_hca] if V4Layer.HCA in cfg.layer_types else []
-        return min(rings)
-
-    def release_bytes(self, names, routed, shape):
-        if routed:  # e2m1 + one ue8m0 scale per 32 values
-            return math.prod(shape) / 2 + math.prod(shape) / 32
-        leaf = names[-2] if names[-1] == "weight" else names[-1]
-        if names[-1] == "weight" and "compressor" not in names and (leaf in _V4_FP8 or "shared_experts" in names):
-            return _fp8_block_bytes(shape, 1)  # e4m3 + ue8m0 block scales
-        return None
-
-    def store_of(self, cache):
-        return cache.csa.entries
-
-    def rings_to_host(self, shapes, fetch):
-        """The HCA rings in host stores (``tier.HostRings``); the device keeps each ring's newest row."""
-        hca = shapes.hca
-        lh, b, u, h = hca.kv_ring.shape
-        if not lh:
-            return shapes
-        host = tier.init_host_rings(layers=lh, rows=b, slots=u, width=h, dtype=hca.kv_ring.dtype, fetch=fetch)
-        newest = lambda x: jax.ShapeDtypeStruct((lh, b, 1, h), x.dtype)  # noqa: E731
-        return dataclasses.replace(shapes, hca=dataclasses.replace(hca, kv_ring=newest(hca.kv_ring),
-                                                                   gate_ring=newest(hca.gate_ring), host=host))
-
-    def with_store(self, cache, store):
-        return dataclasses.replace(cache, csa=dataclasses.replace(cache.csa, entries=store))
-
-    def admit_resident(self, cache, scratch, table_X, pages_X, row):
-        def put_row(x, new):  # the scratch's batch row 0 -> batch row ``row`` (past the last: none)
-            return x.at[:, row].set(new[:, 0], mode="drop")
-
-        def put_pages(x, new):
-            return x.at[:, pages_X].set(new[:, table_X])
-
-        csa, hca = cache.csa, cache.hca
-        csa = dataclasses.replace(csa, index_keys=put_pages(csa.index_keys, scratch.csa.index_keys),
-                                  **{k: put_row(getattr(csa, k), getattr(scratch.csa, k)) for k in csa.ROW_STATE})
-        if hca.host is None:
-            rings = {k: put_row(getattr(hca, k), getattr(scratch.hca, k)) for k in hca.ROW_STATE}
-        else:  # the whole rings to the host, their newest row (slot 0) on the device
-            host, kv_LUH, gate_LUH = hca.host.store_prompt(row, scratch.hca.kv_ring[:, 0], scratch.hca.gate_ring[:, 0])
-            rings = dict(host=host, kv_ring=put_row(hca.kv_ring, kv_LUH[:, None, None]),
-                         gate_ring=put_row(hca.gate_ring, gate_LUH[:, None, None]))
-        hca = dataclasses.replace(hca, entries=put_pages(hca.entries, scratch.hca.entries), **rings)
-        return dataclasses.replace(cache, window=put_row(cache.window, scratch.window), csa=csa, hca=hca)
-
-    def load_prefix(self, cache, scratch, table_X, pages_X):
-        csa, hca = scratch.csa, scratch.hca
-        entries = csa.entries.pages.at[:, table_X].set(
-            cache.csa.entries.load_prefix(pages_X).astype(csa.entries.pages.dtype))
-        csa = dataclasses.replace(csa, entries=dataclasses.replace(csa.entries, pages=entries),
-                                  index_keys=csa.index_keys.at[:, table_X].set(cache.csa.index_keys[:, pages_X]))
-        hca = dataclasses.replace(hca, entries=hca.entries.at[:, table_X].set(cache.hca.entries[:, pages_X]))
-        return dataclasses.replace(scratch, csa=csa, hca=hca)
-
-
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    _DeepseekV32(model_type="deepseek_v32", architecture="DeepseekV32ForCausalLM", row_state=False,
-                 module="ess_jax.models.deepseek_v32:DeepseekV32", rename=None),
-    _DeepseekV4(model_type="deepseek_v4", architecture="DeepseekV4ForCausalLM", row_state=True,
-                module="ess_jax.models.deepseek_v4:DeepseekV4", rename="ess_jax.checkpoint:release_to_hf_name"),
-)}
-
-
 def get(model_type: str) -> Family:
     """The family of ``model_type``; ConfigError if it is not served."""
-    config.check_model_type(model_type)
-    return FAMILIES[model_type]
+    if model_type not in FAMILIES:
+        raise ConfigError(f"model_type={model_type!r} is not served; supported: {', '.join(FAMILIES)}")
+    return _load(FAMILIES[model_type])
+
+
+def load_config(raw: Any, where: str | Path | None = None) -> ModelConfig:
+    """A config.json's contents (a checkpoint's or a preset's) -> the config of its family (``model_type``), checked;
+    a ConfigError names the field, after ``where`` (the file it was read from) when given."""
+    try:
+        if not isinstance(raw, dict):
+            raise ConfigError(f"a config must be a JSON object of fields, got {type(raw).__name__} {short(raw)}")
+        served = " or ".join(map(repr, FAMILIES))
+        if "model_type" not in raw:
+            raise ConfigError(f"config.json has no 'model_type' (expected {served})")
+        if not isinstance(raw["model_type"], str):
+            raise ConfigError(f"config field model_type={short(raw['model_type'])} must be a string ({served})")
+        cfg = get(raw["model_type"]).config.from_hf_dict(raw)
+        check_tokens(cfg)  # a config.json's special ids (a config built in code may leave them out of range)
+        return cfg
+    except ConfigError as e:
+        if where is None:
+            raise
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def source_config(source: ModelSource) -> ModelConfig:
+    """The config a resolved model name (``ess_jax.config.resolve_model``) serves: its config.json's (a ConfigError
+    names a checkpoint's file), with the Index Share pattern it was resolved with."""
+    return load_config(source.raw_config(), source.config_json).with_index_share(source.index_share)

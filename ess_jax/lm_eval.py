@@ -99,6 +99,7 @@ class ESSJaxLM(TemplateLM):
         from ess_jax.cli import engine_config, flags_config
         from ess_jax.config import resolve_model
         from ess_jax.engine import Engine
+        from ess_jax.families import source_config
 
         if device is not None:
             raise ValueError(f"--device {device}: jax chooses the device (JAX_PLATFORMS=cpu|cuda|tpu); drop --device")
@@ -107,7 +108,7 @@ class ESSJaxLM(TemplateLM):
                              "'auto' is not supported")
         loaded = isinstance(model, Model)
         args = parse_model_args({**({} if loaded else {"model": str(model)}), **flags})
-        cfg = model.cfg if loaded else resolve_model(args.model).config()
+        cfg = model.cfg if loaded else source_config(resolve_model(args.model))
         self._max_length = max_length or min(DEFAULT_MAX_LENGTH, cfg.max_position_embeddings)
         if not 1 <= self._max_length < cfg.max_position_embeddings:
             raise ValueError(f"max_length={self._max_length} must be in [1, {cfg.max_position_embeddings}) (the "

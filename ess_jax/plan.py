@@ -72,8 +72,8 @@ from pathlib import Path
 
 from ess_jax import families, mesh, tier
 from ess_jax.cli import Parser, table
-from ess_jax.config import PRESETS, ModelConfig, resolve_model
-from ess_jax.families import Part
+from ess_jax.config import PRESETS, ModelConfig, read_json, resolve_model
+from ess_jax.families import Part, load_config, source_config
 
 GB = 1e9
 REAL_PRESETS = ("deepseek-v3.2", "deepseek-v4-flash", "deepseek-v4-pro")
@@ -221,8 +221,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _load_config(name: str) -> ModelConfig:
     """``--model``: a config.json file, or a model name ``config.resolve_model`` knows."""
     if name.endswith(".json") and Path(name).is_file():
-        return ModelConfig.from_json(name)
-    return resolve_model(name).config()
+        return load_config(read_json(name), name)
+    return source_config(resolve_model(name))
 
 
 def _check(args: argparse.Namespace) -> None:

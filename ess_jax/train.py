@@ -307,13 +307,13 @@ def index_share_search(args) -> dict:
     import optax
     from flax import nnx
     from ess_jax import checkpoint, families
-    from ess_jax.config import ModelConfig, resolve_model
+    from ess_jax.config import resolve_model
 
     corpus = load_corpus(args.data, args.context)
     raw, scratch = raw_config(args.model, corpus.tokenizer)
     if scratch:
         raise ValueError("--index-share-search drops indexers of a trained model: --model must be a checkpoint")
-    full = ModelConfig.from_hf_dict(raw)
+    full = families.load_config(raw)
     cls, directory = families.get(full.family).module_cls, resolve_model(args.model).checkpoint
     heldout = batch_at(corpus.heldout, heldout_offsets(len(corpus.heldout), args.eval_batches * args.batch,
                                                        args.context), args.context)
@@ -358,10 +358,10 @@ def build(raw: dict, scratch: bool, model: str, seed: int):
     checkpoint lacks: fresh from ``seed``)."""
     from flax import nnx
     from ess_jax import checkpoint, families
-    from ess_jax.config import ModelConfig, resolve_model
+    from ess_jax.config import resolve_model
     import jax.numpy as jnp
 
-    cfg = ModelConfig.from_hf_dict(raw)
+    cfg = families.load_config(raw)
     cls = families.get(cfg.family).module_cls
     factory = lambda: cls(cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed))  # noqa: E731
     if scratch:
@@ -427,9 +427,9 @@ def train(args) -> dict:
     if args.mtp_weight:
         raw = dict(raw, num_nextn_predict_layers=1)
     if args.index_share:
-        from ess_jax.config import ModelConfig
+        from ess_jax.families import load_config
 
-        raw = with_index_share(raw, ModelConfig.from_hf_dict(raw).with_index_share(args.index_share).index_pattern)
+        raw = with_index_share(raw, load_config(raw).with_index_share(args.index_share).index_pattern)
     module, cls, cfg = build(raw, scratch, args.model, args.seed)
     if args.context > cfg.max_position_embeddings:
         raise ValueError(f"--context {args.context} exceeds max_position_embeddings={cfg.max_position_embeddings}")

@@ -335,8 +335,8 @@ class MoE(nnx.Module):
 
 
 class MTPHost:
-    """A model's MTP module methods (both families; the module itself is ``models.mtp``'s layer, the model's
-    ``mtp[str(num_hidden_layers)]``, and each family adds ``init_mtp_cache``)."""
+    """A model's MTP module methods (both families; the module itself is the family's ``mtp.py`` layer, the
+    model's ``mtp[str(num_hidden_layers)]``, and each family adds ``init_mtp_cache``)."""
 
     def mtp_layer(self):
         """The MTP module; ValueError for a model without one."""

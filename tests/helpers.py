@@ -19,6 +19,7 @@ from ess_jax.cache import StepMeta
 from ess_jax.checkpoint import stacked
 from ess_jax.config import ModelConfig
 from ess_jax.engine import EngineConfig
+from ess_jax.families import load_config
 from ess_jax.models.deepseek_v32 import DeepseekV32
 
 
@@ -74,7 +75,7 @@ def small_v32_json() -> dict:
 
 
 def small_v32() -> ModelConfig:
-    return ModelConfig.from_hf_dict(small_v32_json())
+    return load_config(small_v32_json())
 
 
 def lively_v32(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32) -> DeepseekV32:
@@ -91,7 +92,7 @@ def mtp_v32():
     from ess_jax.api import Model
     from ess_jax.tokenizer import load_tokenizer
 
-    cfg = ModelConfig.from_hf_dict(dict(small_v32_json(), num_nextn_predict_layers=1))
+    cfg = load_config(dict(small_v32_json(), num_nextn_predict_layers=1))
     return Model("small-v32-mtp", lively_v32(cfg, seed=3), load_tokenizer(None, cfg))
 
 

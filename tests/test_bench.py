@@ -18,8 +18,9 @@ from ess_jax.bench.prompts import prompt_source
 from ess_jax.bench.stall import prefill_stall
 from ess_jax import checkpoint as checkpoints
 from ess_jax.api import Model, load_model
-from ess_jax.config import ModelConfig, resolve_model
+from ess_jax.config import resolve_model
 from ess_jax.engine import Engine, EngineConfig
+from ess_jax.families import load_config, source_config
 from ess_jax.tier import lru_reference
 from ess_jax.models.deepseek_v32 import DeepseekV32
 from ess_jax.models.deepseek_v4 import DeepseekV4
@@ -176,7 +177,7 @@ def test_a_shipped_checkpoints_text_is_cut_by_its_own_tokenizer(tmp_path, capsys
     text = tmp_path / "code.py"
     text.write_text("def f(x):\n    return x + 1\n" * 16)  # 432 bytes
     source = resolve_model("tiny-v32-code")
-    tokens = load_tokenizer(source.checkpoint, source.config()).encode(text.read_text())
+    tokens = load_tokenizer(source.checkpoint, source_config(source)).encode(text.read_text())
     code = bench.main(["--model", "tiny-v32-code", "--text", str(text), "--context", "256", "--new-tokens", "8",
                        "--locality-contexts", "128", "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
@@ -217,7 +218,7 @@ def test_lru_replay_equals_the_hisparse_counters():
     raw = json.loads((Path(__file__).parent / "fixtures" / "hf-v4-a" / "config.json").read_text())
     raw.update(num_hidden_layers=1, layer_types=["compressed_sparse_attention"], mlp_layer_types=["moe"],
                hc_sinkhorn_iters=2)
-    cfg = ModelConfig.from_hf_dict(raw)
+    cfg = load_config(raw)
     # random weights drawn in NumPy into the abstract module (nnx's own init compiles an op per shape)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: DeepseekV4(cfg, rngs=nnx.Rngs(0))))
     rng, params = np.random.default_rng(0), []

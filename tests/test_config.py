@@ -4,14 +4,15 @@ import math
 import numpy as np
 import pytest
 
-from ess_jax.config import (ConfigError, ModelConfig, ModelSource, RopeConfig, preset_dict, resolve_model,
+from ess_jax.config import (ConfigError, ModelSource, RopeConfig, preset_dict, read_json, resolve_model,
                             shipped_checkpoint)
 from ess_jax.engine import EngineConfig
+from ess_jax.families import load_config, source_config
 from ess_jax.models.layers import rope_inv_freq
 
 
 def test_real_v32_preset_shape_and_yarn_scale():
-    cfg = ModelConfig.from_preset("deepseek-v3.2")
+    cfg = load_config(preset_dict("deepseek-v3.2"))
     assert cfg.mlp_layer_types == ("dense",) * 3 + ("sparse",) * 58
     assert cfg.latent_dim == 576 and cfg.qk_head_dim == 192
     # DOMAIN 1.2: tau = 192^-1/2 * m^2, m = 0.1 ln 40 + 1
@@ -23,7 +24,7 @@ def test_real_v32_preset_shape_and_yarn_scale():
 
 def test_yarn_ramp_matches_hand_computed_bounds():
     # DOMAIN 1.2: low = 10, high = 23 for theta 10000, dim 64, original 4096, factor 40.
-    rope = ModelConfig.from_preset("deepseek-v3.2").rope
+    rope = load_config(preset_dict("deepseek-v3.2")).rope
     f = rope_inv_freq(rope, 64)
     base = 10000.0 ** (-np.arange(0, 64, 2) / 64)
     np.testing.assert_allclose(f[:10], base[:10], rtol=1e-6)  # below low: extrapolation (unchanged)
@@ -33,10 +34,9 @@ def test_yarn_ramp_matches_hand_computed_bounds():
 
 
 def test_hf_defaults_and_aliases():
-    cfg = ModelConfig.from_hf_dict({"model_type": "deepseek_v32", "num_hidden_layers": 5, "first_k_dense_replace": 2,
-                                    "rope_scaling": {"type": "yarn", "factor": 2.0,
-                                                     "original_max_position_embeddings": 1024},
-                                    "eos_token_id": [1, 7], "num_experts": 64})
+    cfg = load_config({"model_type": "deepseek_v32", "num_hidden_layers": 5, "first_k_dense_replace": 2,
+                       "rope_scaling": {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 1024},
+                       "eos_token_id": [1, 7], "num_experts": 64})
     assert cfg.mlp_layer_types == ("dense", "dense", "sparse", "sparse", "sparse")
     assert cfg.rope.rope_type == "yarn" and cfg.rope.factor == 2.0
     assert cfg.rope.cos_sin_scale == pytest.approx(0.1 * math.log(2) + 1)  # no mscale pair: plain YaRN factor
@@ -46,8 +46,7 @@ def test_hf_defaults_and_aliases():
 
 
 def test_explicit_mlp_layer_types_win():
-    cfg = ModelConfig.from_hf_dict({"model_type": "deepseek_v32", "num_hidden_layers": 2,
-                                    "mlp_layer_types": ["sparse", "dense"]})
+    cfg = load_config({"model_type": "deepseek_v32", "num_hidden_layers": 2, "mlp_layer_types": ["sparse", "dense"]})
     assert cfg.mlp_layer_types == ("sparse", "dense")
 
 
@@ -62,22 +61,22 @@ def test_explicit_mlp_layer_types_win():
 ])
 def test_bad_configs_name_the_field(raw, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace("[", r"\[")):
-        ModelConfig.from_hf_dict(raw)
+        load_config(raw)
 
 
 def test_unknown_preset_and_bad_json(tmp_path):
     with pytest.raises(ConfigError, match="unknown preset"):
-        ModelConfig.from_preset("tiny-v9")
+        load_config(preset_dict("tiny-v9"))
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
-        ModelConfig.from_json(tmp_path / "config.json")
+        load_config(read_json(tmp_path / "config.json"), tmp_path / "config.json")
     with pytest.raises(ConfigError, match="no config.json"):
-        ModelConfig.from_json(tmp_path / "missing" / "config.json")
+        load_config(read_json(tmp_path / "missing" / "config.json"), tmp_path / "missing" / "config.json")
 
 
 def test_presets_parse_from_their_json():
     raw = json.loads((__import__("pathlib").Path(__file__).parents[1] / "configs" / "tiny-v32.json").read_text())
-    cfg = ModelConfig.from_preset("tiny-v32")
+    cfg = load_config(preset_dict("tiny-v32"))
     assert cfg.index_topk == raw["index_topk"] == 64 and cfg.vocab_size >= 256
     assert isinstance(cfg.rope, RopeConfig)
 
@@ -86,13 +85,13 @@ def test_model_names_resolve_in_one_place(tmp_path):
     """A shipped checkpoint's name, a checkpoint directory, a preset's name; one error naming the three."""
     shipped = resolve_model("tiny-v32-code")
     assert shipped == ModelSource("tiny-v32-code", shipped_checkpoint("tiny-v32-code"))
-    assert shipped.config().family == "deepseek_v32"
+    assert source_config(shipped).family == "deepseek_v32"
     preset = resolve_model("tiny-v4")
     assert preset.checkpoint is None and preset.raw_config() == preset_dict("tiny-v4")
     (tmp_path / "config.json").write_text(json.dumps(preset_dict("tiny-v32")))
     directory = resolve_model(tmp_path)
     assert directory == ModelSource(str(tmp_path), tmp_path)
-    assert directory.config() == ModelConfig.from_preset("tiny-v32")
+    assert source_config(directory) == load_config(preset_dict("tiny-v32"))
     with pytest.raises(ConfigError, match=r"'no-such' is neither a shipped checkpoint \(tiny-v32-code, tiny-v4-code\), "
                                           r"a preset \(tiny-v32, .*\) nor a checkpoint directory"):
         resolve_model("no-such")

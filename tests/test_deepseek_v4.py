@@ -21,10 +21,12 @@ from safetensors.numpy import save_file
 import ess_jax
 from ess_jax import ops
 from ess_jax.cache import StepMeta
-from ess_jax.checkpoint import CheckpointError, SafetensorsFile, hf_tensors, release_to_hf_name
-from ess_jax.config import ConfigError, ModelConfig, RopeConfig
-from ess_jax.models.compressor import Compressor, TailRope
+from ess_jax.checkpoint import CheckpointError, SafetensorsFile, hf_tensors
+from ess_jax.config import ConfigError, RopeConfig, preset_dict
+from ess_jax.families import load_config
+from ess_jax.models.deepseek_v4.compressor import Compressor, TailRope
 from ess_jax.models.deepseek_v4 import DeepseekV4
+from ess_jax.models.deepseek_v4.names import release_to_hf_name
 from ess_jax.models.layers import Buffer
 from helpers import v4_release_name
 
@@ -266,7 +268,7 @@ def test_grad_of_loss(hf):
 
 
 def test_real_presets_match_domain_schedules():
-    flash, pro = ModelConfig.from_preset("deepseek-v4-flash"), ModelConfig.from_preset("deepseek-v4-pro")
+    flash, pro = load_config(preset_dict("deepseek-v4-flash")), load_config(preset_dict("deepseek-v4-pro"))
     csa, hca, swa = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
     assert (flash.layer_types[:2] == (swa, swa) and flash.layer_types.count(csa) == 21
             and flash.layer_types.count(hca) == 20)
@@ -285,14 +287,14 @@ def test_real_presets_match_domain_schedules():
 
 
 def test_v4_defaults_legacy_keys_and_fallbacks():
-    cfg = ModelConfig.from_hf_dict({"model_type": "deepseek_v4", "num_hidden_layers": 5})
+    cfg = load_config({"model_type": "deepseek_v4", "num_hidden_layers": 5})
     hca, csa = "heavily_compressed_attention", "compressed_sparse_attention"
     assert cfg.layer_types == (hca, hca, hca, csa, hca)  # transformers' fallback: HCA at layer 2
     assert cfg.mlp_layer_types == ("hash_moe",) * 3 + ("moe",) * 2
     assert (cfg.hidden_size, cfg.head_dim, cfg.qk_rope_head_dim, cfg.index_topk, cfg.scoring_func) == (
         4096, 512, 64, 512, "sqrtsoftplus")
     assert cfg.compress_rope.rope_type == "default" and cfg.compress_rope.theta == 160000.0
-    legacy = ModelConfig.from_hf_dict({
+    legacy = load_config({
         "model_type": "deepseek_v4", "num_hidden_layers": 3, "compress_ratios": [0, 4, 128, 0],
         "num_hash_layers": 1, "qk_rope_head_dim": 32, "compress_rate_hca": 64,
         "rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 1024}})
@@ -305,7 +307,7 @@ def test_v4_defaults_legacy_keys_and_fallbacks():
 
 def test_fixture_config_parses_like_transformers():
     raw = json.loads((FIXTURE / "config.json").read_text())
-    cfg = ModelConfig.from_hf_dict(raw)
+    cfg = load_config(raw)
     assert cfg.layer_types == tuple(raw["layer_types"]) and cfg.mlp_layer_types == tuple(raw["mlp_layer_types"])
     assert (cfg.compress_rate_csa, cfg.compress_rate_hca) == (4, 16) and cfg.qk_rope_head_dim == raw["qk_rope_head_dim"]
     assert cfg.compress_rope.original_max_position_embeddings == 8192 and cfg.compress_rope.cos_sin_scale == 1.0
@@ -325,7 +327,7 @@ def test_fixture_config_parses_like_transformers():
 def test_bad_v4_configs_name_the_field(overrides, needle):
     raw = {"model_type": "deepseek_v4", "num_hidden_layers": 2, **overrides}
     with pytest.raises(ConfigError, match=needle):
-        ModelConfig.from_hf_dict(raw)
+        load_config(raw)
 
 
 def test_tiny_v4_preset_runs():

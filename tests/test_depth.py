@@ -13,7 +13,8 @@ from flax import nnx
 
 from ess_jax import families
 from ess_jax.cache import StepMeta
-from ess_jax.config import ModelConfig, preset_dict
+from ess_jax.config import preset_dict
+from ess_jax.families import load_config
 from ess_jax.models.deepseek_v32 import DeepseekV32
 from ess_jax.models.deepseek_v4 import DeepseekV4
 from ess_jax.models.layers import run_layers
@@ -21,7 +22,7 @@ from helpers import randomize
 
 
 def _model(layers: int, dense: int = 1) -> DeepseekV32:
-    cfg = ModelConfig.from_hf_dict(dict(preset_dict("tiny-v32"), num_hidden_layers=layers, first_k_dense_replace=dense))
+    cfg = load_config(dict(preset_dict("tiny-v32"), num_hidden_layers=layers, first_k_dense_replace=dense))
     return DeepseekV32(cfg, rngs=nnx.Rngs(0))
 
 
@@ -104,7 +105,7 @@ def _v4(layers: int) -> DeepseekV4:
     alternating; 3 hash-routed layers), with lively weights."""
     raw = {k: v for k, v in preset_dict("tiny-v4").items() if k not in ("layer_types", "compress_ratios",
                                                                          "mlp_layer_types")}
-    cfg = ModelConfig.from_hf_dict(dict(raw, num_hidden_layers=layers))
+    cfg = load_config(dict(raw, num_hidden_layers=layers))
     return randomize(DeepseekV4(cfg, rngs=nnx.Rngs(0)), seed=1)
 
 

@@ -10,14 +10,14 @@ import pytest
 from flax import nnx
 
 from ess_jax import families
-from ess_jax.checkpoint import release_to_hf_name
-from ess_jax.config import ConfigError, ModelConfig
-from ess_jax.families import Formats
+from ess_jax.config import ConfigError, preset_dict
+from ess_jax.families import Formats, load_config
 from ess_jax.models.deepseek_v32 import DeepseekV32
 from ess_jax.models.deepseek_v4 import DeepseekV4
+from ess_jax.models.deepseek_v4.names import release_to_hf_name
 
-V32 = ModelConfig.from_preset("deepseek-v3.2")
-FLASH = ModelConfig.from_preset("deepseek-v4-flash")
+V32 = load_config(preset_dict("deepseek-v3.2"))
+FLASH = load_config(preset_dict("deepseek-v4-flash"))
 
 
 @functools.cache

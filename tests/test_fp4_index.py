@@ -3,7 +3,7 @@ reference written from the official ``fp4_act_quant`` / ``rotate_activation``, a
 
 The reference works in NumPy float64 on the e2m1 grid (nearest value, ties to the even code), takes the scale's
 exponent from ``frexp`` (not from the float's bits), packs nibbles by hand, and builds the Hadamard matrix by
-Kronecker products: none of it shares code with ``fp8_rows`` or ``models.compressor``."""
+Kronecker products: none of it shares code with ``fp8_rows`` or ``models.deepseek_v4.compressor``."""
 
 from pathlib import Path
 
@@ -16,9 +16,10 @@ from flax import nnx
 
 import ess_jax
 from ess_jax import families, ops
-from ess_jax.config import ModelConfig
+from ess_jax.config import preset_dict
 from ess_jax.engine import Engine, EngineConfig, cache_layout
-from ess_jax.models.compressor import Indexer, TailRope, hadamard
+from ess_jax.families import load_config
+from ess_jax.models.deepseek_v4.compressor import Indexer, TailRope, hadamard
 from ess_jax.models.layers import index_scores
 from ess_jax.pallas_kernels import fp8_rows
 
@@ -124,7 +125,7 @@ def test_the_key_path_is_rotate_then_quantize(dtype):
 
 def test_the_query_side_takes_the_same_round_trip():
     """``Indexer.scores(fp4=True)``: the queries after RoPE rotated and FP4-round-tripped, as the official code."""
-    cfg = ModelConfig.from_preset("tiny-v4")
+    cfg = load_config(preset_dict("tiny-v4"))
     rope = TailRope(cfg.compress_rope, cfg.qk_rope_head_dim)
     indexer = Indexer(32, 16, 2, 32, 4, 4, rope=rope, eps=1e-6, dtype=jnp.float32, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(2)
@@ -171,12 +172,12 @@ def test_resident_and_ess_give_the_same_tokens_with_fp4_keys(model):
 
 
 def test_v32_refuses_fp4_keys_and_v4_parts_count_them():
-    v32 = ModelConfig.from_preset("deepseek-v3.2")
+    v32 = load_config(preset_dict("deepseek-v3.2"))
     with pytest.raises(ValueError, match="trained for FP8"):
         cache_layout(v32, EngineConfig(index_dtype="fp4", max_seq_len=1024), "bfloat16")
     with pytest.raises(ValueError, match="--index-dtype 'fp2'"):
         EngineConfig(index_dtype="fp2")
-    flash = ModelConfig.from_preset("deepseek-v4-flash")
+    flash = load_config(preset_dict("deepseek-v4-flash"))
     parts = {p.name: p.row_bytes for p in families.get("deepseek_v4").cache_parts(
         flash, families.get("deepseek_v4").stored_formats("fp8", "bfloat16", "fp4"))}
     assert parts["CSA indexer keys"] == 68 and parts["CSA main rows"] == 584

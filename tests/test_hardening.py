@@ -21,8 +21,9 @@ import pytest
 import ess_jax
 from ess_jax import families
 from ess_jax.checkpoint import CheckpointError
-from ess_jax.config import ConfigError, ModelConfig
+from ess_jax.config import ConfigError, preset_dict, read_json
 from ess_jax.engine import Engine, EngineConfig, cache_layout
+from ess_jax.families import load_config
 from ess_jax.sampling import SamplingParams
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -285,14 +286,14 @@ def test_bad_configs_are_refused_before_any_weight(tmp_path, monkeypatch, case):
     assert_refused(*run_cli(*generate_args(tmp_path)), str(tmp_path / "config.json"), *needles)
     if not isinstance(raw, str):
         with pytest.raises(ConfigError, match=needles[0].replace("[", r"\[").replace("(", r"\(")):
-            ModelConfig.from_hf_dict(raw)
+            load_config(raw)
 
 
 def test_every_shipped_config_passes_validation():
     for name in ("tiny-v32", "tiny-v4", "deepseek-v3.2", "deepseek-v4-flash", "deepseek-v4-pro"):
-        ModelConfig.from_preset(name)
+        load_config(preset_dict(name))
     for fixture in FIXTURES.glob("hf-*"):
-        ModelConfig.from_json(fixture / "config.json")
+        load_config(read_json(fixture / "config.json"), fixture / "config.json")
 
 
 def test_tokenizer_json_that_is_a_directory_is_an_error(v32_copy):

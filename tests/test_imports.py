@@ -48,6 +48,43 @@ def test_config_imports_nothing_of_ess_jax():
     assert {m for m in mods if m.startswith("ess_jax.")} == {"ess_jax.config"}
 
 
+def test_a_family_is_reached_only_through_the_one_registry():
+    """Each family is one package, ``models/<model_type>/``, named only by its line of the registry
+    (``families.FAMILIES``): no library module outside the package imports it, and none but the registry and the
+    package names its ``model_type`` (no family test by name elsewhere)."""
+    import ast
+    from pathlib import Path
+
+    from ess_jax import families
+
+    root = Path(__file__).parent.parent
+    packages = {f"ess_jax.models.{model_type}": model_type for model_type in families.FAMILIES}
+    sources = {"ess_jax": root / "ess_jax", "ess_jax.models": root / "models",
+               "ess_jax.pallas_kernels": root / "pallas_kernels"}
+    offences = []
+    for package, directory in sources.items():
+        for path in sorted(directory.rglob("*.py")):
+            parts = path.relative_to(directory).with_suffix("").parts
+            module = ".".join((package, *parts[:-1], *([] if parts[-1] == "__init__" else parts[-1:])))
+            home = next((p for p in packages if module == p or module.startswith(p + ".")), None)
+            if module == "ess_jax.families" or home:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                elif isinstance(node, ast.Constant) and node.value in families.FAMILIES.keys():
+                    offences.append(f"{module} names {node.value!r}")
+                offences += [f"{module} imports {name}" for name in names
+                             if any(name == p or name.startswith(p + ".") for p in packages)]
+    assert not offences, offences
+    for model_type, entry in families.FAMILIES.items():
+        assert entry.startswith(f"ess_jax.models.{model_type}.family:"), entry
+        assert families.get(model_type).model_type == model_type
+
+
 @pytest.mark.parametrize("argv", [("--help",),
                                   ("--model", "deepseek-v3.2", "--kv-budget-gb", "82", "--context", "32768")],
                          ids=["help", "kv-budget"])
@@ -59,7 +96,7 @@ def test_plan_loads_no_flax_engine_or_api(argv):
 
 def test_plan_weight_estimate_builds_the_model_without_the_runtime():
     mods = loaded(plan_run("--model", "tiny-v32", "--context", "1024", "--json"))
-    assert {"flax", "ess_jax.models.deepseek_v32"} <= mods
+    assert {"flax", "ess_jax.models.deepseek_v32.model"} <= mods
     assert not mods & {"ess_jax.api", "ess_jax.engine", "ess_jax.models.deepseek_v4"}
 
 

@@ -20,6 +20,7 @@ from ess_jax.cache import StepMeta
 from ess_jax.checkpoint import CheckpointError
 from ess_jax.config import ConfigError, ModelConfig, preset_dict, resolve_model
 from ess_jax.engine import Engine, EngineConfig
+from ess_jax.families import load_config
 from ess_jax.plan import main as plan_main
 
 # the shipped models with a shared pattern: V3.2's four DSA layers, V4's two CSA layers (layers 1 and 3)
@@ -27,7 +28,7 @@ PATTERNS = {"tiny-v32-code": "FSSF", "tiny-v4-code": "FS"}
 
 
 def _v32(**raw) -> ModelConfig:
-    return ModelConfig.from_hf_dict(dict(model_type="deepseek_v32", **raw))
+    return load_config(dict(model_type="deepseek_v32", **raw))
 
 
 # ---- the schedule ----------------------------------------------------------------------------------
@@ -42,7 +43,7 @@ def test_freq_and_offset_follow_the_reference_formula():
     full = [i for i, kind in enumerate(glm.indexer_types) if kind == "full"]
     assert len(full) == 21 and full[:5] == [0, 1, 2, 6, 10] and full[-1] == 74
     # V4-Flash, freq 2 over its 21 CSA layers: 11 indexers
-    flash = ModelConfig.from_hf_dict(dict(preset_dict("deepseek-v4-flash"), index_topk_freq=2))
+    flash = load_config(dict(preset_dict("deepseek-v4-flash"), index_topk_freq=2))
     assert len(flash.index_layers) == 21 and flash.indexer_types.count("full") == 11
 
 
@@ -50,12 +51,12 @@ def test_explicit_schedules_and_overrides():
     assert _v32(num_hidden_layers=4, index_topk_pattern="FSFS").index_pattern == "FSFS"
     types = ["full", "shared", "shared", "full"]
     assert _v32(num_hidden_layers=4, indexer_types=types, index_topk_pattern="FSSF").indexer_types == tuple(types)
-    cfg = ModelConfig.from_preset("tiny-v32")
+    cfg = load_config(preset_dict("tiny-v32"))
     assert cfg.index_pattern == "FFFF"  # no key: every layer full
     assert cfg.with_index_share("every-2").index_pattern == "FSFS"
-    mtp = ModelConfig.from_hf_dict(dict(preset_dict("tiny-v32"), num_nextn_predict_layers=1))
+    mtp = load_config(dict(preset_dict("tiny-v32"), num_nextn_predict_layers=1))
     assert mtp.with_index_share("FSSS").mtp_block().index_pattern == "F"  # the MTP block keeps its own indexer
-    v4 = ModelConfig.from_preset("tiny-v4")
+    v4 = load_config(preset_dict("tiny-v4"))
     assert v4.index_layers == [1, 3] and v4.with_index_share("FS").indexer_full(1)
     assert not v4.with_index_share("FS").indexer_full(3) and not v4.indexer_full(2)
 
@@ -75,7 +76,7 @@ def test_bad_schedules_are_refused_by_name(raw, needle):
 
 
 def test_bad_override_is_refused_by_name():
-    cfg = ModelConfig.from_preset("tiny-v4")
+    cfg = load_config(preset_dict("tiny-v4"))
     for spec, needle in (("every-x", "every-N"), ("FFF", "2 indexed layers"), ("F?", "'?'")):
         with pytest.raises(ConfigError, match="--index-share") as e:
             cfg.with_index_share(spec)

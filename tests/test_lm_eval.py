@@ -21,6 +21,7 @@ import pytest
 
 import ess_jax
 from ess_jax.config import resolve_model
+from ess_jax.families import source_config
 from ess_jax.tokenizer import load_tokenizer
 from helpers import free_port
 
@@ -323,7 +324,7 @@ def test_shipped_checkpoints_load_in_transformers(name):
     """``AutoTokenizer.from_pretrained(<checkpoint>)`` (lm-eval's huggingface backend): the ids of
     ``ess_jax``'s tokenizer, with and without the bos its post-processor adds, and bos / eos / pad as
     config.json numbers them."""
-    tokenizer, model_cfg = hf_tokenizer(name), resolve_model(name).config()
+    tokenizer, model_cfg = hf_tokenizer(name), source_config(resolve_model(name))
     ours = load_tokenizer(resolve_model(name).checkpoint, model_cfg)
     text = HELDOUT.read_text()[:6000]
     for special in (True, False):

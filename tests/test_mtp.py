@@ -24,8 +24,10 @@ from ess_jax import checkpoint, families, train
 from ess_jax.api import load_model
 from ess_jax.cache import StepMeta
 from ess_jax.checkpoint import CheckpointError
-from ess_jax.config import ConfigError, ModelConfig
-from ess_jax.models import deepseek_v32, deepseek_v4
+from ess_jax.config import ConfigError, ModelConfig, preset_dict
+from ess_jax.families import load_config
+from ess_jax.models.deepseek_v32 import model as deepseek_v32
+from ess_jax.models.deepseek_v4 import model as deepseek_v4
 from ess_jax.models.layers import rope_cos_sin, rope_inv_freq
 from helpers import small_v32_json, v4_release_name
 
@@ -48,7 +50,7 @@ def small_raw(family: str, **extra) -> dict:
 def lively(raw: dict, seed: int = 0):
     """A model of ``raw`` with lively weights drawn in NumPy as ``helpers.randomize`` draws them (matrices
     N(0, 1.5^2 / fan_in), vectors 1 + 0.1 N, biases 0.1 N; hash routes kept), without compiling a draw per shape."""
-    cfg = ModelConfig.from_hf_dict(raw)
+    cfg = load_config(raw)
     module = nnx.eval_shape(lambda: families.get(cfg.family).module_cls(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(module)
     rng, filled = np.random.default_rng(seed), []
@@ -219,17 +221,17 @@ def test_the_mtp_cache_is_the_blocks_and_the_planner_counts_it(model):
 # ---- config and loading ------------------------------------------------------------------------------
 
 def test_config_fields():
-    assert ModelConfig.from_hf_dict(small_v32_json()).num_nextn_predict_layers == 0
+    assert load_config(small_v32_json()).num_nextn_predict_layers == 0
     with pytest.raises(ConfigError, match="num_nextn_predict_layers=2: ess_jax builds one MTP module"):
-        ModelConfig.from_hf_dict(small_raw("v32") | {"num_nextn_predict_layers": 2})
-    flash = ModelConfig.from_preset("deepseek-v4-flash")  # compress_ratios' last entry: the MTP block's
+        load_config(small_raw("v32") | {"num_nextn_predict_layers": 2})
+    flash = load_config(preset_dict("deepseek-v4-flash"))  # compress_ratios' last entry: the MTP block's
     assert flash.num_nextn_predict_layers == 1 and flash.mtp_layer_types == ("sliding_attention",)
     raw = small_raw("v4")
-    assert ModelConfig.from_hf_dict(raw).mtp_layer_types == ("compressed_sparse_attention",)
+    assert load_config(raw).mtp_layer_types == ("compressed_sparse_attention",)
     raw["layer_types"] = raw["layer_types"][:2]  # no entry past the layers: sliding, as both releases
-    assert ModelConfig.from_hf_dict(raw).mtp_layer_types == ("sliding_attention",)
+    assert load_config(raw).mtp_layer_types == ("sliding_attention",)
     raw = dict(raw, layer_types=None, compress_ratios=[0, 4, 128])
-    block = ModelConfig.from_hf_dict(raw).mtp_block()
+    block = load_config(raw).mtp_block()
     assert block.num_hidden_layers == 1 and block.layer_types == ("heavily_compressed_attention",)
     assert block.mlp_layer_types == ("moe",) and block.num_nextn_predict_layers == 0
 

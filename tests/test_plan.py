@@ -8,9 +8,10 @@ import sys
 import pytest
 
 from ess_jax import mesh, plan, tier
-from ess_jax.config import ModelConfig
+from ess_jax.config import preset_dict
+from ess_jax.families import load_config
 
-V32 = ModelConfig.from_preset("deepseek-v3.2")
+V32 = load_config(preset_dict("deepseek-v3.2"))
 ESS = ["--model", "deepseek-v3.2", "--cache-dtype", "fp8", "--kv-budget-gb", "82", "--accounting", "paper"]
 
 
@@ -88,7 +89,7 @@ def test_v4_bytes_per_token_match_domain(capsys):
     parts = {p["name"]: p for p in flash["parts"]}
     assert parts["SWA window"]["layers"] * parts["SWA window"]["row_bytes"] == 43 * 128 * 584  # 3.07 MiB
     assert flash["fixed_bytes_per_request"] == 43 * 128 * 584 + 21 * (64 + 16) * 1024 + 20 * 512 * 1024
-    fp4 = plan.cache_parts(ModelConfig.from_preset("deepseek-v4-flash"), "fp8", "fp4")
+    fp4 = plan.cache_parts(load_config(preset_dict("deepseek-v4-flash")), "fp8", "fp4")
     assert sum(p.bytes_per_token() for p in fp4) == 21 * (146 + 17) + 20 * 584 / 128 == 3514.25
     # a 131072-token request: 32768 CSA entries per CSA layer, pool 0.2 of them
     row = result["rows"][0]
@@ -111,13 +112,13 @@ def test_weights_per_device_from_the_release_formats():
 def test_the_default_mesh_is_ess_ep32_or_what_divides_a_smaller_models_experts(capsys):
     result = run_json(["--model", "deepseek-v3.2", "--model", "tiny-v32", "--context", "1024", "--pool-ratio", "0.5",
                        "--cache-dtype", "fp8"], capsys)
-    tiny = ModelConfig.from_preset("tiny-v32").n_routed_experts
+    tiny = load_config(preset_dict("tiny-v32")).n_routed_experts
     assert tiny < 32 and 32 % tiny == 0
     assert [m["mesh"] for m in result["models"]] == ["data=1,expert=32", f"data=1,expert={tiny}"]
     assert result["models"][0]["budget"]["weights_bytes_per_device"] == sum(
         plan.weight_bytes(V32, mesh.MeshShape(expert=32)).values())
     # V4 routed experts are FP4: half a byte plus one ue8m0 per 32 values
-    v4 = ModelConfig.from_preset("deepseek-v4-flash")
+    v4 = load_config(preset_dict("deepseek-v4-flash"))
     assert plan.param_bytes(v4, ("layers", 5, "mlp", "experts", "down_proj"), (256, 4096, 2048), 2) == (
         "routed", 256 * 4096 * 2048 * (0.5 + 1 / 32))
 
@@ -199,7 +200,7 @@ def test_bytes_per_device_equal_the_sharded_engine_cache(preset, cache_dtype, in
     from ess_jax import engine, families
     from ess_jax.engine import offload as offload_modes
 
-    cfg, shape = ModelConfig.from_preset(preset), mesh.parse(spec)
+    cfg, shape = load_config(preset_dict(preset)), mesh.parse(spec)
     family = families.get(cfg.family)
     module = nnx.eval_shape(lambda: family.module_cls(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     batch, context, page = 8, 8192, 128  # a page size that V4's 128-token HCA entries fill: no padding rows

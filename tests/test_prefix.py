@@ -4,17 +4,18 @@ pieces it cuts, the snapshots it asks for, keeps and resumes from, and its count
 
 import numpy as np
 
-from ess_jax.config import ModelConfig
+from ess_jax.config import preset_dict
 from ess_jax.engine import EngineConfig, EngineStats
 from ess_jax.engine.plan import PrefillResult, PrefixWork
 from ess_jax.engine.prefix import NoPrefixCache, PrefixCache, landmark
 from ess_jax.engine.request import make_request
 from ess_jax.engine.scheduler import Scheduler
 from ess_jax.engine.speculate import NoDrafts
+from ess_jax.families import load_config
 from ess_jax.sampling import SamplingParams
 from ess_jax.tokenizer import ByteTokenizer
 
-TOKENIZER = ByteTokenizer(ModelConfig.from_preset("tiny-v32"))
+TOKENIZER = ByteTokenizer(load_config(preset_dict("tiny-v32")))
 CONFIG = EngineConfig(max_batch=1, page_size=16, prefill_chunk=64)
 
 

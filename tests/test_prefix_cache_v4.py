@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ess_jax
+from ess_jax import families
 from ess_jax.allocator import PageAllocator
 from ess_jax.engine import Engine, EngineConfig
-from ess_jax.families import FAMILIES
 from helpers import ONLINE
 from test_prefix_cache import assert_idle_holds_only_cached_pages, reference, serve_alone, serve_workload
 
@@ -50,9 +50,9 @@ def test_a_pool_with_row_states_shares_a_prefix_only_up_to_a_snapshot_and_evicts
 
 def test_the_prefix_block_is_a_whole_compressed_window_of_every_layer():
     cfg = ess_jax.load_model(FIXTURE).cfg
-    family = FAMILIES["deepseek_v4"]
+    family = families.get("deepseek_v4")
     assert [family.prefix_block(cfg, p) for p in (4, 8, 16, 32)] == [16, 16, 16, 32]
-    assert FAMILIES["deepseek_v32"].prefix_block(cfg, 8) == 8
+    assert families.get("deepseek_v32").prefix_block(cfg, 8) == 8
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +207,7 @@ def test_v4_prefix_hits_decode_with_mtp_speculation_as_without_the_prefix_cache(
     model = ess_jax.load_model("tiny-v4-code")
     config = EngineConfig(max_batch=1, page_size=64, prefill_chunk=128, max_seq_len=176, speculative="mtp",
                           num_speculative_tokens=2)
-    assert FAMILIES["deepseek_v4"].prefix_block(model.cfg, config.page_size) == 128
+    assert families.get("deepseek_v4").prefix_block(model.cfg, config.page_size) == 128
     rng = np.random.default_rng(9)
     stem = rng.integers(0, 4096, 140).tolist()
     prompts = [stem + rng.integers(0, 4096, 10).tolist(), stem + rng.integers(0, 4096, 5).tolist()]

@@ -26,7 +26,8 @@ from safetensors.numpy import save_file
 import ess_jax
 from ess_jax import cli, families, mesh, plan
 from ess_jax.checkpoint import CheckpointError, hf_names, stacked
-from ess_jax.config import ModelConfig
+from ess_jax.config import ModelConfig, preset_dict
+from ess_jax.families import load_config
 from ess_jax.models.quant import Fp4Values, Fp8Blocks
 from helpers import small_v32_json, v4_release_name
 
@@ -134,7 +135,7 @@ def _weights(family: str) -> tuple[dict[str, np.ndarray], dict]:
         raw = small_v32_json()
     else:
         raw = dict(json.loads((V4_FIXTURE / "config.json").read_text()), moe_intermediate_size=32)  # FP4: 32 a scale
-    cfg = ModelConfig.from_hf_dict(raw)
+    cfg = load_config(raw)
     cls = families.get(family).module_cls
     abstract = nnx.eval_shape(lambda: cls(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
     rng, weights = np.random.default_rng(3), {}
@@ -271,7 +272,7 @@ def _release_shapes(cfg: ModelConfig):
 def test_real_configs_bytes_per_device_equal_the_planners(preset, expert):
     """The real configs in their release formats, sharded over an abstract mesh by the engine's rule: bytes per
     device equal the planner's figure."""
-    cfg = ModelConfig.from_preset(preset)
+    cfg = load_config(preset_dict(preset))
     shapes = _release_shapes(cfg)
     assert {type(v).__name__ for _, v in shapes} == (
         {"ShapeDtypeStruct", "Fp8Blocks"} | ({"Fp4Values"} if cfg.family == "deepseek_v4" else set()))

@@ -20,8 +20,9 @@ import pytest
 
 import ess_jax
 from ess_jax import families, plan, tier
-from ess_jax.config import ModelConfig
+from ess_jax.config import preset_dict
 from ess_jax.engine import Engine, EngineConfig
+from ess_jax.families import load_config
 from tests.helpers import FIXTURES
 
 CHECKPOINT = str(FIXTURES / "hf-v4-a")
@@ -139,7 +140,7 @@ def test_planner_v4_flash_32k_reaches_3x_with_host_rings(mesh, capsys):
     assert rows["host"]["capacity_gain"] >= 3.0 > rows["device"]["capacity_gain"]
     # the HCA tails (20 layers of 128 x 512 float32 inputs and gate logits) leave the device but for each
     # ring's newest row and the int32 slot
-    cfg = ModelConfig.from_preset("deepseek-v4-flash")
+    cfg = load_config(preset_dict("deepseek-v4-flash"))
     hca = cfg.layer_types.count("heavily_compressed_attention")
     tails = hca * 128 * 512 * 8
     assert rows["device"]["device_bytes_per_request"] - rows["host"]["device_bytes_per_request"] == \

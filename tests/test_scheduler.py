@@ -4,17 +4,18 @@ admission, the prefill-piece plan, per-shard routing, the stop rules, aborts and
 import numpy as np
 import pytest
 
-from ess_jax.config import ModelConfig
+from ess_jax.config import preset_dict
 from ess_jax.engine import EngineConfig, EngineStats
 from ess_jax.engine.request import make_request
 from ess_jax.engine.plan import DecodeResult, PrefillResult, prefill_pieces
 from ess_jax.engine.prefix import NoPrefixCache
 from ess_jax.engine.speculate import NoDrafts
 from ess_jax.engine.scheduler import Scheduler
+from ess_jax.families import load_config
 from ess_jax.sampling import SamplingParams
 from ess_jax.tokenizer import ByteTokenizer
 
-CFG = ModelConfig.from_preset("tiny-v32")
+CFG = load_config(preset_dict("tiny-v32"))
 TOKENIZER = ByteTokenizer(CFG)
 EOS = 7
 UNIFORM_V = np.zeros(CFG.vocab_size, np.float32)  # logits for the requests that read them back

@@ -5,14 +5,15 @@ results, their counters and the room a request reserves."""
 import numpy as np
 import pytest
 
-from ess_jax.config import ModelConfig
+from ess_jax.config import preset_dict
 from ess_jax.engine.plan import DecodeBatch, DecodeResult
 from ess_jax.engine.request import make_request
 from ess_jax.engine.speculate import CallerDrafts, MtpDrafts, NoDrafts
+from ess_jax.families import load_config
 from ess_jax.sampling import SamplingParams
 from ess_jax.tokenizer import ByteTokenizer
 
-TOKENIZER = ByteTokenizer(ModelConfig.from_preset("tiny-v32"))
+TOKENIZER = ByteTokenizer(load_config(preset_dict("tiny-v32")))
 VOCAB = 300
 
 

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from ess_jax.config import ConfigError, ModelConfig
+from ess_jax.config import ConfigError, ModelConfig, preset_dict
+from ess_jax.families import load_config
 from ess_jax.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDetokenizer, load_tokenizer
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"  # DeepSeek's special tokens
@@ -20,7 +21,7 @@ TEXT = st.text(st.characters(codec="utf-8", exclude_characters="<｜"), max_size
 
 @pytest.fixture(scope="module")
 def cfg() -> ModelConfig:
-    return ModelConfig.from_preset("tiny-v32")  # vocab_size 320, bos 256
+    return load_config(preset_dict("tiny-v32"))  # vocab_size 320, bos 256
 
 
 @pytest.fixture(scope="module")

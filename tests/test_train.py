@@ -14,7 +14,7 @@ from flax import nnx
 
 from ess_jax import checkpoint, train
 from ess_jax.api import load_model
-from ess_jax.config import ModelConfig
+from ess_jax.families import load_config
 from ess_jax.models.deepseek_v32 import DeepseekV32
 from ess_jax.models.deepseek_v4 import DeepseekV4
 from helpers import randomize
@@ -37,7 +37,7 @@ def small_raw(family: str) -> dict:
 
 
 def small_model(family: str, seed: int = 0):
-    cfg = ModelConfig.from_hf_dict(small_raw(family))
+    cfg = load_config(small_raw(family))
     cls = DeepseekV32 if family == "v32" else DeepseekV4
     return randomize(cls(cfg, rngs=nnx.Rngs(seed)), seed)
 
@@ -149,7 +149,7 @@ def corpus(tmp_path_factory) -> Path:
 def start(corpus, tmp_path_factory) -> Path:
     """A small V3.2 checkpoint on the corpus' vocabulary to continue (a preset would compile slower)."""
     raw = dict(small_raw("v32"), vocab_size=300, bos_token_id=0, eos_token_id=1, pad_token_id=2)
-    module = DeepseekV32(ModelConfig.from_hf_dict(raw), rngs=nnx.Rngs(0))
+    module = DeepseekV32(load_config(raw), rngs=nnx.Rngs(0))
     out = checkpoint.save(nnx.state(module), raw, tmp_path_factory.mktemp("start"))
     (out / "tokenizer.json").write_bytes((corpus / "tokenizer.json").read_bytes())
     return out

@@ -16,8 +16,8 @@ py=${PYTHON:-.venv/bin/python}
 
 mtp_stages() {  # MODEL CORPUS OUT
   local model=$1 corpus=$2 out=$3 indexed
-  indexed=$("$py" -c 'import sys; from ess_jax.config import resolve_model
-c = resolve_model(sys.argv[1]).config()
+  indexed=$("$py" -c 'import sys; from ess_jax.config import resolve_model; from ess_jax.families import source_config
+c = source_config(resolve_model(sys.argv[1]))
 print(int(c.family == "deepseek_v32" or "compressed_sparse_attention" in c.mtp_layer_types))' "$model")
   "$py" -m ess_jax.train --model "$model" --data "$corpus" --out "$out/mtp-dense" --stage dense --train mtp \
     --mtp-weight 0.3 --steps 250 --context 512 --batch 8 --lr 3e-3 --warmup-steps 20 --eval-every 50 \

@@ -19,10 +19,11 @@ def bench(args, log) -> dict:
     from ess_jax.api import load_model
     from ess_jax.bench import locality, peer, plots, prompts, report, runs, stall
     from ess_jax.config import resolve_model
+    from ess_jax.families import source_config
     from ess_jax.tokenizer import load_tokenizer
 
     source = resolve_model(args.model)
-    cfg = source.config()
+    cfg = source_config(source)
     if args.mesh:  # before anything loads: the mesh's devices, and batch rows that divide over its data shards
         shape = device_mesh.parse(args.mesh)
         device_mesh.check_devices(shape)

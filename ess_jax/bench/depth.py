@@ -16,12 +16,11 @@ def depth_model(args, raw: dict, layers: int):
     from flax import nnx
 
     from ess_jax.api import Model
-    from ess_jax.config import ModelConfig
-    from ess_jax.families import get as family_of
+    from ess_jax.families import get as family_of, load_config
     from ess_jax.tokenizer import load_tokenizer
 
     raw = {k: v for k, v in raw.items() if k not in ("layer_types", "compress_ratios", "mlp_layer_types")}
-    cfg = ModelConfig.from_hf_dict(dict(raw, num_hidden_layers=layers))
+    cfg = load_config(dict(raw, num_hidden_layers=layers))
     module = family_of(cfg.family).module_cls(cfg, dtype=getattr(jnp, args.dtype), rngs=nnx.Rngs(args.weights_seed))
     return Model(f"{args.model} x {layers} layers", module, load_tokenizer(None, cfg))
 

@@ -24,7 +24,6 @@ import numpy as np
 
 from ess_jax import families, mesh
 from ess_jax.cache import StepMeta
-from ess_jax.config import V4Layer
 from ess_jax.engine import steps
 from ess_jax.engine.config import EngineConfig
 from ess_jax.engine.plan import DecodeBatch, DecodeResult, PrefillGroup, PrefillSlice, StepTimes
@@ -257,10 +256,11 @@ def proposer_for(model, config: EngineConfig, drafter: Drafter | None, entry_dty
     if drafter is None and not has_mtp(model):
         raise ValueError("--speculative mtp: this checkpoint has no MTP layer (num_nextn_predict_layers = 0) to "
                          "draft with; use a checkpoint with one, or serve without --speculative")
-    if config.offload == "ess" and config.ring_placement == "host" and V4Layer.HCA in model.cfg.layer_types:
+    family = families.get(model.cfg.family)
+    if config.offload == "ess" and config.ring_placement == "host" and family.ring_layers(model.cfg):
         raise ValueError("--speculative with --rings host: the host rings take one token per request and step; leave "
                          "--rings unset or use --rings device (the HCA compressor rings on the device)")
-    limit = families.get(model.cfg.family).step_tokens_limit(model.cfg)
+    limit = family.step_tokens_limit(model.cfg)
     if limit is not None and 1 + k > limit:
         raise ValueError(f"--num-speculative-tokens {k}: a step of 1 + {k} tokens per request exceeds the smallest "
                          f"ring of positions this model keeps per request ({limit}); use at most {limit - 1}")

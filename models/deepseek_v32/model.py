@@ -21,8 +21,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ess_jax import ops
-from ess_jax.cache import PagedCacheV32, ResidentPages, StepMeta, request_slots, write_slots, write_then_gather
-from ess_jax.config import ModelConfig
+from ess_jax.cache import ResidentPages, StepMeta, request_slots, write_slots, write_then_gather
+from ess_jax.models.deepseek_v32.cache import PagedCacheV32
+from ess_jax.models.deepseek_v32.config import DeepseekV32Config
 from ess_jax.models.layers import (
     MLP, LayerNorm, Linear, MoE, MTPHost, RMSNorm, Router, apply_rope_half, apply_rope_interleaved, check_stage,
     index_scores, index_topk, indexer_kl, rope_cos_sin, rope_inv_freq, scan_runs, stack_runs)
@@ -31,7 +32,7 @@ from ess_jax.models.layers import (
 class Indexer(nnx.Module):
     """The DSA lightning indexer: keys and index scores of every visible position (top-k: ``layers.index_topk``)."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DeepseekV32Config, *, dtype, rngs: nnx.Rngs):
         self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
         self.top_k = cfg.index_topk
         self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, dtype=dtype, rngs=rngs)
@@ -59,7 +60,7 @@ class MLA(nnx.Module):
     DOMAIN.md 1.7) has no indexer: it attends over its own latent rows at the top-k of the nearest preceding full
     layer."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DeepseekV32Config, layer: int, *, dtype, rngs: nnx.Rngs):
         self.n_heads = cfg.num_attention_heads
         self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_rank = cfg.kv_lora_rank
@@ -181,7 +182,7 @@ class MLA(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DeepseekV32Config, layer: int, *, dtype, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.self_attn = MLA(cfg, layer, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
@@ -211,18 +212,18 @@ class DeepseekV32(MTPHost, nnx.Module):
     """``DeepseekV32ForCausalLM``: parameter names mirror transformers' module tree, the decoder layers held as
     stacked runs (``layers.stack_runs``: the dense-MLP layers, then the MoE ones)."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, cfg: DeepseekV32Config, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg = cfg
         self.dtype = dtype
         self.embed_tokens = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size)).astype(dtype))
         self.runs = stack_runs([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
-        if cfg.num_nextn_predict_layers:  # the MTP module, named as layer num_hidden_layers (models.mtp)
-            from ess_jax.models.mtp import MTPLayerV32
+        if cfg.num_nextn_predict_layers:  # the MTP module, named as layer num_hidden_layers (mtp.py)
+            from ess_jax.models.deepseek_v32.mtp import MTPLayerV32
             self.mtp = nnx.Dict({str(cfg.num_hidden_layers): MTPLayerV32(cfg, dtype=dtype, rngs=rngs)})
 
-    def _cos_sin(self, positions_BT):
+    def cos_sin(self, positions_BT):
         inv_freq = rope_inv_freq(self.cfg.rope, self.cfg.qk_rope_head_dim)
         return rope_cos_sin(positions_BT, inv_freq, self.cfg.rope.cos_sin_scale)
 
@@ -241,7 +242,7 @@ class DeepseekV32(MTPHost, nnx.Module):
         the MTP module reads) and the indexer's loss summed over layers."""
         check_stage(stage)
         b, t = tokens_BT.shape
-        cos, sin = self._cos_sin(jnp.broadcast_to(jnp.arange(t), (b, t)))
+        cos, sin = self.cos_sin(jnp.broadcast_to(jnp.arange(t), (b, t)))
         h = self.embed_tokens[...][tokens_BT]
 
         def body(layer, index, carry):
@@ -285,7 +286,7 @@ class DeepseekV32(MTPHost, nnx.Module):
         The layers run as one ``jax.lax.scan`` per stacked run (``layers.scan_runs``); the cache's ``[L, ...]``
         arrays are carried whole and read and written at the layer index, so the compiled step does not grow
         with depth."""
-        cos, sin = self._cos_sin(meta.positions)
+        cos, sin = self.cos_sin(meta.positions)
         b, t = tokens_BT.shape
         key_layers = jnp.asarray(index_key_layers(self.cfg), jnp.int32)  # each layer's place among the full ones
         ids_BTK, _ = index_picks(b, t, meta.page_table.shape[1] * cache.page_size, self.cfg.index_topk)
@@ -298,7 +299,7 @@ class DeepseekV32(MTPHost, nnx.Module):
         (h, cache, _), ids_LBTK = scan_runs(self.runs, body, (self.embed_tokens[...][tokens_BT], cache, ids_BTK))
         return self.head(h), h, ids_LBTK, cache
 
-    # ---- the MTP module (models.mtp) -------------------------------------------------------------
+    # ---- the MTP module (models.deepseek_v32.mtp) ------------------------------------------------
     def init_mtp_cache(self, rows: int, num_pages: int, page_size: int, latent_dtype=None,
                        index_dtype: str | None = None) -> PagedCacheV32:
         """The MTP module's empty cache: ``init_cache`` of its one block (``L = 1``), in the same pages."""
@@ -311,7 +312,7 @@ def index_picks(b: int, t: int, s: int, top_k: int) -> tuple[jax.Array, jax.Arra
     return jnp.full((b, t, min(top_k, s)), -1, jnp.int32), jnp.full((b, t, s), -jnp.inf, jnp.float32)
 
 
-def index_key_layers(cfg: ModelConfig) -> list[int]:
+def index_key_layers(cfg: DeepseekV32Config) -> list[int]:
     """Each layer's index into the indexer keys ``[Lf, ...]`` (only full layers store keys): its place among the
     full layers (a shared layer: the preceding full layer's, never read)."""
     places, full = [], -1
@@ -321,7 +322,7 @@ def index_key_layers(cfg: ModelConfig) -> list[int]:
     return places
 
 
-def _init_cache(cfg: ModelConfig, dtype, num_pages: int, page_size: int, latent_dtype, index_dtype: str | None
+def _init_cache(cfg: DeepseekV32Config, dtype, num_pages: int, page_size: int, latent_dtype, index_dtype: str | None
                 ) -> PagedCacheV32:
     """``DeepseekV32.init_cache`` for the layers of ``cfg`` in a model of ``dtype``."""
     n = cfg.num_hidden_layers

@@ -3,7 +3,7 @@
 Every layer attends to its last ``sliding_window`` keys; a CSA layer adds the indexer's top-k of its
 4:1 compressed entries, an HCA layer all of its 128:1 entries, all in one softmax with a learned
 per-head sink (DOMAIN.md 2.1-2.5). Keys are values (one shared K = V head of ``head_dim``). The
-residual is ``hc_mult`` streams mixed by mHC (models/mhc.py); the MoE routes by ``tid2eid[token]`` on
+residual is ``hc_mult`` streams mixed by mHC (mhc.py); the MoE routes by ``tid2eid[token]`` on
 hash layers and by top-k of ``score + e_score_correction_bias`` elsewhere, with SwiGLU clamped at
 ``swiglu_limit`` (DOMAIN.md 2.7).
 
@@ -12,7 +12,7 @@ Two forward forms over the same parameters:
   over every window key and compressed entry, the indexer's top-k entering as a mask, as in
   transformers.
 - ``step(tokens, meta, cache)``: the cached form for any number of new tokens per request. The window
-  keys and compressor rings live per batch row in an explicit ``ess_jax.cache.V4Cache``, the compressed
+  keys and compressor rings live per batch row in an explicit ``cache.V4Cache``, the compressed
   entries and the CSA indexer keys in pages (one entry per m tokens) through the request's page table;
   each query attends over its window rows and its compressed rows (CSA: the indexer's top-k, read through
   the entries' store, resident or the HiSparse tier; HCA: every visible entry) as row sources
@@ -32,11 +32,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ess_jax import ops
-from ess_jax.cache import (CsaCache, HcaCache, ResidentPages, RowSource, StepMeta, V4Cache, check_geometry,
-                           entries_per_page, flat_ids, locate, request_rows)
-from ess_jax.config import ModelConfig, V4Layer
-from ess_jax.models import mhc
-from ess_jax.models.compressor import CSACompressor, Compressor, Indexer, TailRope, hadamard, visible_entries
+from ess_jax.cache import (ResidentPages, RowSource, StepMeta, check_geometry, entries_per_page, flat_ids, locate,
+                           request_rows)
+from ess_jax.models.deepseek_v4 import mhc
+from ess_jax.models.deepseek_v4.cache import CsaCache, HcaCache, V4Cache
+from ess_jax.models.deepseek_v4.compressor import (CSACompressor, Compressor, Indexer, TailRope, hadamard,
+                                                   visible_entries)
+from ess_jax.models.deepseek_v4.config import DeepseekV4Config, V4Layer
 from ess_jax.models.layers import (Linear, MoE, MTPHost, RMSNorm, Router, check_stage, index_topk, indexer_kl,
                                    rms_normalize, scan_runs, stack_runs)
 
@@ -69,7 +71,7 @@ def reach(page_table_BX: jax.Array, page_size: int, rate: int) -> int:
 class Attention(nnx.Module):
     """Shared-KV attention over a sliding window plus, for CSA/HCA layers, compressed entries."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DeepseekV4Config, layer: int, *, dtype, rngs: nnx.Rngs):
         self.layer_type = cfg.layer_types[layer]
         self.n_heads, self.head_dim, self.window = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
         self.o_groups, self.eps = cfg.o_groups, cfg.rms_norm_eps
@@ -286,7 +288,7 @@ class Attention(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DeepseekV4Config, layer: int, *, dtype, rngs: nnx.Rngs):
         hc = dict(sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps, rngs=rngs)
         self.self_attn = Attention(cfg, layer, dtype=dtype, rngs=rngs)
         # hash layers route by token id; softmax scores are not renormalised (DeepSeek's V4 reference)
@@ -326,7 +328,7 @@ class DeepseekV4(MTPHost, nnx.Module):
     blocks of two), so the full forward and the cached step scan them (``layers.scan_runs``) and compile in a
     time that does not grow with depth."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, cfg: DeepseekV4Config, *, dtype=jnp.float32, rngs: nnx.Rngs):
         if cfg.family != "deepseek_v4":
             raise ValueError(f"DeepseekV4 needs a deepseek_v4 config, got model_type={cfg.model_type!r}")
         self.cfg = cfg
@@ -337,8 +339,8 @@ class DeepseekV4(MTPHost, nnx.Module):
         self.hc_head = mhc.HyperHead(cfg.hidden_size, cfg.hc_mult, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
                                      rngs=rngs)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
-        if cfg.num_nextn_predict_layers:  # the MTP module, named as layer num_hidden_layers (models.mtp)
-            from ess_jax.models.mtp import MTPLayerV4
+        if cfg.num_nextn_predict_layers:  # the MTP module, named as layer num_hidden_layers (mtp.py)
+            from ess_jax.models.deepseek_v4.mtp import MTPLayerV4
             self.mtp = nnx.Dict({str(cfg.num_hidden_layers): MTPLayerV4(cfg, dtype=dtype, rngs=rngs)})
 
     def _embed(self, tokens_BT: jax.Array) -> jax.Array:
@@ -447,7 +449,7 @@ class DeepseekV4(MTPHost, nnx.Module):
         cache = put_rows(meta, cache, V4Cache(window_LBSH, csa, hca))
         return self.head(streams_BTOD), streams_BTOD, ids_LBTK, cache
 
-    # ---- the MTP module (models.mtp) -------------------------------------------------------------
+    # ---- the MTP module (models.deepseek_v4.mtp) -------------------------------------------------
     def init_mtp_cache(self, rows: int, num_pages: int, page_size: int, csa_dtype=None, index_dtype: str | None = None
                        ) -> V4Cache:
         """The MTP module's empty cache: ``init_cache`` of its one block (its window, and its compressors'
@@ -461,14 +463,14 @@ def index_picks(b: int, t: int, n: int, top_k: int) -> tuple[jax.Array, jax.Arra
     return jnp.full((b, t, min(top_k, n)), -1, jnp.int32), jnp.full((b, t, n), -jnp.inf, jnp.float32)
 
 
-def index_key_places(cfg: ModelConfig) -> list[int]:
+def index_key_places(cfg: DeepseekV4Config) -> list[int]:
     """Each layer's index into the CSA indexer's rings and keys ``[Lf, ...]`` (only full CSA layers have them): its
     place among the full CSA layers (other layers: 0, never read)."""
     full = [i for i in cfg.index_layers if cfg.indexer_full(i)]
     return [full.index(i) if i in full else 0 for i in range(cfg.num_hidden_layers)]
 
 
-def layer_groups(cfg: ModelConfig) -> tuple[list[int], list[int]]:
+def layer_groups(cfg: DeepseekV4Config) -> tuple[list[int], list[int]]:
     """Layer indices of the CSA and of the HCA layers of ``cfg`` (the order of their cache stacks)."""
     types = cfg.layer_types
     return [i for i, t in enumerate(types) if t == CSA], [i for i, t in enumerate(types) if t == HCA]
@@ -497,7 +499,7 @@ def put_rows(meta: StepMeta, cache: V4Cache, ran: V4Cache) -> V4Cache:
     return ran.with_row_arrays(jax.tree.map(put, cache.row_arrays(), ran.row_arrays()))
 
 
-def _init_cache(cfg: ModelConfig, dtype, rows: int, num_pages: int, page_size: int, csa_dtype,
+def _init_cache(cfg: DeepseekV4Config, dtype, rows: int, num_pages: int, page_size: int, csa_dtype,
                 index_dtype: str | None) -> V4Cache:
     """``DeepseekV4.init_cache`` for the layers of ``cfg`` in a model of ``dtype``."""
     csa_dtype = dtype if csa_dtype is None else csa_dtype

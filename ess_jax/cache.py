@@ -22,6 +22,7 @@ page table).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 import jax
@@ -84,14 +85,6 @@ def request_slots(page_table_BX: jax.Array, count: int, *, page_size: int, rate:
     return locate(page_table_BX, ids_BM, page_size=page_size, rate=rate)
 
 
-def request_rows(pages_LGEX: jax.Array, layer, page_table_BX: jax.Array, count: int, *, page_size: int,
-                 rate: int = 1) -> jax.Array:
-    """Each request's first ``count`` rows of layer ``layer`` (an int, or i32[] inside a scan over layers) in
-    order: pages ``[L, G, Z, ...]`` -> ``[B, count, ...]``, gathered from the whole array (no layer copy)."""
-    page, offset = request_slots(page_table_BX, count, page_size=page_size, rate=rate)
-    return pages_LGEX[layer, page, offset]
-
-
 def layer_view(stack_LX: jax.Array, layer) -> tuple[jax.Array, tuple]:
     """What a step of layer ``layer`` (an int, or i32[] inside a scan over layers) reads and writes of the stacked
     ``[L, ...]``, and the index of the layer's part in it: traced for a TPU the layer's slice and ``()``, as a
@@ -107,6 +100,17 @@ def layer_view(stack_LX: jax.Array, layer) -> tuple[jax.Array, tuple]:
 def with_layer_view(stack_LX: jax.Array, view: jax.Array, layer) -> jax.Array:
     """The stack with ``view`` (from ``layer_view``, then updated) in place of layer ``layer``'s part."""
     return view if view.ndim == stack_LX.ndim else jax.lax.dynamic_update_index_in_dim(stack_LX, view, layer, 0)
+
+
+def first_row(view: jax.Array, at: tuple):
+    """Where the layer's rows begin in ``view`` (``layer_view``'s) seen as one row array ``[-1, W]``."""
+    return at[0] * math.prod(view.shape[1:-1]) if at else 0
+
+
+def layer_source(view: jax.Array, at: tuple, ids_BTK: jax.Array) -> RowSource:
+    """The rows ``ids_BTK`` (-1 = none) of the layer's part of ``view`` (``layer_view``'s) as a source: ``view`` as one
+    row array, the ids offset to the layer's rows in it."""
+    return RowSource(view.reshape(-1, view.shape[-1]), jnp.where(ids_BTK >= 0, first_row(view, at) + ids_BTK, -1))
 
 
 def write_then_gather(pages_LGEX: jax.Array, layer, write_at: tuple[jax.Array, jax.Array], rows: jax.Array,
@@ -159,10 +163,10 @@ class ResidentPages:
         offset``) and the rows at ``ids_BTK``."""
         geometry = dict(page_size=self.page_size, rate=self.rate)
         page_BM, offset_BM = locate(meta.page_table, new_ids_BM, **geometry)
-        pages = self.pages.at[layer, page_BM, offset_BM].set(new_rows_BMW)
-        n, g, e, w = pages.shape
-        ids_BTK = flat_ids(meta.page_table, ids_BTK, **geometry)
-        source = RowSource(pages.reshape(n * g * e, w), jnp.where(ids_BTK >= 0, layer * g * e + ids_BTK, -1))
+        view, at = layer_view(self.pages, layer)
+        view = view.at[(*at, page_BM, offset_BM)].set(new_rows_BMW)
+        source = layer_source(view, at, flat_ids(meta.page_table, ids_BTK, **geometry))
+        pages = with_layer_view(self.pages, view, layer)
         return Sources([source], [], lambda ready: dataclasses.replace(self, pages=pages))
 
     def begin_step(self) -> ResidentPages:

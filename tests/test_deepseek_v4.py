@@ -121,6 +121,36 @@ def test_one_shot_prefill_then_greedy_matches_generate(hf, one_shot):
                    len(full) - len(prompt)) == full[len(prompt):].tolist()
 
 
+def test_a_tpus_layer_slices_give_the_in_place_steps_values(hf, one_shot):
+    """Traced for a TPU (``ops.kernels_for``, XLA kernels), the CSA entries and indexer keys and the HCA entries are
+    written and read through their layer's slice (``cache.layer_view``): the 300-token prefill's logits and cache
+    and three greedy decode steps after it equal the in-place steps' bit for bit (a jit of its own, so the trace is
+    the TPU one)."""
+    model, in_place, refs = hf
+    graphdef = model.graphdef
+    jitted = jax.jit(lambda p, tokens, meta, cache: nnx.merge(graphdef, p).step(tokens, meta, cache),
+                     donate_argnums=3)
+
+    def step(tokens, cache, start):
+        t = len(tokens[0])
+        meta = StepMeta(jnp.arange(start, start + t, dtype=jnp.int32)[None], jnp.ones((1, t), bool),
+                        jnp.asarray(TABLE), jnp.zeros(1, jnp.int32))
+        with ops.kernels_for(ops.Device("tpu", "TPU v5p")):
+            logits, _, cache = jitted(model.params, jnp.asarray(tokens, jnp.int32), meta, cache)
+        return logits, cache
+
+    prompt = refs[1][0]
+    logits, cache = step(prompt[None], _empty_cache(model), 0)
+    np.testing.assert_array_equal(np.asarray(logits[0]), one_shot[0])
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, cache), one_shot[1])
+    reference = jax.tree.map(jnp.asarray, one_shot[1])
+    for i in range(3):
+        token = [[int(np.argmax(logits[0, -1]))]]
+        logits, cache = step(token, cache, len(prompt) + i)
+        want, reference = in_place(token, reference, len(prompt) + i)
+        np.testing.assert_array_equal(np.asarray(logits), np.asarray(want))
+
+
 def test_chunked_prefill_matches_one_shot(hf, one_shot):
     """Chunks of 1, 3, 7 tokens (crossing every compression, window and top-k boundary) give the
     one-shot prefill's logits and exactly its cache (window ring, compressor rings, the entries in the

@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 
 from ess_jax import mesh
-from ess_jax.cache import RowSource, Sources, StepMeta, entries_per_page, layer_view, locate, with_layer_view
+from ess_jax.cache import (RowSource, Sources, StepMeta, entries_per_page, first_row, layer_view, locate,
+                           with_layer_view)
 from ess_jax.tier import lru
 from ess_jax.tier.host import fetch_wanted, host_store
 
@@ -98,10 +99,9 @@ class Tier:
         new_of_BU = jnp.argmax(ids_BU[:, :, None] == new_ids_BM[:, None, :], axis=2)
         arrival_BU = jnp.where(res.is_new_K, new_of_BU, jnp.where(res.miss_K, m + jnp.arange(u), -1))
         row_B1 = jnp.arange(b)[:, None]
-        # the pool as the layer's step sees it (cache.layer_view), as one row array: row (first + b) * P + slot
+        # the pool as the layer's step sees it (cache.layer_view), as one row array: row first + b * P + slot
         pool, at = layer_view(self.pool, layer)
-        first = at[0] * rows if at else 0
-        hit_BU = jnp.where(res.hit_K, (first + row_B1) * p + res.slot_K, -1)
+        hit_BU = jnp.where(res.hit_K, first_row(pool, at) + row_B1 * p + res.slot_K, -1)
         inflight_BU = jnp.where(arrival_BU >= 0, row_B1 * (m + u) + arrival_BU, -1)
         picked = lambda x_BU: jnp.where(ids_BTK >= 0, jax.vmap(lambda x, f: x[f])(x_BU, first_BTK), -1)  # noqa: E731
 

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ess_jax import ops
-from ess_jax.cache import (ResidentPages, RowSource, StepMeta, check_geometry, entries_per_page, flat_ids, locate,
-                           request_rows)
+from ess_jax.cache import (ResidentPages, RowSource, StepMeta, check_geometry, entries_per_page, flat_ids,
+                           layer_source, layer_view, locate, request_slots, with_layer_view, write_then_gather)
 from ess_jax.models.deepseek_v4 import mhc
 from ess_jax.models.deepseek_v4.cache import CsaCache, HcaCache, V4Cache
 from ess_jax.models.deepseek_v4.compressor import (CSACompressor, Compressor, Indexer, TailRope, hadamard,
@@ -227,24 +227,23 @@ class Attention(nnx.Module):
             key_format = record.index_format
             fp4 = key_format == "fp4"
             index_keys, index_kv_ring, index_gate_ring = record.index_keys, record.index_kv_ring, record.index_gate_ring
+            count = reach(meta.page_table, page_size, m)
             if indexer is not None:
                 with jax.named_scope("indexer"):
                     keys_BMJ, key_BM, key_closes_BM, index_kv, index_gate = indexer.close(
                         x_BTD, positions_BT, index_kv_ring[key_index], index_gate_ring[key_index])
                     index_kv_ring = index_kv_ring.at[key_index].set(index_kv)
                     index_gate_ring = index_gate_ring.at[key_index].set(index_gate)
-                    key_page_BM, key_offset_BM = locate(meta.page_table,
-                                                        jnp.where(key_closes_BM & run_B1, key_BM, -1), **geometry)
-                    index_keys = index_keys.at[key_index, key_page_BM, key_offset_BM].set(
-                        ops.encode_index_keys(hadamard(keys_BMJ) if fp4 else keys_BMJ, key_format))
+                    key_at = locate(meta.page_table, jnp.where(key_closes_BM & run_B1, key_BM, -1), **geometry)
+                    index_keys, keys_BMX = write_then_gather(
+                        index_keys, key_index, key_at,
+                        ops.encode_index_keys(hadamard(keys_BMJ) if fp4 else keys_BMJ, key_format),
+                        request_slots(meta.page_table, count, **geometry))
             entries = record.entries
-            count = reach(meta.page_table, page_size, m)
             if count > 0:  # a cache too small for one entry has nothing to select
                 if indexer is not None:
                     with jax.named_scope("indexer"):
-                        keys_BMJ = ops.decode_index_keys(request_rows(index_keys, key_index, meta.page_table, count,
-                                                                      **geometry), key_format, x_BTD.dtype,
-                                                         width=indexer.dim)
+                        keys_BMJ = ops.decode_index_keys(keys_BMX, key_format, x_BTD.dtype, width=indexer.dim)
                         scores_BTM = indexer.scores(x_BTD, q_resid_BTQ, keys_BMJ,
                                                     visible_entries(positions_BT, count, m), cos, sin, fp4=fp4)
                         ids_BTK = index_topk(scores_BTM, self.top_k)
@@ -265,12 +264,12 @@ class Attention(nnx.Module):
                 if host is not None:  # the device keeps the newest position's row (its slot: DeepseekV4.step)
                     kv_ring, gate_ring = self._hca_newest(kv_ring, gate_ring, meta)
                 page_BM, offset_BM = locate(meta.page_table, jnp.where(closes_BM & run_B1, entry_BM, -1), **geometry)
-                entries = record.entries.at[index, page_BM, offset_BM].set(new_BMH.astype(record.entries.dtype))
+                view, at = layer_view(record.entries, index)
+                view = view.at[(*at, page_BM, offset_BM)].set(new_BMH.astype(view.dtype))
             count = reach(meta.page_table, record.page_size, self.compressor.rate)
             ids_BTM = jnp.where(visible_entries(positions_BT, count, self.compressor.rate), jnp.arange(count), -1)
-            n, g, e, h = entries.shape  # every layer's pages as one row array (no copy of this layer's)
-            ids_BTM = flat_ids(meta.page_table, ids_BTM, **geometry)
-            hca = RowSource(entries.reshape(n * g * e, h), jnp.where(ids_BTM >= 0, index * g * e + ids_BTM, -1))
+            hca = layer_source(view, at, flat_ids(meta.page_table, ids_BTM, **geometry))
+            entries = with_layer_view(record.entries, view, index)
             with jax.named_scope("sparse_attention"):
                 out_BTNH, _ = attend(window, [hca], sinks_N)
             record = HcaCache(record.kv_ring.at[index].set(kv_ring), record.gate_ring.at[index].set(gate_ring),

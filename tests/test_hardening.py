@@ -22,7 +22,7 @@ import ess_jax
 from ess_jax import families
 from ess_jax.checkpoint import CheckpointError
 from ess_jax.config import ConfigError, ModelConfig
-from ess_jax.engine import Engine, EngineConfig, cache_layout
+from ess_jax.engine import Engine, EngineConfig, RequestSpec, cache_layout
 from ess_jax.sampling import SamplingParams
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -402,20 +402,20 @@ def test_memory_estimate_matches_the_real_cache(model):
     assert 0.8 * device <= layout.device_bytes <= device
 
 
-@pytest.mark.parametrize("args, kwargs, needle", [
-    (([1.5, 2], 4), {}, "prompt token id 1.5 is not an integer"),
-    ((["7"], 4), {}, "prompt token id '7' is not an integer"),
-    (("abc", 4), {}, "must be a sequence of integers"),
-    (([1, 2], 2.0), {}, "max_new_tokens=2.0"),
-    (([1, 2], 4), dict(stop_token_ids=[999]), "stop token id 999 is outside the vocabulary"),
-    (([1, 2], 4), dict(logprobs=-1), "logprobs=-1"),
-    (([1, 2], 4, SamplingParams(temperature=math.inf)), {}, "temperature=inf"),
-    (([1, 2], 4, SamplingParams(top_k=2**40)), {}, "top_k=1099511627776"),
+@pytest.mark.parametrize("spec, needle", [  # (the spec made inside the check: SamplingParams checks itself)
+    (lambda: RequestSpec([1.5, 2], 4), "prompt token id 1.5 is not an integer"),
+    (lambda: RequestSpec(["7"], 4), "prompt token id '7' is not an integer"),
+    (lambda: RequestSpec("abc", 4), "must be a sequence of integers"),
+    (lambda: RequestSpec([1, 2], 2.0), "max_new_tokens=2.0"),
+    (lambda: RequestSpec([1, 2], 4, stop_token_ids=[999]), "stop token id 999 is outside the vocabulary"),
+    (lambda: RequestSpec([1, 2], 4, logprobs=-1), "logprobs=-1"),
+    (lambda: RequestSpec([1, 2], 4, SamplingParams(temperature=math.inf)), "temperature=inf"),
+    (lambda: RequestSpec([1, 2], 4, SamplingParams(top_k=2**40)), "top_k=1099511627776"),
 ])
-def test_bad_requests_are_refused(model, args, kwargs, needle):
+def test_bad_requests_are_refused(model, spec, needle):
     engine = Engine(model, EngineConfig(max_batch=1, max_seq_len=64, page_size=16))
     with pytest.raises(ValueError, match=needle):
-        engine.add_request(*args, **kwargs)
+        engine.add_request(spec())
     assert not engine.has_unfinished()
 
 
@@ -426,7 +426,7 @@ def test_engine_forgets_finished_requests_and_its_figures_stay_bounded(model):
     fresh = engine.cache_bytes()
     assert fresh["resident_device_bytes"] == fresh["resident_device_bytes_now"] == 0
     for _ in range(3):
-        ids = [engine.add_request([1, 2, 3], 10) for _ in range(40)]  # 13 tokens: one page each
+        ids = [engine.add_request(RequestSpec([1, 2, 3], 10)) for _ in range(40)]  # 13 tokens: one page each
         assert engine.stats.reserved_pages == 40
         for i in ids:
             engine.abort(i)

@@ -149,7 +149,7 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
     server = Engine(model, engine, progress=progress)
     for i, (prompt, params) in enumerate(zip(encoded, per_prompt)):
         try:
-            server.add_request(RequestSpec(prompt, max_new_tokens, params, stop_token_ids, ignore_eos))
+            server.add_request(RequestSpec(prompt, max_new_tokens, params, stop_token_ids, ignore_eos=ignore_eos))
         except ValueError as e:
             raise ValueError(f"prompt {i}: {e}") from None
     requests = server.run()

@@ -21,8 +21,8 @@ def _is_int(t) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class RequestSpec:
-    """One request as a caller asks it of the engine (vLLM's ``EngineCoreRequest``), in JSON's values
-    (``to_dict``): what ``Engine.add_request`` takes and ``Ticks`` send to the other processes.
+    """One request as a caller asks it of the engine (vLLM's ``EngineCoreRequest``): what ``Engine.add_request``
+    takes and, as ``to_dict``, what ``Ticks`` send to the other processes.
 
     Stops at one of the config's eos ids (unless ``ignore_eos``), one of ``stop_token_ids``, or after
     ``max_new_tokens``. ``logprobs=N`` reports each output token's log-probability and the top N.
@@ -98,8 +98,8 @@ class RequestSpec:
 
     @classmethod
     def from_dict(cls, fields: dict) -> RequestSpec:
+        """The spec of a ``to_dict`` (also after a JSON round trip: its tuples as lists)."""
         return cls(**{**fields, "sampling": SamplingParams(**fields["sampling"])})
-
 
 
 @dataclasses.dataclass

@@ -63,10 +63,10 @@ def admit(ctx: ServeContext, body: RequestBody, specs: list[RequestSpec]) -> Non
     ctx.check_model(body.model)
     body.stops()
     for spec in specs:
-        if len(spec.prompt_ids) > ctx.engine.max_seq_len:  # at once: the ids' own checks are linear in them, on
-            # the event loop
-            raise APIError(400, f"the prompt's {len(spec.prompt_ids)} tokens exceed the {ctx.engine.max_seq_len} "
-                                "tokens a request may have (the server's --max-seq-len); shorten it", param="prompt")
+        length = len(spec.prompt_ids)
+        if length > ctx.engine.max_seq_len:  # at once: the ids' own checks are linear in them, on the event loop
+            raise APIError(400, f"the prompt's {length} tokens exceed the {ctx.engine.max_seq_len} tokens a "
+                                "request may have (the server's --max-seq-len); shorten it", param="prompt")
         try:
             ctx.engine.check_request(spec)
         except ValueError as e:

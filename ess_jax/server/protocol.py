@@ -88,8 +88,8 @@ class RequestBody(BaseModel):
         ``prompt_logprobs``: the top-N per prompt token the engine reports (None: the prompt is not scored)."""
         seed = self.seed if self.seed is not None else secrets.randbelow(2**32)
         sampling = SamplingParams(self.temperature, max(self.top_k, 0), self.top_p, seed)
-        return RequestSpec(prompt_ids, max_tokens, sampling, self.stop_token_ids, self.ignore_eos, logprobs,
-                           prompt_logprobs, cache_salt=self.cache_salt)
+        return RequestSpec(prompt_ids, max_tokens, sampling, self.stop_token_ids, ignore_eos=self.ignore_eos,
+                           logprobs=logprobs, prompt_logprobs=prompt_logprobs, cache_salt=self.cache_salt)
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

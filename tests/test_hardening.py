@@ -402,20 +402,20 @@ def test_memory_estimate_matches_the_real_cache(model):
     assert 0.8 * device <= layout.device_bytes <= device
 
 
-@pytest.mark.parametrize("spec, needle", [  # (the spec made inside the check: SamplingParams checks itself)
-    (lambda: RequestSpec([1.5, 2], 4), "prompt token id 1.5 is not an integer"),
-    (lambda: RequestSpec(["7"], 4), "prompt token id '7' is not an integer"),
-    (lambda: RequestSpec("abc", 4), "must be a sequence of integers"),
-    (lambda: RequestSpec([1, 2], 2.0), "max_new_tokens=2.0"),
-    (lambda: RequestSpec([1, 2], 4, stop_token_ids=[999]), "stop token id 999 is outside the vocabulary"),
-    (lambda: RequestSpec([1, 2], 4, logprobs=-1), "logprobs=-1"),
-    (lambda: RequestSpec([1, 2], 4, SamplingParams(temperature=math.inf)), "temperature=inf"),
-    (lambda: RequestSpec([1, 2], 4, SamplingParams(top_k=2**40)), "top_k=1099511627776"),
+@pytest.mark.parametrize("args, kwargs, needle", [
+    (([1.5, 2], 4), {}, "prompt token id 1.5 is not an integer"),
+    ((["7"], 4), {}, "prompt token id '7' is not an integer"),
+    (("abc", 4), {}, "must be a sequence of integers"),
+    (([1, 2], 2.0), {}, "max_new_tokens=2.0"),
+    (([1, 2], 4), dict(stop_token_ids=[999]), "stop token id 999 is outside the vocabulary"),
+    (([1, 2], 4), dict(logprobs=-1), "logprobs=-1"),
+    (([1, 2], 4, SamplingParams(temperature=math.inf)), {}, "temperature=inf"),
+    (([1, 2], 4, SamplingParams(top_k=2**40)), {}, "top_k=1099511627776"),
 ])
-def test_bad_requests_are_refused(model, spec, needle):
+def test_bad_requests_are_refused(model, args, kwargs, needle):
     engine = Engine(model, EngineConfig(max_batch=1, max_seq_len=64, page_size=16))
     with pytest.raises(ValueError, match=needle):
-        engine.add_request(spec())
+        engine.add_request(RequestSpec(*args, **kwargs))
     assert not engine.has_unfinished()
 
 

@@ -120,14 +120,22 @@ def test_top_k_ties_keep_the_lower_ids():
     (dict(top_p=1.5), r"top_p=1.5 must be in \(0, 1\]"),
     (dict(seed=-1), r"seed=-1 must be in \[0, 2\*\*32\)"),
     (dict(seed=2**32), "seed=4294967296"),
+])
+def test_sampling_params_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
     (dict(temperature=float("inf")), "temperature=inf must be a finite number"),
     (dict(top_p=True), "top_p=True must be a finite number"),
     (dict(top_k=1.5), r"top_k=1.5 must be an integer in \[0, 2147483648\)"),
     (dict(top_k=2**31), "top_k=2147483648"),
 ])
-def test_sampling_params_validation(kwargs, match):
+def test_sampling_params_check_what_the_sampler_needs(kwargs, match):
+    params = SamplingParams(**kwargs)
     with pytest.raises(ValueError, match=match):
-        SamplingParams(**kwargs)
+        params.check()
 
 
 def test_sampling_params_defaults_are_greedy():

@@ -58,8 +58,8 @@ class RequestSpec:
         that are integers inside it, ``logprobs`` in [0, vocab], ``prompt_logprobs`` in [0,
         MAX_PROMPT_LOGPROBS], ``max_new_tokens`` >= 1 (0 only with ``prompt_logprobs``: a prefill that scores the
         prompt), forced ids that are exactly ``max_new_tokens`` of them and come without stop ids, a
-        ``SamplingParams`` (which checks itself) and a non-empty ``cache_salt``. (Lengths against the pool: the
-        scheduler.)"""
+        ``SamplingParams`` that passes ``SamplingParams.check``, a non-empty ``cache_salt``. (Lengths against the
+        pool: the scheduler.)"""
         top = min(MAX_PROMPT_LOGPROBS, vocab)
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
                                                  or not 0 <= self.prompt_logprobs <= top):
@@ -89,6 +89,7 @@ class RequestSpec:
                 raise ValueError("stop_token_ids with forced_ids: a forced request outputs all its forced ids")
         if not isinstance(self.sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
+        self.sampling.check()
         if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
 

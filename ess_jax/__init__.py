@@ -18,6 +18,7 @@ _EXPORTS = {
     "Engine": "ess_jax.engine",
     "EngineConfig": "ess_jax.engine",
     "RequestOutput": "ess_jax.engine",
+    "RequestSpec": "ess_jax.engine",
     "SamplingParams": "ess_jax.sampling",
 }
 

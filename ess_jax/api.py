@@ -16,7 +16,7 @@ from flax import nnx
 from ess_jax import checkpoint, families
 from ess_jax import mesh as device_mesh
 from ess_jax.config import ModelConfig, resolve_model
-from ess_jax.engine import Engine, EngineConfig
+from ess_jax.engine import Engine, EngineConfig, RequestSpec
 from ess_jax.sampling import SamplingParams
 from ess_jax.tokenizer import ChatTemplate, Tokenizer, load_chat_template, load_tokenizer
 
@@ -147,7 +147,7 @@ def generate(model: Model, prompts: Sequence[Sequence[int] | str], max_new_token
     server = Engine(model, engine, progress=progress)
     for i, (prompt, params) in enumerate(zip(encoded, per_prompt)):
         try:
-            server.add_request(prompt, max_new_tokens, params, stop_token_ids, ignore_eos=ignore_eos)
+            server.add_request(RequestSpec(prompt, max_new_tokens, params, stop_token_ids, ignore_eos=ignore_eos))
         except ValueError as e:
             raise ValueError(f"prompt {i}: {e}") from None
     requests = server.run()
@@ -167,7 +167,7 @@ def loglikelihood(model: Model, requests: Sequence[tuple[Sequence[int], Sequence
     """lm-evaluation-harness's ``loglikelihood`` contract on token ids, without a server: for each ``(context,
     continuation)`` the continuation's log-probability after the context (natural log, summed over its tokens)
     and whether it is the greedy one (each of its tokens the most likely, the lower id first on ties). Scored
-    by the engine's prompt log-probabilities (``Engine.add_request(..., prompt_logprobs=0)``: context and
+    by the engine's prompt log-probabilities (``RequestSpec(..., prompt_logprobs=1)``: context and
     continuation as one prompt, prefilled in pieces, nothing generated), every request batched: on an engine
     sized to the workload as ``generate`` sizes it (``engine`` an EngineConfig; ``offload="ess"`` for the host
     tier), or on ``engine`` itself, an idle ``Engine`` of this model (its compiled steps reused from call to
@@ -189,13 +189,14 @@ def loglikelihood(model: Model, requests: Sequence[tuple[Sequence[int], Sequence
         server = Engine(model, dataclasses.replace(
             engine, max_batch=device_mesh.batch_rows(len(pairs), engine.max_batch, engine.mesh),
             max_seq_len=engine.max_seq_len or min(longest, model.cfg.max_position_embeddings)))
-    for i, (context, continuation) in enumerate(pairs):  # every request checked before any is queued
+    specs = [RequestSpec(context + continuation, 0, prompt_logprobs=1) for context, continuation in pairs]
+    for i, spec in enumerate(specs):  # every request checked before any is queued
         try:
-            server.check_request(context + continuation, 0, prompt_logprobs=1)
+            server.check_request(spec)
         except ValueError as e:
             raise ValueError(f"request {i}: {e}") from None
-    for context, continuation in pairs:
-        server.add_request(context + continuation, 0, prompt_logprobs=1)
+    for spec in specs:
+        server.add_request(spec)
     out = []
     for (context, _), request in zip(pairs, server.run()):
         scored = request.prompt_scores[len(context):]

@@ -12,7 +12,7 @@ Paths (--paths, default all three; --offload none drops ess from the default):
             the NLL of the next token.
   resident  the engine's cached sparse path, --offload none: each window is one request whose prompt
             is the window's first token (a prefill of one token) and whose output is teacher-forced
-            to the window's other tokens (Engine.add_request(..., forced_ids=...)): every step feeds
+            to the window's other tokens (RequestSpec(..., forced_ids=...)): every step feeds
             the true token instead of the sampled one and reports log p(true token), so every scored
             token after the first of its window is predicted by a decode step of the cached path.
   ess       the same with --offload ess: the host-offloaded tier (pool from --pool-size / --pool-ratio,
@@ -46,7 +46,7 @@ import numpy as np
 
 from ess_jax.api import load_model
 from ess_jax.cli import Parser, add_engine_flags, add_index_share_flag, add_model_flag, engine_config
-from ess_jax.engine import Engine, EngineConfig
+from ess_jax.engine import Engine, EngineConfig, RequestSpec
 
 PATHS = ("full", "resident", "ess")
 DEFAULT_CONTEXT = 4096
@@ -96,7 +96,7 @@ def cached_nll(model, windows: list[list[int]], engine: EngineConfig) -> tuple[l
     config = dataclasses.replace(engine, max_batch=min(len(windows), engine.max_batch),
                                  max_seq_len=engine.max_seq_len or longest + 2 * engine.num_speculative_tokens)
     server = Engine(model, config)
-    ids = [server.add_request(w[:1], len(w) - 1, forced_ids=w[1:]) for w in windows]
+    ids = [server.add_request(RequestSpec(w[:1], len(w) - 1, forced_ids=w[1:])) for w in windows]
     logprobs: dict[int, list[float]] = {i: [] for i in ids}
     while server.has_unfinished():
         for out in server.step():

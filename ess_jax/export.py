@@ -141,11 +141,6 @@ def abstract_cache(make, size: families.CacheSize, config, target: Target):
     return cache, mesh.Layout.of(shardings) if config.mesh else None
 
 
-def sampling(rows: int) -> steps.SamplingBatch:
-    return steps.SamplingBatch(*(jax.ShapeDtypeStruct((rows,), d) for d in (jnp.float32, I32, jnp.float32,
-                                                                             jnp.uint32, I32)))
-
-
 def meta(rows: int, tokens: int, pages: int) -> StepMeta:
     return StepMeta(jax.ShapeDtypeStruct((rows, tokens), I32), jax.ShapeDtypeStruct((rows, tokens), bool),
                     jax.ShapeDtypeStruct((rows, pages), I32), jax.ShapeDtypeStruct((rows,), I32))
@@ -232,7 +227,8 @@ def engine_steps(cfg: ModelConfig, config, engine: Abstract, target: Target) -> 
     cache_out, scratch_out = (jax.tree.map(lambda a: a.sharding, c) for c in (engine.cache, engine.scratch))
     t = 1 + config.num_speculative_tokens  # each row's last token and its drafts
     found = {"decode": Step(steps.decode, static, (engine.params, jax.ShapeDtypeStruct((b, t), I32), meta(b, t, x),
-                                                   engine.cache, sampling(b), jax.ShapeDtypeStruct((b,), bool)),
+                                                   engine.cache, steps.SamplingBatch.shapes(b),
+                                                   jax.ShapeDtypeStruct((b,), bool)),
                             dict(shardings=engine.shardings),
                             # with drafts also the verified step's hidden states and kept lengths
                             # (``steps.draft``'s input)
@@ -240,7 +236,7 @@ def engine_steps(cfg: ModelConfig, config, engine: Abstract, target: Target) -> 
     for t in plan.piece_sizes(config.prefill_chunk):
         found[f"prefill_{t}"] = Step(
             steps.prefill, static, (engine.params, jax.ShapeDtypeStruct((d, t), I32), meta(d, t, x), engine.scratch,
-                                    sampling(d), engine.window, jax.ShapeDtypeStruct((d, t), I32)),
+                                    steps.SamplingBatch.shapes(d), engine.window, jax.ShapeDtypeStruct((d, t), I32)),
             dict(shardings=engine.scratch_shardings), (rows, rows, rows, engine.window.sharding, scratch_out))
     table, row = jax.ShapeDtypeStruct((d, x), I32), jax.ShapeDtypeStruct((d,), I32)
     moves = {  # the offload mode's own steps

@@ -190,8 +190,8 @@ class ESSJaxLM(TemplateLM):
 
         stops, texts = {}, {}
         for context, gen_kwargs in (r.args for r in requests):
-            prompt, max_new, sampling, until = self._generation(context, gen_kwargs)
-            request_id = self.engine.add_request(prompt, max_new, sampling)
+            spec, until = self._generation(context, gen_kwargs)
+            request_id = self.engine.add_request(spec)
             stops[request_id], texts[request_id] = StopStrings(until), []
         while self.engine.has_unfinished():
             for out in self.engine.step():
@@ -209,7 +209,8 @@ class ESSJaxLM(TemplateLM):
         return replies
 
     def _generation(self, context: str, gen_kwargs: dict):
-        """A generate_until request as the engine's: prompt ids, new tokens, SamplingParams, stop strings."""
+        """A generate_until request as the engine's ``RequestSpec`` and its stop strings."""
+        from ess_jax.engine import RequestSpec
         from ess_jax.sampling import SamplingParams
 
         unknown = sorted(set(gen_kwargs) - set(GENERATION_KEYS))
@@ -229,7 +230,7 @@ class ESSJaxLM(TemplateLM):
         prompt = self.tok_encode(context)[-(self.max_length - max_new):] if context else []
         if not prompt:
             prompt = [self.prefix_token_id]
-        return prompt, max_new, sampling, [s for s in until if s]
+        return RequestSpec(prompt, max_new, sampling), [s for s in until if s]
 
 
 def main(argv: list[str] | None = None) -> int:

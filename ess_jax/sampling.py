@@ -9,7 +9,9 @@ tokens whatever else is in the batch and whichever batch row it occupies.
 from __future__ import annotations
 
 import dataclasses
+import math
 
+import numpy as np
 import jax
 import jax.numpy as jnp
 
@@ -24,6 +26,9 @@ class SamplingParams:
     top_p: then keep the smallest set of most likely tokens whose probability (renormalised over the
         top-k set) reaches top_p, always at least the most likely token; 1.0 keeps all.
     seed: the request's random stream, in [0, 2**32).
+
+    Each range is checked when made (ValueError naming the parameter); what the sampler's arrays need besides,
+    when a request is checked (``check``).
     """
 
     temperature: float = 0.0
@@ -40,6 +45,16 @@ class SamplingParams:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1] (1 keeps every token)")
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"seed={self.seed} must be in [0, 2**32)")
+
+    def check(self) -> None:
+        """ValueError naming the parameter unless the numbers are finite and the integers integers that fit the
+        int32 / uint32 arrays the sampler reads (``steps.SamplingBatch``); ``RequestSpec.check`` runs it."""
+        for name, value in (("temperature", self.temperature), ("top_p", self.top_p)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name}={value!r} must be a finite number")
+        for name, value, high in (("top_k", self.top_k, 2**31), ("seed", self.seed, 2**32)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < high:
+                raise ValueError(f"{name}={value!r} must be an integer in [0, {high})")
 
 
 def sample(logits_BV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array,

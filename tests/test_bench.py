@@ -19,7 +19,7 @@ from ess_jax.bench.stall import prefill_stall
 from ess_jax import checkpoint as checkpoints
 from ess_jax.api import Model, load_model
 from ess_jax.config import resolve_model
-from ess_jax.engine import Engine, EngineConfig
+from ess_jax.engine import Engine, EngineConfig, RequestSpec
 from ess_jax.families import load_config, source_config
 from ess_jax.tier import lru_reference
 from ess_jax.models.deepseek_v32 import DeepseekV32
@@ -203,7 +203,7 @@ def test_lru_replay_equals_the_tier_counters(checkpoint):
     engine = Engine(model, EngineConfig(max_batch=2, max_seq_len=264, prefill_chunk=1024, offload="ess",
                                         pool_ratio=0.5))
     for prompt in prompts:
-        engine.add_request(prompt, steps + 1, ignore_eos=True)
+        engine.add_request(RequestSpec(prompt, steps + 1, ignore_eos=True))
     engine.run()
     traces = [topk_trace(model, prompt, steps, chunk=1024) for prompt in prompts]
     replay = sum(lru_replay(trace, engine.layout.pool_slots) for trace in traces)
@@ -231,7 +231,7 @@ def test_lru_replay_equals_the_hisparse_counters():
     prompt, steps = np.random.default_rng(1).integers(0, cfg.vocab_size, 128).tolist(), 10
     engine = Engine(model, EngineConfig(max_batch=1, max_seq_len=128 + steps + 1, prefill_chunk=128, offload="ess",
                                         pool_size=cfg.index_topk + 1))
-    engine.add_request(prompt, steps + 1, ignore_eos=True)
+    engine.add_request(RequestSpec(prompt, steps + 1, ignore_eos=True))
     engine.run()
     trace = topk_trace(model, prompt, steps, chunk=128)
     assert trace.layers == [0] and (trace.prompt_entries, trace.entries) == (32, 34)

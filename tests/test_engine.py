@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ess_jax
-from ess_jax.engine import Engine, EngineConfig
+from ess_jax.engine import Engine, EngineConfig, RequestSpec
 from ess_jax.sampling import SamplingParams
 from helpers import ENGINE
 
@@ -33,11 +33,11 @@ def test_batch_invariance_mixed_lengths_joining_and_leaving(model):
     new = [12, 5, 20, 9, 15]
     together = Engine(model, ENGINE)
     for p, n in zip(prompts, new):
-        together.add_request(p, n)
+        together.add_request(RequestSpec(p, n))
     batched = [r.output_ids for r in together.run()]
     for p, n, got in zip(prompts, new, batched):
         alone = Engine(model, dataclasses.replace(ENGINE, max_batch=1))
-        alone.add_request(p, n)
+        alone.add_request(RequestSpec(p, n))
         assert alone.run()[0].output_ids == got
         assert len(got) == n
     # every page came back
@@ -50,7 +50,7 @@ def test_prefill_chunk_size_does_not_change_tokens(model):
     for chunk in (16, 64):  # 45 = 16 + 16 + 8 + 4 + 1 vs. 32 + 8 + 4 + 1
         engine = Engine(model, dataclasses.replace(ENGINE, prefill_chunk=chunk))
         for p in prompts:
-            engine.add_request(p, 10)
+            engine.add_request(RequestSpec(p, 10))
         outputs.append([r.output_ids for r in engine.run()])
     assert outputs[0] == outputs[1]
 
@@ -107,21 +107,21 @@ def test_small_pool_queues_requests_instead_of_failing(model):
     roomy = Engine(model, ENGINE)
     for engine in (tight, roomy):
         for p in prompts:
-            engine.add_request(p, 8)
+            engine.add_request(RequestSpec(p, 8))
     assert [r.output_ids for r in tight.run()] == [r.output_ids for r in roomy.run()]
 
 
 def test_requests_that_can_never_fit_are_refused(model):
     engine = Engine(model, dataclasses.replace(ENGINE, num_pages=1 + 4))
     with pytest.raises(ValueError, match="--num-pages"):
-        engine.add_request(list(range(30)), 10)  # 40 tokens > 4 pages of 8
+        engine.add_request(RequestSpec(list(range(30)), 10))  # 40 tokens > 4 pages of 8
     with pytest.raises(ValueError, match="exceeds"):
-        engine.add_request(list(range(20)), 50)  # 70 tokens > max_seq_len 64
+        engine.add_request(RequestSpec(list(range(20)), 50))  # 70 tokens > max_seq_len 64
     with pytest.raises(ValueError, match="empty prompt"):
-        engine.add_request([], 4)
+        engine.add_request(RequestSpec([], 4))
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        engine.add_request([1, 2, 1000], 4)
-    engine.add_request([1, 2, 3, 4], 4)  # the refusals left no trace: a good request still runs
+        engine.add_request(RequestSpec([1, 2, 1000], 4))
+    engine.add_request(RequestSpec([1, 2, 3, 4], 4))  # the refusals left no trace: a good request still runs
     assert len(engine.run()[0].output_ids) == 4
 
 
@@ -135,9 +135,9 @@ def test_v4_engine_matches_transformers_and_is_batch_invariant():
     model = ess_jax.load_model(V4_FIXTURE)
     ref = np.load(V4_FIXTURE / "reference.npz")
     engine = Engine(model, EngineConfig(max_batch=2, prefill_chunk=3))  # 300, 45 and 21 tokens: one piece shape
-    long_id = engine.add_request(ref["prompt_1"].tolist(), 24)
-    engine.add_request(_prompts([45])[0], 6)
-    late_id = engine.add_request(ref["prompt_0"].tolist(), 24)
+    long_id = engine.add_request(RequestSpec(ref["prompt_1"].tolist(), 24))
+    engine.add_request(RequestSpec(_prompts([45])[0], 6))
+    late_id = engine.add_request(RequestSpec(ref["prompt_0"].tolist(), 24))
     out = engine.run()
     assert out[long_id].output_ids == ref["generate_1"][len(ref["prompt_1"]):].tolist()
     assert out[late_id].output_ids == ref["generate_0"][len(ref["prompt_0"]):].tolist()
@@ -152,7 +152,7 @@ def test_pallas_kernels_match_xla_through_the_engine(model):
     for kernels in ("xla", "pallas"):
         engine = Engine(model, EngineConfig(max_batch=1, page_size=8, prefill_chunk=32, max_seq_len=64,
                                             keep_logits=True, kernels=kernels, offload="ess", pool_size=17))
-        engine.add_request(prompt, 5)
+        engine.add_request(RequestSpec(prompt, 5))
         runs.append(engine.run()[0])
         assert engine.offload_metrics()["misses"] > 0  # both halves ran
     assert runs[0].output_ids == runs[1].output_ids

@@ -1,5 +1,5 @@
 """``python -m ess_jax.eval``: per-token NLL through the full forward, the resident cached path and the ESS
-tier agree; a teacher-forced request (``Engine.add_request(..., forced_ids=...)``) leaves the other
+tier agree; a teacher-forced request (``RequestSpec(..., forced_ids=...)``) leaves the other
 requests of its batch alone; the CLI's errors.
 
 The models are the hf-v32-a / hf-v4-a fixtures (random weights with lively logits, byte tokenizer), the
@@ -16,7 +16,7 @@ import pytest
 
 import ess_jax
 from ess_jax import eval as ess_eval
-from ess_jax.engine import Engine
+from ess_jax.engine import Engine, RequestSpec
 from ess_jax.sampling import SamplingParams
 from helpers import ONLINE
 
@@ -82,15 +82,15 @@ def test_forced_request_leaves_its_batch_alone_and_scores_like_eval():
     forced = window[1:30] + [eos] + window[31:40]  # an eos among the forced ids does not end the request
     engine = Engine(m, ENGINE)
     other = ([window[0]], 24, SamplingParams(temperature=0.8, seed=5))
-    engine.add_request(*other)
+    engine.add_request(RequestSpec(*other))
     alone = engine.run()[0].output_ids
 
     tokens, logprobs, reasons, ids = {}, {}, {}, {}
-    ids["other"] = engine.add_request(*other)
+    ids["other"] = engine.add_request(RequestSpec(*other))
     for step in range(200):
         if step == 3:  # joins the running batch
-            ids["forced"] = engine.add_request(window[:1], len(forced), SamplingParams(temperature=1.0, seed=1),
-                                               forced_ids=forced)
+            ids["forced"] = engine.add_request(RequestSpec(window[:1], len(forced),
+                                                           SamplingParams(temperature=1.0, seed=1), forced_ids=forced))
         if step > 3 and not engine.has_unfinished():
             break
         for out in engine.step():
@@ -115,7 +115,7 @@ def test_forced_ids_are_checked(kwargs, needle):
     engine = Engine(model("v32"), ENGINE)
     max_new = kwargs.pop("max_new_tokens")
     with pytest.raises(ValueError, match=needle):
-        engine.add_request([1], max_new, **kwargs)
+        engine.add_request(RequestSpec([1], max_new, **kwargs))
     assert not engine.has_unfinished()
 
 

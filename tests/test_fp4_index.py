@@ -17,7 +17,7 @@ from flax import nnx
 import ess_jax
 from ess_jax import families, ops
 from ess_jax.config import preset_dict
-from ess_jax.engine import Engine, EngineConfig, cache_layout
+from ess_jax.engine import Engine, EngineConfig, RequestSpec, cache_layout
 from ess_jax.families import load_config
 from ess_jax.models.deepseek_v4.compressor import Indexer, TailRope, hadamard
 from ess_jax.models.layers import index_scores
@@ -152,7 +152,7 @@ def _serve(model, **config):
     engine = Engine(model, EngineConfig(max_batch=2, max_seq_len=160, prefill_chunk=128, index_dtype="fp4", **config))
     text = model.tokenizer.encode((ROOT / "checkpoints" / "heldout_code.txt").read_text())
     for start, n, new in ((0, 128, 12), (2000, 128, 24)):  # one prefill piece each; 32 entries > top-k 16
-        engine.add_request(text[start:start + n], new)
+        engine.add_request(RequestSpec(text[start:start + n], new))
     return engine, engine.run()
 
 

@@ -22,7 +22,7 @@ import ess_jax
 from ess_jax import families
 from ess_jax.checkpoint import CheckpointError
 from ess_jax.config import ConfigError, preset_dict, read_json
-from ess_jax.engine import Engine, EngineConfig, cache_layout
+from ess_jax.engine import Engine, EngineConfig, RequestSpec, cache_layout
 from ess_jax.families import load_config
 from ess_jax.sampling import SamplingParams
 
@@ -416,7 +416,7 @@ def test_memory_estimate_matches_the_real_cache(model):
 def test_bad_requests_are_refused(model, args, kwargs, needle):
     engine = Engine(model, EngineConfig(max_batch=1, max_seq_len=64, page_size=16))
     with pytest.raises(ValueError, match=needle):
-        engine.add_request(*args, **kwargs)
+        engine.add_request(RequestSpec(*args, **kwargs))
     assert not engine.has_unfinished()
 
 
@@ -427,7 +427,7 @@ def test_engine_forgets_finished_requests_and_its_figures_stay_bounded(model):
     fresh = engine.cache_bytes()
     assert fresh["resident_device_bytes"] == fresh["resident_device_bytes_now"] == 0
     for _ in range(3):
-        ids = [engine.add_request([1, 2, 3], 10) for _ in range(40)]  # 13 tokens: one page each
+        ids = [engine.add_request(RequestSpec([1, 2, 3], 10)) for _ in range(40)]  # 13 tokens: one page each
         assert engine.stats.reserved_pages == 40
         for i in ids:
             engine.abort(i)

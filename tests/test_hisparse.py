@@ -12,7 +12,7 @@ import pytest
 
 import ess_jax
 from ess_jax import tier
-from ess_jax.engine import Engine, EngineConfig
+from ess_jax.engine import Engine, EngineConfig, RequestSpec
 
 PROMPTS = (1024, 512, 512)
 NEW_TOKENS = (24, 40, 16)
@@ -30,7 +30,7 @@ def _serve(model, **config):
                                         **config))
     rng = np.random.default_rng(0)
     for n, new in zip(PROMPTS, NEW_TOKENS):
-        engine.add_request(rng.integers(0, model.cfg.vocab_size, n).tolist(), new)
+        engine.add_request(RequestSpec(rng.integers(0, model.cfg.vocab_size, n).tolist(), new))
     return engine, engine.run()
 
 
@@ -109,7 +109,7 @@ def test_pallas_kernels_match_xla(model):
     for kernels in ("xla", "pallas"):  # 64 + 12 tokens: 19 entries > 17 slots
         engine = Engine(model, EngineConfig(max_batch=1, max_seq_len=76, prefill_chunk=64, keep_logits=True,
                                             kernels=kernels, offload="ess", pool_size=model.cfg.index_topk + 1))
-        engine.add_request(prompt, 12)
+        engine.add_request(RequestSpec(prompt, 12))
         runs.append(engine.run()[0])
         assert engine.offload_metrics()["misses"] > 0
     assert runs[0].output_ids == runs[1].output_ids
@@ -128,7 +128,7 @@ def test_fp8_entries_bounded_exact_through_the_tier_and_counted(model):
                                           pool_size=model.cfg.index_topk + 1)}.items():
         engine = Engine(model, EngineConfig(max_batch=1, max_seq_len=530, prefill_chunk=512, keep_logits=True,
                                             **config))
-        engine.add_request(prompt, 12)
+        engine.add_request(RequestSpec(prompt, 12))
         runs[name] = (engine, np.stack(engine.run()[0].logits))
     scale = np.abs(runs["f32"][1]).max()
     assert 0 < np.abs(runs["fp8"][1] - runs["f32"][1]).max() <= 2e-3 * scale
@@ -151,7 +151,7 @@ def test_a_short_request_occupies_its_pages_not_a_whole_row(model, offload):
     cache parts' bytes for 332 tokens up to the last page's rounding, not those of a 16K-token row."""
     engine = Engine(model, EngineConfig(max_batch=2, max_seq_len=16384, prefill_chunk=300, offload=offload,
                                         pool_size=model.cfg.index_topk + 1))
-    engine.add_request(np.random.default_rng(3).integers(0, model.cfg.vocab_size, 300).tolist(), 32)
+    engine.add_request(RequestSpec(np.random.default_rng(3).integers(0, model.cfg.vocab_size, 300).tolist(), 32))
     engine.step()  # admitted, prefilled in one piece
     pages, total = engine.usage()["pages_in_use"], engine.layout.size.pages
     assert pages == 6

@@ -116,12 +116,13 @@ def test_public_names_resolve_through_the_lazy_root():
         for name, module in [("Model", "ess_jax.api"), ("Result", "ess_jax.api"), ("generate", "ess_jax.api"),
                              ("load_model", "ess_jax.api"), ("loglikelihood", "ess_jax.api"),
                              ("Engine", "ess_jax.engine"), ("EngineConfig", "ess_jax.engine"),
-                             ("RequestOutput", "ess_jax.engine"), ("SamplingParams", "ess_jax.sampling")]:
+                             ("RequestOutput", "ess_jax.engine"), ("RequestSpec", "ess_jax.engine"),
+                             ("SamplingParams", "ess_jax.sampling")]:
             assert getattr(ess_jax, name) is getattr(sys.modules[module], name), name
         from ess_jax import load_model
         assert load_model is sys.modules["ess_jax.api"].load_model
         assert set(ess_jax.__all__) == {"Model", "Result", "generate", "load_model", "loglikelihood", "Engine",
-                                        "EngineConfig", "RequestOutput", "SamplingParams"}
+                                        "EngineConfig", "RequestOutput", "RequestSpec", "SamplingParams"}
         assert set(ess_jax.__all__) <= set(dir(ess_jax))
         try:
             ess_jax.no_such_name

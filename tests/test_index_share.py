@@ -19,7 +19,7 @@ from ess_jax.bench.__main__ import main as bench_main
 from ess_jax.cache import StepMeta
 from ess_jax.checkpoint import CheckpointError
 from ess_jax.config import ConfigError, ModelConfig, preset_dict, resolve_model
-from ess_jax.engine import Engine, EngineConfig
+from ess_jax.engine import Engine, EngineConfig, RequestSpec
 from ess_jax.families import load_config
 from ess_jax.plan import main as plan_main
 
@@ -102,7 +102,7 @@ def _drive(engine) -> dict[int, list[int]]:
     ids, tokens = {}, {}
     for step in range(100):
         for key in ARRIVALS.get(step, []):
-            ids[key] = engine.add_request(PROMPTS[key], NEW)
+            ids[key] = engine.add_request(RequestSpec(PROMPTS[key], NEW))
         for key in ABORTS.get(step, []):
             engine.abort(ids[key])
         if step > max(ARRIVALS) and not engine.has_unfinished():
@@ -122,7 +122,7 @@ def shared(request):
     resident = _engine(model)
     alone = []
     for prompt in PROMPTS:
-        resident.add_request(prompt, NEW)
+        resident.add_request(RequestSpec(prompt, NEW))
         alone.append(resident.run()[0].output_ids)
     runs = {("none", None): (_drive(resident), resident)}
 

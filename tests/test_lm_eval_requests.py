@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import ess_jax
-from ess_jax.engine import Engine
+from ess_jax.engine import Engine, RequestSpec
 from helpers import ONLINE, checkpoint
 from test_server import DEADLINE, ThreadServer
 
@@ -24,7 +24,7 @@ def engine_scores(model, pairs: list[tuple[list[int], list[int]]]) -> list[tuple
     """Each continuation's log-likelihood after its context and whether it is the greedy one, as ``ess_jax.eval``
     scores: the context as the prompt, the continuation forced token by token."""
     eng = Engine(model, ONLINE["resident"])
-    ids = [eng.add_request(context, len(cont), forced_ids=cont, logprobs=1) for context, cont in pairs]
+    ids = [eng.add_request(RequestSpec(context, len(cont), forced_ids=cont, logprobs=1)) for context, cont in pairs]
     lps = {i: [] for i in ids}
     while eng.has_unfinished():
         for out in eng.step():

@@ -25,7 +25,7 @@ import dataclasses, json, sys
 import jax, numpy as np
 import ess_jax
 from ess_jax import families
-from ess_jax.engine import Engine, EngineConfig
+from ess_jax.engine import Engine, EngineConfig, RequestSpec
 
 model = ess_jax.load_model(sys.argv[1])
 rng = np.random.default_rng(0)
@@ -43,7 +43,7 @@ out = {}
 for run in ["none:inline:", "ess:inline:", *sys.argv[2:]]:
     engine = Engine(model, config(run))
     for prompt, new in requests:
-        engine.add_request(prompt, new)
+        engine.add_request(RequestSpec(prompt, new))
     first = sorted(out.request_id for out in engine.step())  # the requests whose prefill ended in the first step
     served = engine.run()
     tokens = [r.output_ids for r in served]

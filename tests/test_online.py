@@ -18,7 +18,7 @@ from jax._src import dispatch
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 import ess_jax
-from ess_jax.engine import Engine
+from ess_jax.engine import Engine, RequestSpec
 from ess_jax.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDetokenizer
 from helpers import ONLINE, ONLINE_LONGEST, ONLINE_NEW
 
@@ -53,7 +53,7 @@ def prompt(length: int, seed: int) -> list[int]:
 def alone(family: str, mode: str, length: int, seed: int, new: int) -> tuple[int, ...]:
     """The tokens of one request served alone in its batch."""
     ref = engine(family, mode, "alone")
-    ref.add_request(prompt(length, seed), new)
+    ref.add_request(RequestSpec(prompt(length, seed), new))
     return tuple(ref.run()[0].output_ids)
 
 
@@ -63,7 +63,7 @@ def drive(eng: Engine, arrivals: dict[int, list], on_step=None) -> tuple[dict, d
     ids, tokens, reasons = {}, collections.defaultdict(list), {}
     for step in range(MAX_STEPS):
         for key, args in arrivals.get(step, []):
-            ids[key] = eng.add_request(*args)
+            ids[key] = eng.add_request(RequestSpec(*args))
         if on_step is not None:
             on_step(step, ids)
         if step > max(arrivals, default=0) and not eng.has_unfinished():
@@ -132,7 +132,7 @@ def test_abort_frees_everything_at_once_and_disturbs_nobody(family, mode, abort_
                 assert after["pool_slots_in_use"] < held["pool_slots_in_use"] or held["pool_slots_in_use"] == 0
                 host = -(-(specs[victim][0] + specs[victim][2]) // 16)  # the host store has the cache's pages
                 assert held["host_pages_in_use"] - after["host_pages_in_use"] == host
-        ids["d"] = eng.add_request(prompt(*specs["d"][:2]), specs["d"][2])  # takes the freed row if one is
+        ids["d"] = eng.add_request(RequestSpec(prompt(*specs["d"][:2]), specs["d"][2]))  # takes the freed row if one is
 
     got, reasons = drive(eng, arrivals, on_step)
     assert "rows_freed" in seen
@@ -150,7 +150,7 @@ def test_abort_of_unknown_or_finished_requests():
     eng = engine("v32", "resident", "mixed")
     with pytest.raises(KeyError, match="never added"):
         eng.abort(10**6)
-    rid = eng.add_request(prompt(5, 0), 2)
+    rid = eng.add_request(RequestSpec(prompt(5, 0), 2))
     eng.run()
     eng.abort(rid)  # finished: nothing to do
     assert not eng.has_unfinished() and eng.step() == []
@@ -164,7 +164,7 @@ def test_add_request_from_another_thread_while_stepping():
 
     def client():
         for i, n in enumerate(lengths):
-            ids[i] = eng.add_request(prompt(n, 20 + i), NEW)
+            ids[i] = eng.add_request(RequestSpec(prompt(n, 20 + i), NEW))
             time.sleep(0.05)
 
     thread = threading.Thread(target=client)
@@ -185,9 +185,9 @@ def test_long_prompt_stalls_running_requests_by_at_most_one_chunk():
     """While a long prompt prefills, every step still decodes the running request and prefills at most
     ``prefill_chunk`` tokens."""
     eng = engine("v32", "resident", "mixed")
-    running = eng.add_request(prompt(10, 30), 40)
+    running = eng.add_request(RequestSpec(prompt(10, 30), 40))
     eng.step()  # its prefill
-    long = eng.add_request(prompt(LONGEST - 40, 31), 1)
+    long = eng.add_request(RequestSpec(prompt(LONGEST - 40, 31), 1))
     prefilled, steps = eng.stats.prefill_tokens, 0
     while long in eng.requests and eng.requests[long].prefilled < LONGEST - 40:
         outs = {o.request_id: o for o in eng.step()}
@@ -255,7 +255,7 @@ def test_engine_streams_deltas_that_concatenate_to_the_decode(tmp_path):
     a BPE tokenizer.json: per request the streamed deltas concatenate to decode(all output ids)."""
     for m in (model("v32"), ess_jax.load_model(bpe_dir(tmp_path))):
         eng = Engine(m, BASE)
-        ids = [eng.add_request(prompt(n, 40 + n), 24) for n in (5, 17, 64)]
+        ids = [eng.add_request(RequestSpec(prompt(n, 40 + n), 24)) for n in (5, 17, 64)]
         text, tokens = collections.defaultdict(str), collections.defaultdict(list)
         for _ in range(MAX_STEPS):
             if not eng.has_unfinished():
@@ -271,7 +271,7 @@ def test_logprobs_follow_the_logits():
     """logprobs=N: the chosen token's log-softmax value and the N most likely tokens, the greedy token first."""
     m = model("v32")
     eng = engine("v32", "resident", "mixed")
-    rid = eng.add_request(prompt(12, 50), 4, logprobs=3)
+    rid = eng.add_request(RequestSpec(prompt(12, 50), 4, logprobs=3))
     outs = [o for _ in range(20) for o in eng.step() if o.request_id == rid]
     lps = [lp for o in outs for lp in o.logprobs]
     assert [lp.token_id for lp in lps] == [t for o in outs for t in o.new_token_ids]
@@ -302,7 +302,7 @@ def test_nothing_compiles_after_warm_up(family, mode):
 
     def on_step(step, ids):
         if step == 1:  # prompt log-probabilities over several pieces, no new tokens: the scored prefill steps
-            ids["e"] = eng.add_request(prompt(70, 5), 0, prompt_logprobs=2)
+            ids["e"] = eng.add_request(RequestSpec(prompt(70, 5), 0, prompt_logprobs=2))
         if step == 3:
             eng.abort(ids["b"])
 

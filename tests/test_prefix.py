@@ -8,11 +8,10 @@ from ess_jax.config import preset_dict
 from ess_jax.engine import EngineConfig, EngineStats
 from ess_jax.engine.plan import PrefillResult, PrefixWork
 from ess_jax.engine.prefix import NoPrefixCache, PrefixCache, landmark
-from ess_jax.engine.request import make_request
+from ess_jax.engine.request import Request, RequestSpec
 from ess_jax.engine.scheduler import Scheduler
 from ess_jax.engine.speculate import NoDrafts
 from ess_jax.families import load_config
-from ess_jax.sampling import SamplingParams
 from ess_jax.tokenizer import ByteTokenizer
 
 TOKENIZER = ByteTokenizer(load_config(preset_dict("tiny-v32")))
@@ -33,7 +32,7 @@ def row_state_cache() -> PrefixCache:
 def serve(s: Scheduler, prompt: list[int]) -> list[tuple[int, int, bool, object]]:
     """Prefill ``prompt`` (one new token) to its end, each piece's row state (when asked for) named by where it ends;
     each piece's (start, size, snapshot, resumed state)."""
-    s.inbox.add(make_request(TOKENIZER, [], prompt, 1, SamplingParams()), s.check(len(prompt), 1))
+    s.inbox.add(Request.from_spec(RequestSpec(prompt, 1), TOKENIZER, []), s.check(len(prompt), 1))
     s.take_inbox()
     pieces = []
     while groups := s.schedule_prefill():
@@ -78,7 +77,7 @@ def test_a_prompt_that_ends_unfinished_keeps_nothing():
     leaves no state and no cached page."""
     s = scheduler(row_state_cache())
     prompt = np.random.default_rng(1).integers(0, 256, 90).tolist()
-    s.inbox.add(make_request(TOKENIZER, [], prompt, 1, SamplingParams()), s.check(90, 1))
+    s.inbox.add(Request.from_spec(RequestSpec(prompt, 1), TOKENIZER, []), s.check(90, 1))
     s.take_inbox()
     for group in s.schedule_prefill():  # one step: 64 tokens, snapshots at 32 + 16 = 48 and 64
         end = group.slices[0].start + group.size

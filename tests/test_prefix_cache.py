@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import ess_jax
 from ess_jax.allocator import NULL_PAGE, Admission, PageAllocator, page_keys
-from ess_jax.engine import Engine
+from ess_jax.engine import Engine, RequestSpec
 from helpers import ENGINE, MTP_ENGINE, mtp_v32
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf-v32-a"
@@ -187,7 +187,7 @@ def reference(engines, requests: list[tuple[list[int], int]]) -> list[list[int]]
     off = engines[False]
     known = _REFERENCE.setdefault(off, {})
     missing = [(p, n) for p, n in requests if (tuple(p), n) not in known]
-    ids = [off.add_request(p, n) for p, n in missing]
+    ids = [off.add_request(RequestSpec(p, n)) for p, n in missing]
     done = {r_id: r.output_ids for r_id, r in zip(sorted(ids), off.run())}
     for (p, n), r_id in zip(missing, ids):
         known[tuple(p), n] = done[r_id]
@@ -201,7 +201,7 @@ def drive(engine, arrivals: dict[int, list], aborts: dict[int, list]) -> dict:
     ids, tokens = {}, collections.defaultdict(list)
     for step in range(200):
         for key, prompt, new in arrivals.get(step, []):
-            ids[key] = engine.add_request(prompt, new)
+            ids[key] = engine.add_request(RequestSpec(prompt, new))
         for key in aborts.get(step, []):
             engine.abort(ids[key])
         if step > max(arrivals) and not engine.has_unfinished():
@@ -275,7 +275,7 @@ def test_prompts_submitted_together_share_their_prefix(engines, mode, tail):
     prompts.append(prompts[0])
     want = reference(engines, [(p, 4) for p in prompts])
     before, prefilled = on.prefix_cache_metrics()["hit_tokens"], on.stats.prefill_tokens
-    ids = [on.add_request(p, 4) for p in prompts]
+    ids = [on.add_request(RequestSpec(p, 4)) for p in prompts]
     assert [r.output_ids for r in on.run()] == want and ids == sorted(ids)
     shared = (56 - tail) // 8 * 8
     assert on.prefix_cache_metrics()["hit_tokens"] - before == 3 * shared
@@ -294,7 +294,7 @@ def test_identical_resent_request_hits_all_but_its_last_tokens(engines, mode, ta
         counts, prefilled = on.prefix_cache_metrics(), on.stats.prefill_tokens
         outputs = []
         for _ in range(2):
-            on.add_request(prompt, 6)
+            on.add_request(RequestSpec(prompt, 6))
             outputs.append(on.run()[0].output_ids)
         assert outputs == [want, want]
         hit = (length - tail) // 8 * 8
@@ -311,13 +311,13 @@ def test_a_prompt_aborted_mid_prefill_leaves_nothing_cached(engines, mode):
     on = engines[mode]
     # pieces 32 | 16 + 8 + 4: two steps; a seed no other test here uses, so nothing of it is cached
     prompt = np.random.default_rng(31).integers(0, 256, 60).tolist()
-    victim = on.add_request(prompt, 4)
+    victim = on.add_request(RequestSpec(prompt, 4))
     on.step()
     assert on.requests[victim].prefilled == 32
     on.abort(victim)
     on.step()
     hits = on.prefix_cache_metrics()["hit_tokens"]
-    on.add_request(prompt, 4)
+    on.add_request(RequestSpec(prompt, 4))
     assert on.run()[0].output_ids == reference(engines, [(prompt, 4)])[0]
     assert on.prefix_cache_metrics()["hit_tokens"] == hits
     assert_idle_holds_only_cached_pages(on)
@@ -330,10 +330,10 @@ def test_prompt_logprobs_requests_read_no_cached_pages(engines):
     scores = {}
     for on in (True, False):
         engine = engines[on]
-        engine.add_request(prompt, 2)
+        engine.add_request(RequestSpec(prompt, 2))
         engine.run()
         before = engine.prefix_cache_metrics()
-        engine.add_request(prompt, 2, prompt_logprobs=2)
+        engine.add_request(RequestSpec(prompt, 2, prompt_logprobs=2))
         (request,) = engine.run()
         scores[on] = (request.output_ids, request.prompt_scores)
         if on:
@@ -349,7 +349,7 @@ def test_pool_filled_past_its_size_evicts_only_pages_no_running_request_reads(en
     on = engines[True]
     rng = np.random.default_rng(11)
     stem = rng.integers(0, 256, 32).tolist()
-    on.add_request(stem + [1], 2)
+    on.add_request(RequestSpec(stem + [1], 2))
     on.run()
     pool = on.scheduler.allocators[0]
     keys = page_keys(stem, 8, on.scheduler.prefix.salt)
@@ -358,7 +358,7 @@ def test_pool_filled_past_its_size_evicts_only_pages_no_running_request_reads(en
     requests = [(stem + rng.integers(0, 256, 4).tolist(), 24)]  # 4 shared pages, 3 own
     requests += [(rng.integers(0, 256, 40).tolist(), 1) for _ in range(16)]  # 6 pages each, 96 in all
     every = [key for prompt, _ in requests for key in page_keys(prompt, 8, on.scheduler.prefix.salt)]
-    ids = [on.add_request(prompt, new) for prompt, new in requests]
+    ids = [on.add_request(RequestSpec(prompt, new)) for prompt, new in requests]
     tokens, seen, evicted = collections.defaultdict(list), set(), set()
     while on.has_unfinished():
         for out in on.step():
@@ -379,7 +379,7 @@ def test_pool_filled_past_its_size_evicts_only_pages_no_running_request_reads(en
 MESH_SCRIPT = r"""
 import dataclasses, json, sys
 import ess_jax
-from ess_jax.engine import Engine, EngineConfig
+from ess_jax.engine import Engine, EngineConfig, RequestSpec
 
 model = ess_jax.load_model(sys.argv[1])
 prompts = json.loads(sys.argv[2])
@@ -389,7 +389,7 @@ for mode, extra in (("ess", dict(offload="ess", pool_size=20)),):  # (admission 
     engine = Engine(model, dataclasses.replace(base, **extra))
     tokens, shards = [], []
     for pair in (prompts[:2], prompts[2:]):
-        ids = [engine.add_request(p, 6) for p in pair]
+        ids = [engine.add_request(RequestSpec(p, 6)) for p in pair]
         engine.step()  # admits both
         running = engine.scheduler.admission.running
         shards += [engine.scheduler.admission.shard_of(running[i].row) for i in ids]
@@ -430,7 +430,7 @@ def test_data_shards_route_to_the_shard_holding_the_prefix_and_give_the_same_tok
 IN_BATCH_SCRIPT = r"""
 import dataclasses, json, sys
 import ess_jax
-from ess_jax.engine import Engine, EngineConfig
+from ess_jax.engine import Engine, EngineConfig, RequestSpec
 
 model = ess_jax.load_model(sys.argv[1])
 prompts = json.loads(sys.argv[2])
@@ -439,11 +439,11 @@ out = {}
 for mode, extra in (("resident", {}), ("ess", dict(offload="ess", pool_size=24))):
     engine = Engine(model, dataclasses.replace(base, **extra))
     for p in prompts:
-        engine.add_request(p, 6)
+        engine.add_request(RequestSpec(p, 6))
     out[mode] = {"tokens": [r.output_ids for r in engine.run()], "prefix": engine.prefix_cache_metrics()}
 alone = Engine(model, dataclasses.replace(base, max_batch=2, mesh=None, prefix_cache=False))
 for p in prompts:
-    alone.add_request(p, 6)
+    alone.add_request(RequestSpec(p, 6))
 reference = [r.output_ids for r in alone.run()]
 print(json.dumps({"reference": reference, "modes": out}))
 """
@@ -487,7 +487,7 @@ def test_metrics_export_the_prefix_cache_counters(engines):
     on = engines["resident"]
     prompt = np.random.default_rng(3).integers(0, 256, 30).tolist()
     for _ in range(2):
-        on.add_request(prompt, 1)
+        on.add_request(RequestSpec(prompt, 1))
         on.run()
     metrics = Metrics()
     metrics.usage(on.usage())
@@ -507,7 +507,7 @@ def test_metrics_export_the_prefix_cache_counters(engines):
 
 def serve_alone(engine, prompt: list[int], new: int) -> tuple[list[int], list[list[int]]]:
     """One request served alone to its end: its tokens and the drafts its row holds after each decode step."""
-    request_id, tokens, drafts = engine.add_request(prompt, new), [], []
+    request_id, tokens, drafts = engine.add_request(RequestSpec(prompt, new)), [], []
     while engine.has_unfinished():
         for out in engine.step():
             tokens += out.new_token_ids

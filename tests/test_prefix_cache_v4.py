@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import ess_jax
 from ess_jax import families
 from ess_jax.allocator import PageAllocator
-from ess_jax.engine import Engine, EngineConfig
+from ess_jax.engine import Engine, EngineConfig, RequestSpec
 from helpers import ONLINE
 from test_prefix_cache import assert_idle_holds_only_cached_pages, reference, serve_alone, serve_workload
 
@@ -103,7 +103,7 @@ def test_v4_identical_resent_request_and_a_longer_turn_hit_at_the_last_window_bo
     hits, prefilled = on.prefix_cache_metrics()["hit_tokens"], on.stats.prefill_tokens
     outputs = []
     for p in (prompt, prompt, turn):
-        on.add_request(p, 6)
+        on.add_request(RequestSpec(p, 6))
         outputs.append(on.run()[0].output_ids)
     assert outputs == [want, want, want_turn]
     boundary = (len(prompt) - tail) // BLOCK * BLOCK
@@ -125,7 +125,7 @@ def test_v4_prompts_sharing_a_system_prompt_one_at_a_time_hit_from_the_second(en
     states, hits = on.usage()["prefix_cache_states"], []
     for p, tokens in zip(prompts, want):
         before = on.prefix_cache_metrics()["hit_tokens"]
-        on.add_request(p, 4)
+        on.add_request(RequestSpec(p, 4))
         assert on.run()[0].output_ids == tokens
         hits.append(on.prefix_cache_metrics()["hit_tokens"] - before)
     assert hits == [0, 48, 48]
@@ -146,7 +146,7 @@ def test_v4_prompts_submitted_together_share_a_system_prompt(engines, mode):
     want = reference(engines, [(p, 4) for p in prompts])
     before = on.prefix_cache_metrics()["hit_tokens"]
     for p in prompts:
-        on.add_request(p, 4)
+        on.add_request(RequestSpec(p, 4))
     assert [r.output_ids for r in on.run()] == want
     assert on.prefix_cache_metrics()["hit_tokens"] - before == 3 * 48
     assert_idle_holds_only_cached_pages(on)
@@ -168,7 +168,7 @@ def test_v4_a_prompt_aborted_before_its_prompt_ends_keeps_no_snapshot(engines):
     on = engines["resident"]
     prompt = np.random.default_rng(23).integers(0, 256, 140).tolist()  # boundary 128: a piece of 64 per step, 8 + 4
     states = on.usage()["prefix_cache_states"]
-    victim = on.add_request(prompt, 4)
+    victim = on.add_request(RequestSpec(prompt, 4))
     on.step()
     on.step()
     assert on.requests[victim].prefilled == 128 and on.usage()["prefix_cache_states"] == states  # taken, not kept
@@ -176,7 +176,7 @@ def test_v4_a_prompt_aborted_before_its_prompt_ends_keeps_no_snapshot(engines):
     on.step()
     assert on.usage()["prefix_cache_states"] == states
     hits = on.prefix_cache_metrics()["hit_tokens"]
-    on.add_request(prompt, 4)
+    on.add_request(RequestSpec(prompt, 4))
     assert on.run()[0].output_ids == reference(engines, [(prompt, 4)])[0]
     assert on.prefix_cache_metrics()["hit_tokens"] == hits
     assert on.usage()["prefix_cache_states"] == min(states + 3, on.config.prefix_cache_states)  # 64, 96 and 128
@@ -189,12 +189,12 @@ def test_v4_snapshots_beyond_the_budget_are_evicted_least_recently_used_first(mo
     on = Engine(model, dataclasses.replace(MODES["resident"], prefix_cache_states=4))
     prompts = [np.random.default_rng(60 + i).integers(0, 256, 40).tolist() for i in range(3)]
     for p in prompts:
-        on.add_request(p, 2)
+        on.add_request(RequestSpec(p, 2))
         on.run()
     assert on.usage()["prefix_cache_states"] == 4
     for p, hit in ((prompts[0], 0), (prompts[2], 32)):
         before = on.prefix_cache_metrics()["hit_tokens"]
-        on.add_request(p, 2)
+        on.add_request(RequestSpec(p, 2))
         assert on.run()[0].output_ids == reference(engines, [(p, 2)])[0]
         assert on.prefix_cache_metrics()["hit_tokens"] - before == hit
 

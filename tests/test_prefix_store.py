@@ -16,7 +16,7 @@ import pytest
 
 import ess_jax
 from ess_jax.allocator import page_keys
-from ess_jax.engine import Engine
+from ess_jax.engine import Engine, RequestSpec
 from ess_jax.prefix_store import SUBDIR, PrefixStore, decode, encode, signature
 from helpers import ONLINE, free_port, outputs, spawn
 
@@ -106,7 +106,7 @@ def test_an_engine_restarted_on_the_directory_reads_its_prefixes_back(tmp_path, 
         engine = Engine(model, config)
         tokens = []
         for p in prompts:
-            engine.add_request(p, 6)
+            engine.add_request(RequestSpec(p, 6))
             tokens.append(engine.run()[0].output_ids)
         return tokens, engine
 

@@ -22,7 +22,7 @@ from flax import nnx
 
 import ess_jax
 from ess_jax.api import Model
-from ess_jax.engine import Engine
+from ess_jax.engine import Engine, RequestSpec
 from ess_jax.prefix_store import SUBDIR, PrefixStore, encode, signature
 from helpers import ENGINE
 
@@ -118,7 +118,7 @@ def serve(model, config, prompts) -> tuple[list[list[int]], int]:
     engine = Engine(model, config)
     tokens = []
     for p in prompts:
-        engine.add_request(p, 4)
+        engine.add_request(RequestSpec(p, 4))
         tokens.append(engine.run()[0].output_ids)
     return tokens, (engine.prefix_cache_metrics() or {"per_tier": {"disk": 0}})["per_tier"]["disk"]
 
@@ -155,6 +155,6 @@ def test_pages_of_other_weights_are_never_read_and_a_removed_directory_leaves_th
     shutil.rmtree(tmp_path / "cache")
     with caplog.at_level(logging.ERROR, logger="ess_jax.prefix_store"):
         for p, tokens in zip(prompts, want):
-            engine.add_request(p, 4)
+            engine.add_request(RequestSpec(p, 4))
             assert engine.run()[0].output_ids == tokens
     assert not engine.scheduler.prefix.disk.store.enabled and caplog.text.count("it is off") == 1

@@ -1,4 +1,4 @@
-"""Prompt log-probabilities (``add_request(..., prompt_logprobs=N)``): computed in the prefill pieces, equal to
+"""Prompt log-probabilities (``RequestSpec(..., prompt_logprobs=N)``): computed in the prefill pieces, equal to
 the full forward's log-softmax for both families, resident and ESS, on prompts of several pieces; a request
 of no new tokens ends after its prefill."""
 
@@ -8,13 +8,12 @@ import numpy as np
 import pytest
 
 import ess_jax
-from ess_jax.engine import MAX_PROMPT_LOGPROBS, Engine
-from ess_jax.engine.request import make_request
+from ess_jax.engine import MAX_PROMPT_LOGPROBS, Engine, RequestSpec
+from ess_jax.engine.request import Request
 from ess_jax.engine.plan import EngineStats, PrefillResult
 from ess_jax.engine.prefix import NoPrefixCache
 from ess_jax.engine.speculate import NoDrafts
 from ess_jax.engine.scheduler import Scheduler
-from ess_jax.sampling import SamplingParams
 from helpers import FIXTURES, ONLINE
 
 FAMILIES = {"v32": FIXTURES / "hf-v32-a", "v4": FIXTURES / "hf-v4-a"}
@@ -60,8 +59,9 @@ def test_prompt_logprobs_equal_the_full_forward(family, mode):
     eng = Engine(m, ONLINE[mode])
     before = eng.usage()
     long, short = prompt(LONG, 1), prompt(SHORT, 2)
-    scored = eng.add_request(long, 0, prompt_logprobs=3)
-    generating = eng.add_request(short, 2, prompt_logprobs=MAX_PROMPT_LOGPROBS, logprobs=1, ignore_eos=True)
+    scored = eng.add_request(RequestSpec(long, 0, prompt_logprobs=3))
+    generating = eng.add_request(RequestSpec(short, 2, prompt_logprobs=MAX_PROMPT_LOGPROBS, logprobs=1,
+                                             ignore_eos=True))
     outputs = {scored: [], generating: []}
     for _ in range(20):
         for out in eng.step():
@@ -94,7 +94,7 @@ def test_prompt_logprobs_equal_the_full_forward(family, mode):
 def test_bad_prompt_logprobs_requests_are_refused_naming_the_field(kwargs, match):
     eng = Engine(model("v32"), ONLINE["resident"])
     with pytest.raises(ValueError, match=match):
-        eng.add_request([1, 2, 3], **kwargs)
+        eng.add_request(RequestSpec([1, 2, 3], **kwargs))
     assert not eng.has_unfinished()
 
 
@@ -123,7 +123,7 @@ def test_the_scheduler_scores_each_piece_against_the_next_prompt_tokens():
     s = Scheduler(ONLINE["resident"], shards=1, pages=40, pages_per_row=38, max_seq_len=606, stats=EngineStats(),
                   prefix=NoPrefixCache(ONLINE["resident"].page_size), proposer=NoDrafts(ONLINE["resident"].max_batch))
     ids = prompt(70, 9)  # pieces 64, 4, 2
-    s.inbox.add(make_request(model("v32").tokenizer, [], ids, 0, SamplingParams(), prompt_logprobs=1), s.check(70, 0))
+    s.inbox.add(Request.from_spec(RequestSpec(ids, 0, prompt_logprobs=1), model("v32").tokenizer, []), s.check(70, 0))
     s.take_inbox()
     pieces = []
     for _ in range(3):

@@ -21,7 +21,7 @@ import pytest
 import ess_jax
 from ess_jax import families, plan, tier
 from ess_jax.config import preset_dict
-from ess_jax.engine import Engine, EngineConfig
+from ess_jax.engine import Engine, EngineConfig, RequestSpec
 from ess_jax.families import load_config
 from tests.helpers import FIXTURES
 
@@ -84,7 +84,7 @@ def _serve(model, **config):
                                         **config))
     rng = np.random.default_rng(0)
     for n, new in REQUESTS:
-        engine.add_request(rng.integers(0, model.cfg.vocab_size, n).tolist(), new)
+        engine.add_request(RequestSpec(rng.integers(0, model.cfg.vocab_size, n).tolist(), new))
     return engine, engine.run()
 
 

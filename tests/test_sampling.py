@@ -126,5 +126,17 @@ def test_sampling_params_validation(kwargs, match):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature=float("inf")), "temperature=inf must be a finite number"),
+    (dict(top_p=True), "top_p=True must be a finite number"),
+    (dict(top_k=1.5), r"top_k=1.5 must be an integer in \[0, 2147483648\)"),
+    (dict(top_k=2**31), "top_k=2147483648"),
+])
+def test_sampling_params_check_what_the_sampler_needs(kwargs, match):
+    params = SamplingParams(**kwargs)
+    with pytest.raises(ValueError, match=match):
+        params.check()
+
+
 def test_sampling_params_defaults_are_greedy():
     assert SamplingParams() == SamplingParams(temperature=0.0, top_k=0, top_p=1.0, seed=0)

@@ -6,7 +6,7 @@ import pytest
 
 from ess_jax.config import preset_dict
 from ess_jax.engine import EngineConfig, EngineStats
-from ess_jax.engine.request import make_request
+from ess_jax.engine.request import Request, RequestSpec
 from ess_jax.engine.plan import DecodeResult, PrefillResult, prefill_pieces
 from ess_jax.engine.prefix import NoPrefixCache
 from ess_jax.engine.speculate import NoDrafts
@@ -30,7 +30,8 @@ def scheduler(*, shards=1, rows=2, pages=33, chunk=64, page_size=16, max_seq_len
 
 def add(s: Scheduler, prompt_len: int, new: int, *, forced=None, logprobs=None, stop=()) -> int:
     prompt = [(i % 200) + 10 for i in range(prompt_len)]
-    request = make_request(TOKENIZER, [EOS], prompt, new, SamplingParams(), stop, logprobs=logprobs, forced_ids=forced)
+    request = Request.from_spec(RequestSpec(prompt, new, SamplingParams(), stop, logprobs=logprobs, forced_ids=forced),
+                                TOKENIZER, [EOS])
     return s.inbox.add(request, s.check(prompt_len, new))
 
 

@@ -22,7 +22,7 @@ import uvicorn
 import yaml
 
 import ess_jax
-from ess_jax.engine import Engine, EngineConfig
+from ess_jax.engine import Engine, EngineConfig, RequestSpec
 from ess_jax.server import create_app
 from helpers import FIXTURES, ONLINE, checkpoint, free_port
 
@@ -85,7 +85,7 @@ def offline(server: ThreadServer, batch: list[list[int]], new: int) -> list[list
     """Greedy tokens of ``batch`` from a fresh engine of the server's configuration (eos ignored)."""
     engine = Engine(server.engine.model, server.engine.config)
     for prompt in batch:
-        engine.add_request(prompt, new, ignore_eos=True)
+        engine.add_request(RequestSpec(prompt, new, ignore_eos=True))
     return [r.output_ids for r in engine.run()]
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from ess_jax.config import preset_dict
 from ess_jax.engine.plan import DecodeBatch, DecodeResult
-from ess_jax.engine.request import make_request
+from ess_jax.engine.request import Request, RequestSpec
 from ess_jax.engine.speculate import CallerDrafts, MtpDrafts, NoDrafts
 from ess_jax.families import load_config
 from ess_jax.sampling import SamplingParams
@@ -19,7 +19,7 @@ VOCAB = 300
 
 def request(forced=None):
     new = 4 if forced is None else len(forced)
-    return make_request(TOKENIZER, [], [10, 11, 12], new, SamplingParams(), forced_ids=forced)
+    return Request.from_spec(RequestSpec([10, 11, 12], new, forced_ids=forced), TOKENIZER, [])
 
 
 def batch(proposer, requests) -> DecodeBatch:

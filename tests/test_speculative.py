@@ -26,7 +26,7 @@ from scipy import stats
 import ess_jax
 from ess_jax import sampling
 from ess_jax.cache import entries_per_page
-from ess_jax.engine import Engine, EngineConfig
+from ess_jax.engine import Engine, EngineConfig, RequestSpec
 from helpers import MTP_ENGINE, mtp_v32
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -51,7 +51,7 @@ def reference(models):
         prompts = [rng.integers(0, 256, n).tolist() for n in PROMPTS[family]]
         engine = Engine(model, BASE[family])
         for prompt in prompts:
-            engine.add_request(prompt, NEW)
+            engine.add_request(RequestSpec(prompt, NEW))
         out[family] = {tuple(r.prompt_ids): r.output_ids for r in engine.run()}
     return out
 
@@ -120,7 +120,7 @@ def serve(engine: Engine, requests: list[dict], check) -> dict[int, tuple[list[i
     while len(ids) < len(requests) or engine.has_unfinished():
         for i, r in enumerate(requests):
             if r["arrive"] == step:
-                ids[i] = engine.add_request(r["prompt"], r["new"], stop_token_ids=r["stop"])
+                ids[i] = engine.add_request(RequestSpec(r["prompt"], r["new"], stop_token_ids=r["stop"]))
             if r["abort"] == step and i in ids:
                 engine.abort(ids[i])
         for out in engine.step():
@@ -257,7 +257,7 @@ def test_sampled_requests_are_reproducible_per_seed(models, reference):
 
     def run(pairs, temperature):
         for p, seed in pairs:
-            engine.add_request(p, NEW, SamplingParams(temperature=temperature, top_k=40, seed=seed))
+            engine.add_request(RequestSpec(p, NEW, SamplingParams(temperature=temperature, top_k=40, seed=seed)))
         return [r.output_ids for r in engine.run()]  # in the order added
 
     for temperature in (1.0, 0.05):
@@ -290,9 +290,9 @@ def test_refusals(models):
     # admission reserves the drafts' positions: a request that fills max_seq_len without them does not fit
     engine = Engine(v32, config, drafter=lambda r: [0, 0])
     with pytest.raises(ValueError, match="exceeds"):
-        engine.add_request([1] * 100, BASE["v32"].max_seq_len - 100)
+        engine.add_request(RequestSpec([1] * 100, BASE["v32"].max_seq_len - 100))
     bad = Engine(v32, config, drafter=lambda r: [0, -1])
-    bad.add_request([1] * 8, 4)
+    bad.add_request(RequestSpec([1] * 8, 4))
     with pytest.raises(ValueError, match="drafter must give 2 token ids"):
         bad.run()
 
@@ -403,12 +403,12 @@ def test_mtp_drafts_verified_give_greedy_tokens(mtp_model, offload, k):
     prompts = [rng.integers(0, 256, n).tolist() for n in MTP_PROMPTS]
     plain = Engine(mtp_model, MTP_ENGINE)
     for p in prompts:
-        plain.add_request(p, 10)
+        plain.add_request(RequestSpec(p, 10))
     want = [r.output_ids for r in plain.run()]
     extra = dict(offload="ess", pool_size=9) if offload == "ess" else {}
     engine = Engine(mtp_model, dataclasses.replace(MTP_ENGINE, speculative="mtp", num_speculative_tokens=k, **extra),
                     record_steps=True)
-    ids = [engine.add_request(p, 10) for p in prompts]
+    ids = [engine.add_request(RequestSpec(p, 10)) for p in prompts]
     tokens, checked = {i: [] for i in ids}, 0
     while engine.has_unfinished():
         for out in engine.step():

@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 import ess_jax
 from ess_jax import ops, tier
 from ess_jax.tier import lru_reference
-from ess_jax.engine import Engine, EngineConfig
+from ess_jax.engine import Engine, EngineConfig, RequestSpec
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf-v32-a"  # index_topk 16
 LENGTHS, NEW = (264, 136, 72), 16  # prefill pieces of 64 and 8: each prompt ends in one < tier.WARMUP_QUERIES
@@ -37,7 +37,7 @@ def serve(model, **offload):
                                         keep_logits=True, **offload))
     rng = np.random.default_rng(0)
     for n in LENGTHS:  # three requests, two rows: the third joins when the first leaves
-        engine.add_request(rng.integers(0, 256, n).tolist(), NEW)
+        engine.add_request(RequestSpec(rng.integers(0, 256, n).tolist(), NEW))
     return engine, engine.run()
 
 
@@ -151,7 +151,7 @@ def test_long_prompt_far_beyond_the_pool(tiny):
     for offload in (dict(), dict(offload="ess", pool_size=65)):
         engine = Engine(tiny, EngineConfig(max_batch=1, page_size=64, prefill_chunk=512, keep_logits=True,
                                            max_seq_len=2048 + 6, **offload))
-        engine.add_request(prompt, 6)
+        engine.add_request(RequestSpec(prompt, 6))
         runs.append((engine, engine.run()[0]))
     (_, ref), (engine, got) = runs
     assert got.output_ids == ref.output_ids
@@ -249,7 +249,7 @@ def test_fp8_cache_error_is_bounded_and_bytes_shrink(tiny):
     for cache_dtype in ("bfloat16", "fp8"):
         engine = Engine(tiny, EngineConfig(max_batch=1, keep_logits=True, offload="ess", pool_size=65,
                                            cache_dtype=cache_dtype, prefill_chunk=300, max_seq_len=306))
-        engine.add_request(prompt, 6)
+        engine.add_request(RequestSpec(prompt, 6))
         runs[cache_dtype] = (engine, engine.run()[0])
     (bf16, bf16_req), (fp8, fp8_req) = runs["bfloat16"], runs["fp8"]
     assert (bf16.layout.offloaded.row_bytes, fp8.layout.offloaded.row_bytes) == (160, 100)
@@ -274,7 +274,7 @@ def test_fp8_offload_is_exact_against_fp8_resident(model):
     for offload in (dict(), dict(offload="ess", pool_size=17)):
         engine = Engine(model, EngineConfig(max_batch=1, keep_logits=True, cache_dtype="fp8", prefill_chunk=64,
                                             max_seq_len=MAX_SEQ, **offload))
-        engine.add_request(np.random.default_rng(2).integers(0, 256, 192).tolist(), 10)
+        engine.add_request(RequestSpec(np.random.default_rng(2).integers(0, 256, 192).tolist(), 10))
         runs.append(engine.run()[0])
     assert runs[0].output_ids == runs[1].output_ids
     close(runs[1].logits, runs[0].logits)

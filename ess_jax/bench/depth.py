@@ -27,7 +27,7 @@ def depth_model(args, raw: dict, layers: int):
 
 def depth_row(model, prompts: list[list[int]], layers: int, offload: str, args) -> dict:
     """One depth and mode: compile times, the decode step's time and dispatch (``depth_sweep``)."""
-    from ess_jax.engine import Engine, EngineConfig
+    from ess_jax.engine import Engine, EngineConfig, RequestSpec
 
     config = EngineConfig(max_batch=len(prompts), max_seq_len=args.context + args.new_tokens,
                           prefill_chunk=args.prefill_chunk, offload=offload, pool_ratio=args.ratios[0],
@@ -36,7 +36,7 @@ def depth_row(model, prompts: list[list[int]], layers: int, offload: str, args) 
     engine = Engine(model, config, record_steps=True)
     engine.runner.compile_decode()
     for prompt in prompts:
-        engine.add_request(prompt, args.new_tokens, ignore_eos=True)
+        engine.add_request(RequestSpec(prompt, args.new_tokens, ignore_eos=True))
     engine.run()
     pieces_s = [t for step in engine.stats.steps for t in step.prefill_s]
     pieces = len(pieces_s) // len(prompts)  # each prompt's pieces, the same sizes in the same order

@@ -45,11 +45,10 @@ class Trace:
 
 def greedy_row():
     """One row's greedy sampling (``steps.SamplingBatch``)."""
-    import jax.numpy as jnp
     from ess_jax.engine import steps
+    from ess_jax.sampling import SamplingParams
 
-    return steps.SamplingBatch(jnp.zeros(1, jnp.float32), jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.float32),
-                               jnp.zeros(1, jnp.uint32), jnp.zeros(1, jnp.int32))
+    return steps.SamplingBatch.of([SamplingParams()], [0])
 
 
 def scratch(model, max_seq_len: int, page_size: int, cache_dtype: str | None, kernels: str):

@@ -22,8 +22,10 @@ import time
 
 def _serve(engine, prompt: list[int], new: int) -> tuple[list[int], float]:
     """One request alone to its end: its tokens and its time to first token in seconds."""
+    from ess_jax.engine import RequestSpec
+
     start, first, tokens = time.perf_counter(), None, []
-    request_id = engine.add_request(prompt, new, ignore_eos=True)
+    request_id = engine.add_request(RequestSpec(prompt, new, ignore_eos=True))
     while engine.has_unfinished():
         for out in engine.step():
             if out.request_id == request_id and out.new_token_ids:
@@ -33,13 +35,15 @@ def _serve(engine, prompt: list[int], new: int) -> tuple[list[int], float]:
 
 
 def _workload(engine, kind: str, stream: list[int], args) -> dict:
+    from ess_jax.engine import RequestSpec
+
     n, suffix, new = args.shared_prefix, args.suffix_tokens, args.new_tokens
     prefix, at = stream[:n], n
     ttft, outputs, tokens = [], [], 0
     start = time.perf_counter()
     if kind == "all at once":
         prompts = [prefix + stream[n + i * suffix:n + (i + 1) * suffix] for i in range(2 * args.batch)]
-        added = {engine.add_request(p, new, ignore_eos=True): i for i, p in enumerate(prompts)}
+        added = {engine.add_request(RequestSpec(p, new, ignore_eos=True)): i for i, p in enumerate(prompts)}
         firsts, outs = {}, {i: [] for i in added}
         while engine.has_unfinished():
             for out in engine.step():

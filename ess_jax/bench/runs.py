@@ -58,8 +58,10 @@ def engine_for(model, setting: Setting, batch: int, args):
 
 def repeat(engine, samples: Samples, prompts: list[list[int]], args) -> None:
     """One repetition: every prompt submitted, the engine run to the end, its measurements into ``samples``."""
+    from ess_jax.engine import RequestSpec
+
     for prompt in prompts:
-        engine.add_request(prompt, args.new_tokens, ignore_eos=True)  # decode every --new-tokens step
+        engine.add_request(RequestSpec(prompt, args.new_tokens, ignore_eos=True))  # decode every --new-tokens step
     first, prefill = len(decode_steps(engine)), (engine.stats.prefill_tokens, engine.stats.prefill_s)
     requests = engine.run()[-len(prompts):]
     samples.prefill_tok_s.append((engine.stats.prefill_tokens - prefill[0]) / (engine.stats.prefill_s - prefill[1]))

@@ -13,7 +13,7 @@ def prefill_stall(model, prompts: list[list[int]], args, log) -> dict:
     tokens. Reports the median decode-only step, the median and largest step with a prefill piece, the
     median time of one prefill piece alone (``stats``), and how many pieces the long prompt took."""
     from ess_jax import mesh as device_mesh
-    from ess_jax.engine import Engine, EngineConfig
+    from ess_jax.engine import Engine, EngineConfig, RequestSpec
 
     log(f"stall: {args.batch} decoding + one {args.context}-token prompt, chunk {args.prefill_chunk}")
     # a row more for the long prompt: a data shard more on a mesh (its shards divide --batch)
@@ -24,11 +24,11 @@ def prefill_stall(model, prompts: list[list[int]], args, log) -> dict:
     engine = Engine(model, config)
     engine.warm_up()  # every piece size compiled: the steps below time no compile
     for prompt in prompts:
-        engine.add_request(prompt[:64], args.stall_steps + 16, ignore_eos=True)
+        engine.add_request(RequestSpec(prompt[:64], args.stall_steps + 16, ignore_eos=True))
     decode_ms, prefill_ms, piece_ms = [], [], []
     for step in range(args.stall_steps + 16):
         if step == 8:
-            engine.add_request(prompts[0], 1, ignore_eos=True)
+            engine.add_request(RequestSpec(prompts[0], 1, ignore_eos=True))
         tokens, seconds = engine.stats.prefill_tokens, engine.stats.prefill_s
         start = time.perf_counter()
         engine.step()

@@ -1,5 +1,5 @@
-"""The serving engine (``Engine``) and its parts: ``config`` (EngineConfig), ``request`` (Request,
-RequestOutput, TokenLogprob, the request checks), ``plan`` (the hand-off types and the piece rule, no jax),
+"""The serving engine (``Engine``) and its parts: ``config`` (EngineConfig), ``request`` (RequestSpec and its
+checks, Request, RequestOutput, TokenLogprob), ``plan`` (the hand-off types and the piece rule, no jax),
 ``layout`` (cache sizes and bytes), ``steps`` (the pure jitted device steps), ``scheduler`` (host-only admission
 and step plans), ``runner`` (parameters, mesh, caches, compiled steps), ``offload`` (Resident or Ess, chosen
 once), ``engine`` (the public API), ``loop`` (the engine thread and multi-process lockstep).
@@ -23,8 +23,8 @@ _EXPORTS = {
     "MAX_PROMPT_LOGPROBS": "ess_jax.engine.request",
     "Request": "ess_jax.engine.request",
     "RequestOutput": "ess_jax.engine.request",
+    "RequestSpec": "ess_jax.engine.request",
     "TokenLogprob": "ess_jax.engine.request",
-    "check_sampling": "ess_jax.engine.request",
     "EngineStats": "ess_jax.engine.plan",
     "StepTimes": "ess_jax.engine.plan",
 }

@@ -17,7 +17,6 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import Sequence
 
 import jax.numpy as jnp
 from tqdm import tqdm
@@ -26,18 +25,12 @@ from ess_jax import families, mesh
 from ess_jax.engine import offload
 from ess_jax.engine.config import EngineConfig
 from ess_jax.engine.layout import cache_layout, check_memory
-from ess_jax.engine.request import Request, RequestOutput, check_ids, make_request
+from ess_jax.engine.request import Request, RequestOutput, RequestSpec
 from ess_jax.engine.runner import Runner
 from ess_jax.engine.plan import EngineStats, StepTimes
 from ess_jax.engine.prefix import prefix_cache_for
 from ess_jax.engine.scheduler import Scheduler
 from ess_jax.engine.speculate import Drafter, proposer_for
-from ess_jax.sampling import SamplingParams
-
-
-def _listed(ids):
-    """A sequence of ids as a list (a str or bytes stays itself, for ``check_ids`` to refuse)."""
-    return None if ids is None else ids if isinstance(ids, (str, bytes)) else list(ids)
 
 
 class Engine:
@@ -68,41 +61,21 @@ class Engine:
         self._step_lock = threading.Lock()  # held while the engine's state changes (step, abort)
 
     # ---- any thread ----------------------------------------------------------------------------
-    def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
-                    stop_token_ids: Sequence[int] = (), *, ignore_eos: bool = False, logprobs: int | None = None,
-                    forced_ids: Sequence[int] | None = None, prompt_logprobs: int | None = None,
-                    cache_salt: str | None = None) -> int:
-        """Queue a request; its id. Safe to call from any thread, also while another thread steps.
-        Stops at one of the config's eos ids (unless ``ignore_eos``), one of ``stop_token_ids``, or after
-        ``max_new_tokens``. ``logprobs=N`` reports each output token's log-probability and the top N.
-        ``forced_ids`` (teacher forcing, to score a text): the request outputs exactly these tokens, one per
-        step (the prefill's, then each decode step's), each fed to the next step in place of the sampled one,
-        and reports each one's log-probability under the step's logits (``logprobs`` defaults to 0 then);
-        ``max_new_tokens`` must equal their number, and no eos or stop id ends it early.
-        ``prompt_logprobs=N`` (at most ``MAX_PROMPT_LOGPROBS``): the log-probability of every prompt token after
-        the first and the top N, computed in the prefill pieces (each piece's logits reduced on the device), in
-        the request's first output (``RequestOutput.prompt_logprobs``); with it ``max_new_tokens`` may be 0,
-        a request that ends after its prefill. ``cache_salt`` (vLLM's): the prefix cache shares its prompt's pages
-        only with requests of the same salt.
-        Raises ValueError naming the problem if the request can never be served."""
-        prompt_ids, stop_token_ids, forced_ids = _listed(prompt_ids), _listed(stop_token_ids), _listed(forced_ids)
-        pages = self.check_request(prompt_ids, max_new_tokens, stop_token_ids, logprobs=logprobs, forced_ids=forced_ids,
-                                   prompt_logprobs=prompt_logprobs)
-        request = make_request(self.model.tokenizer, self.model.cfg.eos_token_id, prompt_ids, max_new_tokens, sampling,
-                               stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs, forced_ids=forced_ids,
-                               prompt_logprobs=prompt_logprobs, cache_salt=cache_salt)
+    def add_request(self, spec: RequestSpec) -> int:
+        """Queue a request (``RequestSpec``); its id. Safe to call from any thread, also while another thread
+        steps. Raises ValueError naming the problem if the request can never be served (``check_request``)."""
+        pages = self.check_request(spec)
+        request = Request.from_spec(spec, self.model.tokenizer, self.model.cfg.eos_token_id)
         return self.scheduler.inbox.add(request, pages)
 
-    def check_request(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int] = (), *,
-                      logprobs: int | None = None, forced_ids: Sequence[int] | None = None,
-                      prompt_logprobs: int | None = None) -> int:
+    def check_request(self, spec: RequestSpec) -> int:
         """The pages a request would reserve; raises ValueError naming the problem (and the numbers) if it can
-        never be served: token ids outside the vocabulary, an empty prompt, more tokens than the engine serves,
-        more pages than the pool has, forced ids that are not ``max_new_tokens`` of them or come with stop ids.
-        ``add_request`` runs it; callers may run it first to refuse early."""
-        check_ids(self.model.cfg.vocab_size, max_new_tokens, prompt_ids, stop_token_ids, logprobs=logprobs,
-                  forced_ids=forced_ids, prompt_logprobs=prompt_logprobs)
-        return self.scheduler.check(len(prompt_ids), max_new_tokens)
+        never be served: what ``RequestSpec.check`` refuses (ids outside the vocabulary, forced ids that are not
+        ``max_new_tokens`` of them or come with stop ids, ...), an empty prompt, more tokens than the engine
+        serves, more pages than the pool has. ``add_request`` runs it; callers may run it first to refuse
+        early."""
+        spec.check(self.model.cfg.vocab_size)
+        return self.scheduler.check(len(spec.prompt_ids), spec.max_new_tokens)
 
     def abort(self, request_id: int) -> None:
         """Stop a request: its pages, batch row, host pages and pool slots are free when this returns if
@@ -183,11 +156,12 @@ class Engine:
         room = (min(self.max_seq_len, self.scheduler.allocators[0].capacity * self.config.page_size) - 1
                 - self.proposer.reserve)  # and the drafts' positions
         prompt = [0] * min(2 * self.config.prefill_chunk - 1, room)
-        self.add_request(prompt, 1, ignore_eos=True)
-        self.add_request(prompt, 0, prompt_logprobs=0)
+        served = RequestSpec(prompt, 1, ignore_eos=True)
+        self.add_request(served)
+        self.add_request(RequestSpec(prompt, 0, prompt_logprobs=0))
         self.run()
         if self.prefix_cache:
-            self.add_request(prompt, 1, ignore_eos=True)
+            self.add_request(served)
             self.run()
         self.stats.peak_reserved_pages = self.stats.reserved_pages  # the warm-up request is no workload
         self.scheduler.prefix.stats.reset()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import threading
 import time
@@ -25,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import jax
 
-from ess_jax.sampling import SamplingParams
+from ess_jax.engine.request import RequestSpec
 
 if TYPE_CHECKING:
     from ess_jax.engine import Engine, RequestOutput
@@ -90,26 +89,20 @@ class EngineLoop:
         with self._lock:
             return max(len(self._queues) - len(self._leaving) + more - self.engine.config.max_batch, 0)
 
-    def add(self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, stop_token_ids: list[int],
-            ignore_eos: bool, logprobs: int | None, prompt_logprobs: int | None = None,
-            cache_salt: str | None = None) -> tuple[int, asyncio.Queue]:
-        """Check a request (ValueError naming the problem; ``SamplingParams`` checked itself when built) and
-        queue it for the engine: its id here, and the queue its outputs arrive on. Call it on an asyncio loop."""
+    def add(self, spec: RequestSpec) -> tuple[int, asyncio.Queue]:
+        """Check a request (ValueError naming the problem: ``Engine.check_request``) and queue it for the engine:
+        its id here, and the queue its outputs arrive on. Call it on an asyncio loop."""
         if self.error is not None:
             raise EngineDied(f"the engine stopped: {self.error!r}")
-        self.engine.check_request(prompt_ids, max_tokens, stop_token_ids, logprobs=logprobs,
-                                  prompt_logprobs=prompt_logprobs)
-        request = {"prompt_ids": [int(t) for t in prompt_ids], "max_new_tokens": int(max_tokens),
-                   "sampling": dataclasses.asdict(sampling), "stop_token_ids": [int(t) for t in stop_token_ids],
-                   "ignore_eos": bool(ignore_eos), "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
-                   "cache_salt": cache_salt}
+        self.engine.check_request(spec)
+        request = spec.to_dict()
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             request_id, self._next_id = self._next_id, self._next_id + 1
             self._ops.append(("add", request_id, request))
             self._queues[request_id] = (asyncio.get_running_loop(), queue)
             self._timing[request_id] = [time.perf_counter()] * 2
-        self.metrics.added(len(prompt_ids))
+        self.metrics.added(len(spec.prompt_ids))
         self._wake.set()
         return request_id, queue
 
@@ -123,15 +116,16 @@ class EngineLoop:
         self._wake.set()
 
     def _take_ops(self) -> tuple[list, bool]:
-        """Carry out what was queued, in order: the engine's adds and aborts as ``add_from_tick`` and
-        ``follow`` take them, and whether the loop stops (then every unfinished request is aborted)."""
+        """Carry out what was queued, in order: the engine's adds and aborts as ``Ticks`` send them to ``follow``
+        (a request as ``RequestSpec.to_dict``, an abort as its engine id), and whether the loop stops (then every
+        unfinished request is aborted)."""
         with self._lock:
             ops, self._ops = self._ops, []
             stop = self._stopping.is_set()
         done = []
         for op in ops:
             if op[0] == "add":
-                engine_id = add_from_tick(self.engine, op[2])
+                engine_id = self.engine.add_request(RequestSpec.from_dict(op[2]))
                 self._engine_ids[op[1]], self._loop_ids[engine_id] = engine_id, op[1]
                 done.append(op[2])
             elif op[1] in self._engine_ids:  # (a request that finished is left alone)
@@ -189,13 +183,6 @@ def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item) -> Non
     its abort on the way) gets nothing."""
     with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(queue.put_nowait, item)
-
-
-def add_from_tick(engine: Engine, request: dict) -> int:
-    """Add a request ``EngineLoop.add`` checked (its fields as ``Ticks`` sends them) to ``engine``: its id."""
-    return engine.add_request(request["prompt_ids"], request["max_new_tokens"], SamplingParams(**request["sampling"]),
-                              request["stop_token_ids"], ignore_eos=request["ignore_eos"], logprobs=request["logprobs"],
-                              prompt_logprobs=request["prompt_logprobs"], cache_salt=request.get("cache_salt"))
 
 
 def tick(engine: Engine, done: list, steps: int, metrics_every: int,
@@ -269,7 +256,7 @@ def follow(engine: Engine, *, metrics_every: int = 16) -> None:
         done, stop = ticks.receive()
         for item in done:
             if isinstance(item, dict):
-                add_from_tick(engine, item)
+                engine.add_request(RequestSpec.from_dict(item))
             else:
                 engine.abort(item)
         if stop:

@@ -33,13 +33,6 @@ from ess_jax.engine.speculate import CallerDrafts, NoDrafts
 from ess_jax.sampling import SamplingParams
 
 
-def sampling_batch(params: tuple[SamplingParams, ...], steps_B: np.ndarray) -> steps.SamplingBatch:
-    return steps.SamplingBatch(jnp.asarray([p.temperature for p in params], jnp.float32),
-                               jnp.asarray([p.top_k for p in params], jnp.int32),
-                               jnp.asarray([p.top_p for p in params], jnp.float32),
-                               jnp.asarray([p.seed for p in params], jnp.uint32), jnp.asarray(steps_B, jnp.int32))
-
-
 def window_shape(module, layout: CacheLayout, kernels: str) -> tuple[int, ...]:
     """The shape ``[L, D, Q, K]`` of the running window of prompt top-k ids (``steps.next_window``): the layers
     and top-k of a prefill piece's ids, a row per data shard."""
@@ -141,7 +134,7 @@ class Runner:
         targets = jnp.asarray(targets)
         token, logits_DV, hidden, self.window, cache, drafts_DK, mtp_cache = steps.prefill(
             self.model.graphdef, self.kernels, self.params, jnp.asarray(tokens), meta, cache,
-            sampling_batch(tuple(params), steps_D), self.window, targets, shardings=shardings, **mtp)
+            steps.SamplingBatch.of(params, steps_D), self.window, targets, shardings=shardings, **mtp)
         scores = steps.score(self.model.graphdef, self.params, hidden, targets, top=self.prompt_top,
                              shardings=shardings) if group.scored else None
         drafts = self.proposer.prefill_done(mtp_cache, drafts_DK, group)
@@ -165,8 +158,8 @@ class Runner:
         active_BT = np.broadcast_to(batch.active_B[:, None], (self.config.max_batch, t))
         meta = StepMeta(jnp.asarray(batch.lengths_B[:, None] + np.arange(t, dtype=np.int32)), jnp.asarray(active_BT),
                         jnp.asarray(batch.page_table_BX), jnp.asarray(rows))
-        return (self.params, jnp.asarray(tokens_BT), meta, self.cache, sampling_batch(batch.sampling, batch.steps_B),
-                jnp.asarray(batch.forced_B))
+        return (self.params, jnp.asarray(tokens_BT), meta, self.cache,
+                steps.SamplingBatch.of(batch.sampling, batch.steps_B), jnp.asarray(batch.forced_B))
 
     def compile_decode(self) -> None:
         """Compile the decode step (and with the MTP module its drafting) ahead (one shape), so no decode timing

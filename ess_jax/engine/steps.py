@@ -17,7 +17,9 @@ so that engines over the same model and shapes share their executables, each don
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
+import numpy as np
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -25,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ess_jax import families, mesh, tier
 from ess_jax.cache import StepMeta
-from ess_jax.sampling import sample, verify
+from ess_jax.sampling import SamplingParams, sample, verify
 
 ROWS, ALL = PartitionSpec("data"), PartitionSpec()  # a batch-row-major argument split over the shards; replicated
 LAYER_ROWS = PartitionSpec(None, "data")  # a [L, rows, ...] argument split over the shards
@@ -41,6 +43,19 @@ class SamplingBatch:
     top_p_B: jax.Array  # f32[B]
     seed_B: jax.Array  # u32[B]
     step_B: jax.Array  # i32[B] tokens the row's request has generated so far
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], steps_B) -> SamplingBatch:
+        """The batch of one row per ``params``, each row's request having generated ``steps_B`` tokens."""
+        return cls(jnp.asarray([p.temperature for p in params], jnp.float32),
+                   jnp.asarray([p.top_k for p in params], jnp.int32),
+                   jnp.asarray([p.top_p for p in params], jnp.float32),
+                   jnp.asarray([p.seed for p in params], jnp.uint32), jnp.asarray(steps_B, jnp.int32))
+
+    @classmethod
+    def shapes(cls, rows: int) -> SamplingBatch:
+        """The shapes and dtypes (``jax.ShapeDtypeStruct``) of a batch of ``rows`` rows, to lower a step ahead."""
+        return jax.eval_shape(lambda: cls.of([SamplingParams()] * rows, np.zeros(rows, np.int32)))
 
     def sample(self, logits_BV: jax.Array) -> jax.Array:
         return sample(logits_BV, self.temperature_B, self.top_k_B, self.top_p_B, self.seed_B, self.step_B)

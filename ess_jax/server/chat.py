@@ -44,8 +44,9 @@ async def chat(ctx: ServeContext, body: ChatBody, disconnected: Disconnected) ->
                                                                add_special_tokens=False))
     max_tokens = body.max_completion_tokens or body.max_tokens or max(ctx.engine.max_seq_len - len(ids), 1)
     top = (body.top_logprobs or 0) if body.logprobs else None
-    admit(ctx, body, [ids], [max_tokens])
-    stream = ctx.stream(body, ids, max_tokens, top, disconnected)
+    spec = body.spec(ids, max_tokens, top)
+    admit(ctx, body, [spec])
+    stream = ctx.stream(spec, body.stops(), disconnected)
     if body.stream:
         return events(ctx, body, ctx.head("chatcmpl", "chat.completion.chunk"), len(ids), top, stream)
     piece = await collect(stream)

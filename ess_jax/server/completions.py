@@ -93,9 +93,10 @@ async def completions(ctx: ServeContext, body: CompletionBody, disconnected: Dis
     prompts = await asyncio.to_thread(lambda: [encode_prompt(ctx.tokenizer, p, ctx.engine.max_seq_len)
                                                for p in body.prompts()])
     top = body.prompt_top()
-    admit(ctx, body, prompts, [body.max_tokens] * len(prompts), top)
+    specs = [body.spec(ids, body.max_tokens, body.logprobs, top) for ids in prompts]
+    admit(ctx, body, specs)
     head = ctx.head("cmpl", "text_completion")
-    streams = [ctx.stream(body, ids, body.max_tokens, body.logprobs, disconnected, top) for ids in prompts]
+    streams = [ctx.stream(spec, body.stops(), disconnected) for spec in specs]
     echoes = await asyncio.to_thread(lambda: [ctx.tokenizer.decode(ids) if body.echo else "" for ids in prompts])
     if body.stream:
         return events(ctx, body, head, prompts, streams, echoes)

@@ -9,8 +9,9 @@ import uuid
 from typing import AsyncIterator
 
 from ess_jax.engine.loop import EngineLoop
+from ess_jax.engine.request import RequestSpec
 from ess_jax.server.protocol import APIError, RequestBody
-from ess_jax.server.stream import Disconnected, Generation, Piece, stream_request
+from ess_jax.server.stream import Disconnected, Piece, stream_request
 from ess_jax.tokenizer import ChatTemplate
 
 
@@ -49,30 +50,27 @@ class ServeContext:
             raise APIError(400, f"model {model!r} is not served here; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    def stream(self, body: RequestBody, prompt_ids: list[int], max_tokens: int, logprobs: int | None,
-               disconnected: Disconnected, prompt_logprobs: int | None = None) -> AsyncIterator[Piece]:
-        """One choice's pieces (the request is queued when the stream is first read); ``prompt_logprobs``: the
-        top-N per prompt token its first piece carries (None: none)."""
-        generation = Generation(prompt_ids, max_tokens, body.sampling(), body.stops(), body.stop_token_ids,
-                                body.ignore_eos, logprobs, prompt_logprobs, body.cache_salt)
-        return stream_request(self.loop, generation, disconnected)
+    def stream(self, spec: RequestSpec, stops: list[str], disconnected: Disconnected) -> AsyncIterator[Piece]:
+        """One choice's pieces, its text cut at the first of ``stops`` (the request is queued when the stream is
+        first read)."""
+        return stream_request(self.loop, spec, stops, disconnected)
 
 
-def admit(ctx: ServeContext, body: RequestBody, prompts: list[list[int]], max_tokens: list[int],
-          prompt_logprobs: int | None = None) -> None:
+def admit(ctx: ServeContext, body: RequestBody, specs: list[RequestSpec]) -> None:
     """Refuse at once, before queueing any, what could never run (400 naming the field) and what would wait
     beyond ``max_waiting`` (503 with ``Retry-After``)."""
     body.refuse_unsupported()
     ctx.check_model(body.model)
     body.stops()
-    for ids, new in zip(prompts, max_tokens):
-        if len(ids) > ctx.engine.max_seq_len:  # at once: the ids' own checks are linear in them, on the event loop
-            raise APIError(400, f"the prompt's {len(ids)} tokens exceed the {ctx.engine.max_seq_len} tokens a "
+    for spec in specs:
+        length = len(spec.prompt_ids)
+        if length > ctx.engine.max_seq_len:  # at once: the ids' own checks are linear in them, on the event loop
+            raise APIError(400, f"the prompt's {length} tokens exceed the {ctx.engine.max_seq_len} tokens a "
                                 "request may have (the server's --max-seq-len); shorten it", param="prompt")
         try:
-            ctx.engine.check_request(ids, new, body.stop_token_ids, prompt_logprobs=prompt_logprobs)
+            ctx.engine.check_request(spec)
         except ValueError as e:
             raise APIError(400, str(e)) from None
-    if ctx.loop.waiting_with(len(prompts)) > ctx.max_waiting:
+    if ctx.loop.waiting_with(len(specs)) > ctx.max_waiting:
         raise APIError(503, f"{ctx.loop.waiting} requests are waiting for a batch row and --max-waiting is "
                             f"{ctx.max_waiting}; retry later", kind="server_overloaded", headers={"Retry-After": "1"})

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ess_jax.engine.request import RequestSpec
 from ess_jax.sampling import SamplingParams
 
 MAX_LOGPROBS = 20
@@ -81,9 +82,14 @@ class RequestBody(BaseModel):
     cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None  # vLLM's: requests of other
     # salts never share cached prompt pages (a client's prefixes hidden from the others')
 
-    def sampling(self) -> SamplingParams:
+    def spec(self, prompt_ids: list[int], max_tokens: int, logprobs: int | None,
+             prompt_logprobs: int | None = None) -> RequestSpec:
+        """One choice's request to the engine (each its own random seed when the body sends none);
+        ``prompt_logprobs``: the top-N per prompt token the engine reports (None: the prompt is not scored)."""
         seed = self.seed if self.seed is not None else secrets.randbelow(2**32)
-        return SamplingParams(self.temperature, max(self.top_k, 0), self.top_p, seed)
+        sampling = SamplingParams(self.temperature, max(self.top_k, 0), self.top_p, seed)
+        return RequestSpec(prompt_ids, max_tokens, sampling, self.stop_token_ids, ignore_eos=self.ignore_eos,
+                           logprobs=logprobs, prompt_logprobs=prompt_logprobs, cache_salt=self.cache_salt)
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

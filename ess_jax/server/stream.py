@@ -13,7 +13,7 @@ import dataclasses
 from typing import AsyncIterator, Awaitable, Callable
 
 from ess_jax.engine.loop import EngineDied, EngineLoop
-from ess_jax.sampling import SamplingParams
+from ess_jax.engine.request import RequestSpec
 from ess_jax.server.protocol import APIError
 
 Disconnected = Callable[[], Awaitable[bool]]  # whether the client went away (Starlette's request.is_disconnected)
@@ -53,31 +53,15 @@ class StopStrings:
         return piece, False
 
 
-@dataclasses.dataclass(frozen=True)
-class Generation:
-    """What the engine is asked for one choice."""
-
-    prompt_ids: list[int]
-    max_tokens: int
-    sampling: SamplingParams
-    stops: list[str]
-    stop_token_ids: list[int]
-    ignore_eos: bool
-    logprobs: int | None
-    prompt_logprobs: int | None  # the top-N per prompt token the engine reports (None: the prompt is not scored)
-    cache_salt: str | None = None  # the prefix cache's per-request salt (None: shared with every unsalted request)
-
-
-async def stream_request(loop: EngineLoop, generation: Generation, disconnected: Disconnected
+async def stream_request(loop: EngineLoop, spec: RequestSpec, stops: list[str], disconnected: Disconnected
                          ) -> AsyncIterator[Piece]:
-    """The pieces of one request; it is aborted if the consumer stops early or the client goes away."""
-    g = generation
+    """The pieces of one request, its text cut at the first of ``stops``; it is aborted if the consumer stops
+    early or the client goes away."""
     try:
-        request_id, queue = loop.add(g.prompt_ids, g.max_tokens, g.sampling, g.stop_token_ids, g.ignore_eos,
-                                     g.logprobs, g.prompt_logprobs, g.cache_salt)
+        request_id, queue = loop.add(spec)
     except ValueError as e:
         raise APIError(400, str(e)) from None
-    stops, done = StopStrings(g.stops), False
+    cut, done = StopStrings(stops), False
     try:
         while not done:
             try:
@@ -89,7 +73,7 @@ async def stream_request(loop: EngineLoop, generation: Generation, disconnected:
             if isinstance(out, EngineDied):
                 raise out
             done = out.finished
-            text, stopped = stops.push(out.text_delta, out.finished)
+            text, stopped = cut.push(out.text_delta, out.finished)
             yield Piece(text, out.new_token_ids, out.logprobs, "stop" if stopped else out.finish_reason,
                         out.prompt_logprobs)
             if stopped:

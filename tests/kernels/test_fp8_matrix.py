@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import ess_jax
-from ess_jax.engine import Engine, EngineConfig
+from ess_jax.engine import Engine, EngineConfig, RequestSpec
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 CASES = [("hf-v32-a", "none", "mosaic_tpu"), ("hf-v32-a", "ess", "pallas"), ("hf-v4-a", "none", "mosaic_gpu_sm80"),
@@ -30,7 +30,7 @@ def _run(name: str, offload: str, kernels: str) -> tuple[tuple[int, ...], int]:
     pool = {"hf-v32-a": 17, "hf-v4-a": 9}[name] if offload == "ess" else None
     engine = Engine(_model(name), EngineConfig(max_batch=1, page_size=8, prefill_chunk=32, max_seq_len=56,
                                                kernels=kernels, cache_dtype="fp8", offload=offload, pool_size=pool))
-    engine.add_request(np.random.default_rng(0).integers(0, 256, 48).tolist(), 2)
+    engine.add_request(RequestSpec(np.random.default_rng(0).integers(0, 256, 48).tolist(), 2))
     tokens = tuple(engine.run()[0].output_ids)
     return tokens, engine.offload_metrics()["misses"] if offload == "ess" else 0
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 from typing import Sequence
 
 import jax.numpy as jnp
@@ -28,7 +27,7 @@ from ess_jax.engine.config import EngineConfig
 from ess_jax.engine.layout import MODE_SPECS, cache_layout, check_memory, entry_dtype
 from ess_jax.engine.request import Request, RequestOutput, check_ids, make_request
 from ess_jax.engine.runner import Runner
-from ess_jax.engine.plan import EngineStats, StepTimes
+from ess_jax.engine.plan import EngineStats, StepTimer
 from ess_jax.engine.prefix import prefix_cache_for
 from ess_jax.engine.scheduler import Scheduler
 from ess_jax.engine.speculate import Drafter, proposer_for
@@ -126,34 +125,22 @@ class Engine:
         """Admit what fits, run prefill pieces of up to ``prefill_chunk`` tokens per data shard (the running
         requests wait for at most one chunk), then one decode step for every request past its prefill.
         One output per request that produced tokens, finished or was aborted."""
-        with self._step_lock, self.runner.on_mesh():
+        with self._step_lock, self.runner.on_mesh(), StepTimer(self.stats) as timer:
             self.runner.compile_decode()  # one shape, compiled ahead: no decode timing includes compilation
-            times = StepTimes() if self.stats.steps is not None else None
             self.runner.release(self.scheduler.take_inbox())
             for group in self.scheduler.schedule_prefill():
-                start = time.perf_counter()
-                result = self.runner.prefill(group)
-                self._timed_prefill(time.perf_counter() - start, times)
+                with timer.prefill():
+                    result = self.runner.prefill(group)
                 self.runner.release(self.scheduler.update_prefill(group, result))
             if (batch := self.scheduler.schedule_decode()) is not None:
-                start, tokens = time.perf_counter(), self.stats.decode_tokens
-                self.runner.release(self.scheduler.update_decode(batch, self.runner.decode(batch, times)))
-                if times is not None:
-                    times.decode_s, times.decode_rows = time.perf_counter() - start, int(batch.active_B.sum())
-                    times.decode_tokens = self.stats.decode_tokens - tokens
-            if times is not None:
-                self.stats.steps.append(times)
+                with timer.decode(batch):
+                    self.runner.release(self.scheduler.update_decode(batch, self.runner.decode(batch, timer.times)))
             return self.scheduler.outputs()
 
     def speculative_metrics(self) -> dict | None:
         """Speculative decoding's counters as the ``--json`` ``metrics.speculative`` object (``speculate``); None
         without."""
         return self.proposer.metrics(self.stats.steps)
-
-    def _timed_prefill(self, seconds: float, times: StepTimes | None) -> None:
-        self.stats.prefill_s += seconds
-        if times is not None:
-            times.prefill_s.append(seconds)
 
     def run(self) -> list[Request]:
         """Step until every request added so far is finished; those requests in id order."""

@@ -45,8 +45,7 @@ from ess_jax.api import DTYPES
 from ess_jax.cache import StepMeta
 from ess_jax.config import ModelConfig, resolve_model
 from ess_jax.engine import plan, steps
-from ess_jax.engine.layout import MODE_SPECS, CacheLayout, cache_layout
-from ess_jax.engine.runner import window_shape
+from ess_jax.engine.layout import MODE_SPECS, CacheLayout, cache_layout, window_shape
 from ess_jax.models import quant
 
 PLATFORMS = {"tpu": ("tpu", "TPU v6 lite"), "cuda": ("gpu", "NVIDIA H200")}  # --platform: jax's device platform, kind
@@ -218,7 +217,7 @@ def abstract_engine(cfg: ModelConfig, config, dtype: str, seed: int, target: Tar
     cache, shardings = abstract_cache(lambda size: mode.decode_cache(module, size, config, layout), layout.size,
                                       config, target)
     scratch, scratch_shardings = abstract_cache(*mode.prefill_cache(module, config, layout), config, target)
-    window = jax.ShapeDtypeStruct(window_shape(module, layout, config.kernels), I32,
+    window = jax.ShapeDtypeStruct(window_shape(module, layout.size, config.kernels), I32,
                                   sharding=NamedSharding(target.mesh, steps.LAYER_ROWS))
     return Abstract(graphdef, params, layout, cache, shardings, scratch, scratch_shardings, window)
 

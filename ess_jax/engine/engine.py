@@ -121,6 +121,12 @@ class Engine:
         return self.scheduler.inbox.unfinished()
 
     # ---- the engine's thread -------------------------------------------------------------------
+    def compile(self) -> None:
+        """Compile the decode step ahead (one shape; with the MTP module its drafting too), its seconds in
+        ``stats.compile_s``, so no decode timing includes compilation. ``step`` does it first; once per engine."""
+        with self.runner.on_mesh():
+            self.runner.compile_decode()
+
     def step(self) -> list[RequestOutput]:
         """Admit what fits, run prefill pieces of up to ``prefill_chunk`` tokens per data shard (the running
         requests wait for at most one chunk), then one decode step for every request past its prefill.

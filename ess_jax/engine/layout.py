@@ -11,9 +11,11 @@ import os
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
+from flax import nnx
 
 from ess_jax import families, mesh, tier
-from ess_jax.cache import check_geometry
+from ess_jax.cache import StepMeta, check_geometry
 from ess_jax.engine.config import CACHE_DTYPES, EngineConfig, Offload
 from ess_jax.plan import snapshot_bytes
 
@@ -144,9 +146,37 @@ def _ess_sizes(cfg, config: EngineConfig, size: families.CacheSize, parts, *, lo
 
 
 def scratch_size(size: families.CacheSize) -> families.CacheSize:
-    """The ESS prefill scratch: a batch row per data shard, the longest request's pages and a null page each."""
+    """The ESS prefill scratch of an engine whose decode cache is of ``size``: a batch row per data shard, the longest
+    request's pages and a null page each."""
     pages_per_row = -(-size.max_seq_len // size.page_size)
     return dataclasses.replace(size, rows=size.shards, pages=size.shards * (pages_per_row + 1))
+
+
+def prefill_scratch(module, size: families.CacheSize, cache_dtype: str | None, index_dtype: str | None = None):
+    """What an ESS engine whose decode cache is of ``size`` prefills prompts on, as a builder of it and its size
+    (``scratch_size``): every part resident, the offloaded part's rows in ``entry_dtype``, the indexer keys in
+    ``index_dtype``."""
+    family, dtype = families.get(module.cfg.family), entry_dtype(module, cache_dtype)
+    return (lambda size: family.resident_cache(module, size, dtype, index_dtype)), scratch_size(size)
+
+
+def window_shape(module, size: families.CacheSize, kernels: str) -> tuple[int, ...]:
+    """The shape ``[L, D, Q, K]`` of the running window of prompt top-k ids (``steps.next_window``) of an engine whose
+    decode cache is of ``size``: the layers and top-k of a prefill piece's ids, a row per data shard."""
+    shards, pages_per_row = size.shards, -(-size.max_seq_len // size.page_size)
+    tokens = jax.ShapeDtypeStruct((shards, 1), jnp.int32)
+    meta = StepMeta(tokens, jax.ShapeDtypeStruct((shards, 1), bool),
+                    jax.ShapeDtypeStruct((shards, pages_per_row), jnp.int32),
+                    jax.ShapeDtypeStruct((shards,), jnp.int32))
+    graphdef, params = nnx.split(module)
+
+    def prefill(params, tokens, meta):  # the ids' shapes of a prefill piece, on a resident cache of a row per shard
+        module = nnx.merge(graphdef, params)
+        cache = families.get(module.cfg.family).resident_cache(module, scratch_size(size), module.dtype)
+        return module.step(tokens, meta, cache, kernels=kernels)[1]
+
+    ids_LBTK = jax.eval_shape(prefill, params, tokens, meta)
+    return ids_LBTK.shape[0], shards, tier.WARMUP_QUERIES, ids_LBTK.shape[3]
 
 
 def _ess_cache(module, size: families.CacheSize, config: EngineConfig, layout: CacheLayout):
@@ -160,9 +190,7 @@ def _ess_cache(module, size: families.CacheSize, config: EngineConfig, layout: C
 
 
 def _ess_prefill(module, config: EngineConfig, layout: CacheLayout):
-    """A scratch: every part resident, a batch row per data shard (``scratch_size``)."""
-    family, dtype = families.get(module.cfg.family), entry_dtype(module, config.cache_dtype)
-    return (lambda size: family.resident_cache(module, size, dtype, config.index_dtype)), scratch_size(layout.size)
+    return prefill_scratch(module, layout.size, config.cache_dtype, config.index_dtype)
 
 
 MODE_SPECS = {

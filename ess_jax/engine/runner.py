@@ -18,14 +18,13 @@ from typing import Callable
 import numpy as np
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import NamedSharding
 
-from ess_jax import families, mesh, ops, tier
+from ess_jax import families, mesh, ops
 from ess_jax.cache import StepMeta
 from ess_jax.engine import steps
 from ess_jax.engine.config import EngineConfig
-from ess_jax.engine.layout import CacheLayout
+from ess_jax.engine.layout import CacheLayout, window_shape
 from ess_jax.engine.offload import Mode
 from ess_jax.engine.request import MAX_PROMPT_LOGPROBS
 from ess_jax.engine.plan import (DecodeBatch, DecodeResult, EngineStats, PrefillGroup, PrefillResult, PrefillSlice,
@@ -40,25 +39,6 @@ def sampling_batch(params: tuple[SamplingParams, ...], steps_B: np.ndarray) -> s
                                jnp.asarray([p.top_k for p in params], jnp.int32),
                                jnp.asarray([p.top_p for p in params], jnp.float32),
                                jnp.asarray([p.seed for p in params], jnp.uint32), jnp.asarray(steps_B, jnp.int32))
-
-
-def window_shape(module, layout: CacheLayout, kernels: str) -> tuple[int, ...]:
-    """The shape ``[L, D, Q, K]`` of the running window of prompt top-k ids (``steps.next_window``): the layers
-    and top-k of a prefill piece's ids, a row per data shard."""
-    shards = layout.size.shards
-    tokens = jax.ShapeDtypeStruct((shards, 1), jnp.int32)
-    meta = StepMeta(tokens, jax.ShapeDtypeStruct((shards, 1), bool),
-                    jax.ShapeDtypeStruct((shards, layout.pages_per_row), jnp.int32),
-                    jax.ShapeDtypeStruct((shards,), jnp.int32))
-    size, (graphdef, params) = dataclasses.replace(layout.size, rows=shards), nnx.split(module)
-
-    def prefill(params, tokens, meta):  # the ids' shapes of a prefill piece, on a resident cache of a row per shard
-        module = nnx.merge(graphdef, params)
-        cache = families.get(module.cfg.family).resident_cache(module, size, module.dtype)
-        return module.step(tokens, meta, cache, kernels=kernels)[1]
-
-    ids_LBTK = jax.eval_shape(prefill, params, tokens, meta)
-    return ids_LBTK.shape[0], shards, tier.WARMUP_QUERIES, ids_LBTK.shape[3]
 
 
 class Runner:
@@ -100,7 +80,7 @@ class Runner:
 
     def _empty_window(self) -> jax.Array:
         """No prompt positions yet on any shard: ``i32[L, D, Q, K]`` of -1, placed as ``steps.prefill`` returns it."""
-        window = jnp.full(window_shape(self.model.module, self.layout, self.kernels), -1, jnp.int32)
+        window = jnp.full(window_shape(self.model.module, self.layout.size, self.kernels), -1, jnp.int32)
         sharding = (NamedSharding(self.mesh, steps.LAYER_ROWS) if self.mesh
                     else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
         return jax.device_put(window, sharding)

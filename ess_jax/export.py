@@ -8,7 +8,7 @@ The target is an abstract mesh of ``--mesh``'s shape (one device without it) who
 of ``--device-kind`` (default: TPU v6 lite; NVIDIA H200): ``--kernels auto`` chooses for them
 (``ops.resolve_kernels``). Every argument is a shape, nothing is allocated, so DeepSeek's full shapes lower here:
 the parameters from ``nnx.eval_shape`` in the runner's shardings (``mesh.param_sharding``), the caches from the
-engine's cache builders traced (``offload.MODES[...].decode_cache``, the ESS prefill scratch) in the runner's
+engine's cache builders traced (``layout.MODE_SPECS[...].decode_cache``, the ESS prefill scratch) in the runner's
 shardings (``mesh.shard_axes``, ``mesh.cache_shardings``), each array in the memory kind its builder gives it (the
 ESS host store: ``pinned_host``). The steps are the engine's own (``ess_jax.engine.steps``) with the runner's
 static arguments: ``decode``, ``prefill_T`` for each piece size T (``plan.piece_sizes``), and with ``--offload ess``
@@ -44,9 +44,8 @@ from ess_jax import aot, cli, families, mesh, ops
 from ess_jax.api import DTYPES
 from ess_jax.cache import StepMeta
 from ess_jax.config import ModelConfig, resolve_model
-from ess_jax.engine import offload, plan, steps
-from ess_jax.engine.layout import CacheLayout, cache_layout
-from ess_jax.engine.runner import window_shape
+from ess_jax.engine import plan, steps
+from ess_jax.engine.layout import MODE_SPECS, CacheLayout, cache_layout, window_shape
 from ess_jax.models import quant
 
 PLATFORMS = {"tpu": ("tpu", "TPU v6 lite"), "cuda": ("gpu", "NVIDIA H200")}  # --platform: jax's device platform, kind
@@ -209,11 +208,11 @@ def abstract_engine(cfg: ModelConfig, config, dtype: str, seed: int, target: Tar
     params = jax.tree_util.tree_map_with_path(
         lambda path, x: shaped(x, mesh.param_sharding(target.mesh, mesh.path_names(path), x.shape)), params)
     layout = cache_layout(cfg, config, jnp.dtype(module.dtype).name)
-    mode = offload.MODES[config.offload]
+    mode = MODE_SPECS[config.offload]
     cache, shardings = abstract_cache(lambda size: mode.decode_cache(module, size, config, layout), layout.size,
                                       config, target)
     scratch, scratch_shardings = abstract_cache(*mode.prefill_cache(module, config, layout), config, target)
-    window = jax.ShapeDtypeStruct(window_shape(module, layout, config.kernels), I32,
+    window = jax.ShapeDtypeStruct(window_shape(module, layout.size, config.kernels), I32,
                                   sharding=NamedSharding(target.mesh, steps.LAYER_ROWS))
     return Abstract(graphdef, params, layout, cache, shardings, scratch, scratch_shardings, window)
 
@@ -257,7 +256,7 @@ def engine_steps(cfg: ModelConfig, config, engine: Abstract, target: Target) -> 
         found |= {"row_state": Step(steps.row_state, (), (engine.scratch, row0), {}, replicated),
                   "resume": Step(steps.resume, (), (engine.scratch, row0, state),
                                  dict(shardings=engine.scratch_shardings), scratch_out)}
-    return found | {name: moves[name]() for name in offload.MODES[config.offload].steps
+    return found | {name: moves[name]() for name in MODE_SPECS[config.offload].steps
                     if name != "load_prefix" or config.prefix_cache}
 
 

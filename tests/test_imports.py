@@ -169,3 +169,37 @@ def test_the_scheduler_and_the_hand_off_types_import_no_device_code():
     mods = loaded("import ess_jax.engine.scheduler")
     device = {f"ess_jax.engine.{m}" for m in ("steps", "runner", "offload", "layout", "engine")}
     assert not mods & ({"flax", "ess_jax.families"} | device)
+
+
+def test_the_engine_modules_import_each_other_one_way():
+    """No import cycle among ``ess_jax/engine``'s modules, counting every import (function-level and
+    ``TYPE_CHECKING`` ones too): each module's imports stand below it."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent / "ess_jax" / "engine"
+    names = {p.stem for p in root.glob("*.py")} - {"__init__"}
+    imports = {}
+    for name in names:
+        found = set()
+        for node in ast.walk(ast.parse((root / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "ess_jax.engine":
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                found.add(node.module.removeprefix("ess_jax.engine."))
+            elif isinstance(node, ast.Import):
+                found |= {a.name.removeprefix("ess_jax.engine.") for a in node.names}
+        imports[name] = found & names
+    done, path = set(), []
+
+    def visit(name):
+        assert name not in path, " -> ".join(path[path.index(name):] + [name])
+        if name not in done:
+            path.append(name)
+            for imported in sorted(imports[name]):
+                visit(imported)
+            path.pop()
+            done.add(name)
+
+    for name in sorted(names):
+        visit(name)

@@ -198,7 +198,7 @@ def test_bytes_per_device_equal_the_sharded_engine_cache(preset, cache_dtype, in
     from jax.sharding import AbstractMesh, AxisType
 
     from ess_jax import engine, families
-    from ess_jax.engine import offload as offload_modes
+    from ess_jax.engine.layout import MODE_SPECS
 
     cfg, shape = load_config(preset_dict(preset)), mesh.parse(spec)
     family = families.get(cfg.family)
@@ -212,7 +212,7 @@ def test_bytes_per_device_equal_the_sharded_engine_cache(preset, cache_dtype, in
         planned = next(p for p in plan.cache_parts(cfg, cache_dtype, index_dtype) if p.name == key.name)
         assert key.row_bytes == planned.row_bytes == {"fp4": 68, "fp8": 132}[index_dtype]
     assert layout.size.pages == shape.data * (1 + batch // shape.data * context // page)  # a pool per data shard
-    decode_cache = offload_modes.MODES[config.offload].decode_cache
+    decode_cache = MODE_SPECS[config.offload].decode_cache
     cache = jax.eval_shape(lambda: decode_cache(module, layout.size, config, layout))
     axes = mesh.shard_axes(lambda rows, pages: decode_cache(
         module, dataclasses.replace(layout.size, rows=rows, pages=pages), config, layout))

@@ -79,7 +79,7 @@ def tier_invariants(engine: Engine) -> None:
     """The tier holds no entry past a running request's entries (nothing a rejected draft wrote), no entry of a
     free batch row, its slot table and residency map are inverse, and no staged row lies past a request's
     entries."""
-    store = engine.offload.store()
+    store = engine.offload.store(engine.runner.cache)
     part, page_size = engine.layout.offloaded, engine.config.page_size
     per_page = entries_per_page(page_size, part.tokens_per_row)
     entry_LBP = np.asarray(store.lru.slot_entry)
@@ -108,7 +108,7 @@ def all_free(engine: Engine) -> None:
     usage = engine.usage()
     assert usage["pages_in_use"] == 0 and usage["rows_in_use"] == 0
     if engine.config.offload == "ess":
-        store = engine.offload.store()
+        store = engine.offload.store(engine.runner.cache)
         assert (np.asarray(store.lru.slot_entry) < 0).all() and (np.asarray(store.lru.resident_slot) < 0).all()
 
 

@@ -34,7 +34,7 @@ def depth_row(model, prompts: list[list[int]], layers: int, offload: str, args) 
                           fetch=args.fetch[0], kernels=args.kernels, cache_dtype=args.cache_dtype,
                           index_dtype=args.index_dtype, mesh=args.mesh)
     engine = Engine(model, config, record_steps=True)
-    engine.runner.compile_decode()
+    engine.compile()
     for prompt in prompts:
         engine.add_request(RequestSpec(prompt, args.new_tokens, ignore_eos=True))
     engine.run()
@@ -54,7 +54,7 @@ def depth_sweep(args, log) -> dict:
     """``--depth-sweep``: the model's config with ``num_hidden_layers`` set to each given count (random weights
     from ``--weights-seed``), served resident and with ESS (the first ``--ratios`` and ``--fetch``): ``--batch``
     prompts of ``--context`` tokens (``prompt_source``), ``--new-tokens`` each. Per depth and mode:
-    - decode compile s: ``Runner.compile_decode`` (lowering and compiling the decode step);
+    - decode compile s: ``Engine.compile`` (lowering and compiling the decode step);
     - prefill compile s: the first prefill piece's time less the median of the later ones of the same size
       (every prompt is cut into the same pieces; with ESS the first handoff's compile is in it too);
     - ms per decode step: the median decode step of the whole batch (``EngineStats.steps``), the first one dropped;

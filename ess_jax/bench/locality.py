@@ -6,7 +6,6 @@ K top-k)."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
@@ -41,8 +40,6 @@ class Trace:
         return self.warm_LTK[:, -1]
 
 
-
-
 def greedy_row():
     """One row's greedy sampling (``steps.SamplingBatch``)."""
     from ess_jax.engine import steps
@@ -52,26 +49,17 @@ def greedy_row():
 
 
 def scratch(model, max_seq_len: int, page_size: int, cache_dtype: str | None, kernels: str):
-    """A one-row resident cache shaped like an offloaded engine's prefill scratch for ``max_seq_len`` tokens, its
-    page table ``i32[1, X]`` (the pages 1..X; 0 is the null page) and an empty window of top-k ids
-    ``i32[L, 1, Q, K]`` (-1), L the model's layers that select."""
-    import jax
+    """A one-row cache as an offloaded engine's prefill scratch for ``max_seq_len`` tokens (``layout.prefill_scratch``),
+    its page table ``i32[1, X]`` (the pages 1..X; 0 is the null page) and an empty window of top-k ids
+    ``i32[L, 1, Q, K]`` (-1; ``layout.window_shape``), L the model's layers that select."""
     import jax.numpy as jnp
-    from ess_jax import families, tier
-    from ess_jax.cache import StepMeta
-    from ess_jax.engine import CACHE_DTYPES
+    from ess_jax import families
+    from ess_jax.engine import layout
 
-    module = model.module
-    pages = math.ceil(max_seq_len / page_size)
-    dtype = CACHE_DTYPES[cache_dtype] if cache_dtype else module.dtype
-    cache = families.get(model.cfg.family).resident_cache(
-        module, families.CacheSize(rows=1, pages=pages + 1, page_size=page_size, max_seq_len=max_seq_len), dtype)
-    table_BX = jnp.arange(1, pages + 1, dtype=jnp.int32)[None]
-    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    meta = StepMeta(tokens, jax.ShapeDtypeStruct((1, 1), bool), table_BX, jnp.zeros((1,), jnp.int32))
-    ids_LBTK = jax.eval_shape(lambda t, m, c: module.step(t, m, c, kernels=kernels)[1], tokens, meta, cache)
-    window = jnp.full((ids_LBTK.shape[0], 1, tier.WARMUP_QUERIES, ids_LBTK.shape[3]), -1, jnp.int32)
-    return cache, table_BX, window
+    size = families.CacheSize(rows=1, pages=1, page_size=page_size, max_seq_len=max_seq_len)  # one request's engine
+    make, scratch_size = layout.prefill_scratch(model.module, size, cache_dtype)
+    table_BX = jnp.arange(1, scratch_size.pages, dtype=jnp.int32)[None]
+    return make(scratch_size), table_BX, jnp.full(layout.window_shape(model.module, size, kernels), -1, jnp.int32)
 
 
 def run_piece(model, kernels: str, tokens: list[int], start: int, table_BX, cache, window):

@@ -3,8 +3,8 @@ decode, over the parts of ``ess_jax.engine``:
 
 - ``Scheduler`` (host only): requests, admission, what each step runs, the stop rules;
 - ``Runner``: parameters, mesh, decode cache and the compiled steps (``steps``);
-- the offload mode (``offload.Resident`` or ``offload.Ess``, chosen once here): where prompts prefill and what
-  moves between the device and the host store.
+- the offload mode (``offload.Resident`` or ``offload.Ess``, chosen once here; the runner calls it on its cache):
+  where prompts prefill and what moves between the device and the host store.
 
 Online: ``add_request`` (any thread, while the engine runs), ``step`` (admission, prefill pieces of at most
 ``prefill_chunk`` tokens per data shard, one decode step; each request's new tokens and text), ``abort``,
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 
 import jax.numpy as jnp
 from tqdm import tqdm
@@ -24,10 +23,10 @@ from tqdm import tqdm
 from ess_jax import families, mesh
 from ess_jax.engine import offload
 from ess_jax.engine.config import EngineConfig
-from ess_jax.engine.layout import cache_layout, check_memory
+from ess_jax.engine.layout import MODE_SPECS, cache_layout, check_memory, entry_dtype
 from ess_jax.engine.request import Request, RequestOutput, RequestSpec
 from ess_jax.engine.runner import Runner
-from ess_jax.engine.plan import EngineStats, StepTimes
+from ess_jax.engine.plan import EngineStats, StepTimer
 from ess_jax.engine.prefix import prefix_cache_for
 from ess_jax.engine.scheduler import Scheduler
 from ess_jax.engine.speculate import Drafter, proposer_for
@@ -41,19 +40,16 @@ class Engine:
         ``config.speculative``): a caller's drafts in place of the MTP module's, ``drafter(request)`` -> the
         ``num_speculative_tokens`` tokens to verify after the request's last (its ``output_ids`` so far)."""
         self.model, self.config, self.progress = model, config, progress
-        self.proposer = proposer_for(model, config, drafter, offload.entry_dtype(model.module, config))
+        self.proposer = proposer_for(model, config, drafter, entry_dtype(model.module, config.cache_dtype))
         self.layout = cache_layout(model.cfg, config, jnp.dtype(model.module.dtype).name)
         shape = mesh.parse(config.mesh) if config.mesh else mesh.MeshShape()
         check_memory(self.layout, mesh.param_bytes_per_device(model.params, shape))
         self.max_seq_len = self.layout.max_seq_len
         self.stats = EngineStats(steps=[] if record_steps else None)
-        mode = offload.MODES[config.offload]
         self.prefix_cache = config.prefix_cache
-        prefix, prefix_io = prefix_cache_for(model, config, self.layout, mode, self.proposer)
-        self.runner = Runner(model, config, self.layout, self.stats,
-                             lambda size: mode.decode_cache(model.module, size, config, self.layout), prefix_io,
-                             self.proposer)
-        self.offload: offload.Mode = mode(self.runner, self.layout, self.stats)
+        prefix, prefix_io = prefix_cache_for(model, config, self.layout, MODE_SPECS[config.offload], self.proposer)
+        self.offload: offload.Mode = offload.MODES[config.offload](model.module, config, self.layout, self.stats)
+        self.runner = Runner(model, config, self.layout, self.stats, self.offload, prefix_io, self.proposer)
         size = self.layout.size
         self.scheduler = Scheduler(config, shards=size.shards, pages=size.pages // size.shards,
                                    pages_per_row=self.layout.pages_per_row, max_seq_len=self.max_seq_len,
@@ -85,7 +81,7 @@ class Engine:
         if self._step_lock.acquire(blocking=False):
             try:
                 with self.runner.on_mesh():
-                    self.offload.release(self.scheduler.take_inbox())
+                    self.runner.release(self.scheduler.take_inbox())
             finally:
                 self._step_lock.release()
 
@@ -98,38 +94,32 @@ class Engine:
         return self.scheduler.inbox.unfinished()
 
     # ---- the engine's thread -------------------------------------------------------------------
+    def compile(self) -> None:
+        """Compile the decode step ahead (one shape; with the MTP module its drafting too), its seconds in
+        ``stats.compile_s``, so no decode timing includes compilation. ``step`` does it first; once per engine."""
+        with self.runner.on_mesh():
+            self.runner.compile_decode()
+
     def step(self) -> list[RequestOutput]:
         """Admit what fits, run prefill pieces of up to ``prefill_chunk`` tokens per data shard (the running
         requests wait for at most one chunk), then one decode step for every request past its prefill.
         One output per request that produced tokens, finished or was aborted."""
-        with self._step_lock, self.runner.on_mesh():
+        with self._step_lock, self.runner.on_mesh(), StepTimer(self.stats) as timer:
             self.runner.compile_decode()  # one shape, compiled ahead: no decode timing includes compilation
-            times = StepTimes() if self.stats.steps is not None else None
-            self.offload.release(self.scheduler.take_inbox())
+            self.runner.release(self.scheduler.take_inbox())
             for group in self.scheduler.schedule_prefill():
-                start = time.perf_counter()
-                result = self.offload.prefill(group)
-                self._timed_prefill(time.perf_counter() - start, times)
-                self.offload.release(self.scheduler.update_prefill(group, result))
+                with timer.prefill():
+                    result = self.runner.prefill(group)
+                self.runner.release(self.scheduler.update_prefill(group, result))
             if (batch := self.scheduler.schedule_decode()) is not None:
-                start, tokens = time.perf_counter(), self.stats.decode_tokens
-                self.offload.release(self.scheduler.update_decode(batch, self.runner.decode(batch, times)))
-                if times is not None:
-                    times.decode_s, times.decode_rows = time.perf_counter() - start, int(batch.active_B.sum())
-                    times.decode_tokens = self.stats.decode_tokens - tokens
-            if times is not None:
-                self.stats.steps.append(times)
+                with timer.decode(batch):
+                    self.runner.release(self.scheduler.update_decode(batch, self.runner.decode(batch, timer.times)))
             return self.scheduler.outputs()
 
     def speculative_metrics(self) -> dict | None:
         """Speculative decoding's counters as the ``--json`` ``metrics.speculative`` object (``speculate``); None
         without."""
         return self.proposer.metrics(self.stats.steps)
-
-    def _timed_prefill(self, seconds: float, times: StepTimes | None) -> None:
-        self.stats.prefill_s += seconds
-        if times is not None:
-            times.prefill_s.append(seconds)
 
     def run(self) -> list[Request]:
         """Step until every request added so far is finished; those requests in id order."""
@@ -138,7 +128,7 @@ class Engine:
                    file=sys.stderr, disable=not self.progress, leave=False)
         while self.has_unfinished():
             bar.update(sum(len(out.new_token_ids) for out in self.step()))
-        self.offload.flush()  # the last step's rows reach the host store too
+        self.runner.flush()  # the last step's rows reach the host store too
         self.scheduler.prefix.flush()  # and the prompts' pages the disk store
         bar.close()
         return [requests[i] for i in sorted(requests)]
@@ -176,8 +166,8 @@ class Engine:
         its counters so far (``speculative``: ``speculative_metrics``), and with the prefix cache its pages no
         request holds (``prefix_cache_pages``, free to admission) and its counters (``prefix_cache``)."""
         scheduled = self.scheduler.usage()
-        return {**scheduled, **self.offload.usage(scheduled), **self.proposer.usage(self.stats.steps),
-                **self.scheduler.prefix.usage()}
+        return {**scheduled, **self.offload.usage(self.runner.cache, scheduled),
+                **self.proposer.usage(self.stats.steps), **self.scheduler.prefix.usage()}
 
     def cache_bytes(self) -> dict[str, int]:
         """Bytes of the real cache arrays: device (the decode-time cache), host (the offload store), and
@@ -189,7 +179,7 @@ class Engine:
         prefix cache's row-state snapshots kept now, in host memory (DeepSeek-V4's; at most
         ``layout.snapshot_bytes``)."""
         parts, size = self.layout.parts, self.layout.size
-        return {**self.offload.cache_bytes(),
+        return {**self.offload.cache_bytes(self.runner.cache),
                 "prefix_snapshot_bytes": sum(pool.state_bytes for pool in self.scheduler.allocators),
                 "resident_device_bytes": int(families.resident_bytes(parts, size, self.stats.peak_reserved_pages)),
                 "resident_device_bytes_now": int(families.resident_bytes(parts, size, self.stats.reserved_pages))}
@@ -202,4 +192,4 @@ class Engine:
     def offload_metrics(self) -> dict | None:
         """Tier counters (read from the device once) as the ``--json`` ``metrics.offload`` object; None
         without offload."""
-        return self.offload.metrics()
+        return self.offload.metrics(self.runner.cache)

@@ -1,12 +1,15 @@
 """What the engine's parts hand each other, as plain data (no jax): the scheduler's plans (``PrefillSlice`` in a
 ``PrefillGroup``, ``DecodeBatch``), what the device returned (``PrefillResult``, ``DecodeResult``), what an ended
-request frees (``Released``), the engine's counters (``EngineStats``, ``StepTimes``), and the prefill-piece rule:
+request frees (``Released``), the engine's counters (``EngineStats``, ``StepTimes``, taken by ``StepTimer``), and the
+prefill-piece rule:
 a prompt is cut into pieces of ``prefill_chunk`` tokens, the remainder into powers of two, largest first
 (``piece_size``); a piece never depends on other prompts."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import time
 from typing import Any
 
 import numpy as np
@@ -41,6 +44,42 @@ class EngineStats:
     reserved_pages: int = 0
     peak_reserved_pages: int = 0
     steps: list[StepTimes] | None = None
+
+
+class StepTimer:
+    """One ``Engine.step``'s timing, as a context around the step: each prefill call's seconds into
+    ``EngineStats.prefill_s``, and with recorded steps (``EngineStats.steps``) the step's ``StepTimes`` (``times``),
+    appended when the step ends."""
+
+    def __init__(self, stats: EngineStats):
+        self.stats = stats
+        self.times = StepTimes() if stats.steps is not None else None
+
+    def __enter__(self) -> StepTimer:
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if kind is None and self.times is not None:
+            self.stats.steps.append(self.times)
+
+    @contextlib.contextmanager
+    def prefill(self):
+        """A prefill call (its handoff included)."""
+        start = time.perf_counter()
+        yield
+        seconds = time.perf_counter() - start
+        self.stats.prefill_s += seconds
+        if self.times is not None:
+            self.times.prefill_s.append(seconds)
+
+    @contextlib.contextmanager
+    def decode(self, batch: DecodeBatch):
+        """The decode step of ``batch`` with its bookkeeping: its seconds, rows and tokens."""
+        start, tokens = time.perf_counter(), self.stats.decode_tokens
+        yield
+        if self.times is not None:
+            self.times.decode_s, self.times.decode_rows = time.perf_counter() - start, int(batch.active_B.sum())
+            self.times.decode_tokens = self.stats.decode_tokens - tokens
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,7 +34,7 @@ from ess_jax import families
 from ess_jax.allocator import Admission, Admitted, PageAllocator, page_keys
 from ess_jax.engine import steps
 from ess_jax.engine.config import EngineConfig
-from ess_jax.engine.offload import entry_dtype
+from ess_jax.engine.layout import entry_dtype
 from ess_jax.engine.plan import PrefillSlice, PrefixWork
 from ess_jax.engine.request import Request
 from ess_jax.prefix_store import PrefixDisk, PrefixStore, weights_fingerprint
@@ -348,9 +348,9 @@ class NoPrefixIO:
 def prefix_cache_for(model, config: EngineConfig, layout, mode, proposer
                      ) -> tuple[PrefixCache | NoPrefixCache, PrefixIO | NoPrefixIO]:
     """The prefix cache's two halves for an engine (``config.prefix_cache``; off: the null objects): its pages salted
-    with what their bytes depend on, its disk store with ``config.prefix_cache_dir``. ``mode``: the offload mode;
-    ``proposer``: speculative decoding's (the MTP module's cache is in the pages too: its page keys name the tokens
-    past a page, ``lookahead``, and its pages go to the disk store)."""
+    with what their bytes depend on, its disk store with ``config.prefix_cache_dir``. ``mode``: the offload mode's
+    ``layout.ModeSpec``; ``proposer``: speculative decoding's (the MTP module's cache is in the pages too: its page
+    keys name the tokens past a page, ``lookahead``, and its pages go to the disk store)."""
     if not config.prefix_cache:
         return NoPrefixCache(config.page_size), NoPrefixIO()
     family = families.get(model.cfg.family)
@@ -379,7 +379,7 @@ def _disk(model, config: EngineConfig, more: list, salt: bytes) -> PrefixDisk:
     module = model.module
     family = families.get(module.cfg.family)
     size = families.CacheSize(rows=1, pages=2, page_size=config.page_size, max_seq_len=config.page_size)
-    dtype = entry_dtype(module, config)
+    dtype = entry_dtype(module, config.cache_dtype)
     main = jax.eval_shape(lambda: family.resident_cache(module, size, dtype, config.index_dtype))
     caches = [main, *more]
     page = [(np.dtype(x.dtype).str, (x.shape[0], *x.shape[2:]))

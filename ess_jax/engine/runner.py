@@ -1,6 +1,7 @@
 """The runner owns what lives on the devices: the parameters (placed on the mesh), the decode cache and its
 shardings, the running window of prompt top-k ids, and the compiled steps. It turns the scheduler's plans
-into device calls (``prefill``, ``decode``) and their results back into host data.
+into device calls (``prefill``, through the offload mode; ``decode``; ``release`` and ``flush``, the mode's) and
+their results back into host data.
 
 Every array a step takes is made the same way in warm-up and in serving: caches and windows committed to
 their shardings when they are built (a step's outputs are committed too), host arguments made by
@@ -17,50 +18,33 @@ from typing import Callable
 import numpy as np
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import NamedSharding
 
-from ess_jax import families, mesh, ops, tier
+from ess_jax import families, mesh, ops
 from ess_jax.cache import StepMeta
 from ess_jax.engine import steps
 from ess_jax.engine.config import EngineConfig
-from ess_jax.engine.layout import CacheLayout
+from ess_jax.engine.layout import CacheLayout, window_shape
+from ess_jax.engine.offload import Mode
 from ess_jax.engine.request import MAX_PROMPT_LOGPROBS
 from ess_jax.engine.plan import (DecodeBatch, DecodeResult, EngineStats, PrefillGroup, PrefillResult, PrefillSlice,
-                                 StepTimes)
+                                 Released, StepTimes)
 from ess_jax.engine.prefix import NoPrefixIO, PrefixIO, Target
 from ess_jax.engine.speculate import CallerDrafts, NoDrafts
 from ess_jax.sampling import SamplingParams
 
 
-def window_shape(module, layout: CacheLayout, kernels: str) -> tuple[int, ...]:
-    """The shape ``[L, D, Q, K]`` of the running window of prompt top-k ids (``steps.next_window``): the layers
-    and top-k of a prefill piece's ids, a row per data shard."""
-    shards = layout.size.shards
-    tokens = jax.ShapeDtypeStruct((shards, 1), jnp.int32)
-    meta = StepMeta(tokens, jax.ShapeDtypeStruct((shards, 1), bool),
-                    jax.ShapeDtypeStruct((shards, layout.pages_per_row), jnp.int32),
-                    jax.ShapeDtypeStruct((shards,), jnp.int32))
-    size, (graphdef, params) = dataclasses.replace(layout.size, rows=shards), nnx.split(module)
-
-    def prefill(params, tokens, meta):  # the ids' shapes of a prefill piece, on a resident cache of a row per shard
-        module = nnx.merge(graphdef, params)
-        cache = families.get(module.cfg.family).resident_cache(module, size, module.dtype)
-        return module.step(tokens, meta, cache, kernels=kernels)[1]
-
-    ids_LBTK = jax.eval_shape(prefill, params, tokens, meta)
-    return ids_LBTK.shape[0], shards, tier.WARMUP_QUERIES, ids_LBTK.shape[3]
 
 
 class Runner:
-    def __init__(self, model, config: EngineConfig, layout: CacheLayout, stats: EngineStats,
-                 decode_cache: Callable[[families.CacheSize], object], prefix: PrefixIO | NoPrefixIO,
-                 proposer: NoDrafts | CallerDrafts):
-        """``decode_cache(size)``: the empty decode cache of ``size`` (the offload mode's); ``prefix``: the prefix
-        cache's runner half; ``proposer``: speculative decoding's (``speculate``), whose device part (the MTP
-        module's cache and drafting) runs within the steps."""
+    def __init__(self, model, config: EngineConfig, layout: CacheLayout, stats: EngineStats, mode: Mode,
+                 prefix: PrefixIO | NoPrefixIO, proposer: NoDrafts | CallerDrafts):
+        """``mode``: the offload mode (``offload``), whose decode cache the runner builds and owns and which runs
+        the prefill groups and the releases on it; ``prefix``: the prefix cache's runner half; ``proposer``:
+        speculative decoding's (``speculate``), whose device part (the MTP module's cache and drafting) runs within
+        the steps."""
         self.model, self.config, self.layout, self.stats = model, config, layout, stats
-        self.prefix, self.proposer = prefix, proposer
+        self.mode, self.prefix, self.proposer = mode, prefix, proposer
         ops.resolve_kernels(config.kernels)  # Pallas where this backend has no kernels for it: refused here
         self.kernels = config.kernels  # static in the compiled steps
         self.mesh = mesh.make(mesh.parse(config.mesh)) if config.mesh else None
@@ -70,7 +54,8 @@ class Runner:
         self.prompt_top = min(MAX_PROMPT_LOGPROBS, model.cfg.vocab_size)  # the top-N a scored prefill piece keeps
         self._compiled_decode = None
         with self.on_mesh():
-            self.cache, self.shardings = self.build(decode_cache, layout.size)
+            self.cache, self.shardings = self.build(mode.decode_cache, layout.size)
+            mode.place(self.build, self.shardings)
             proposer.place(self.build, layout.size)
             self.window = self._empty_window()
 
@@ -90,27 +75,41 @@ class Runner:
 
     def _empty_window(self) -> jax.Array:
         """No prompt positions yet on any shard: ``i32[L, D, Q, K]`` of -1, placed as ``steps.prefill`` returns it."""
-        window = jnp.full(window_shape(self.model.module, self.layout, self.kernels), -1, jnp.int32)
+        window = jnp.full(window_shape(self.model.module, self.layout.size, self.kernels), -1, jnp.int32)
         sharding = (NamedSharding(self.mesh, steps.LAYER_ROWS) if self.mesh
                     else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
         return jax.device_put(window, sharding)
 
-    # ---- prefill -------------------------------------------------------------------------------
-    def prefill(self, cache, shardings, group: PrefillGroup, table_DX: np.ndarray, row_D: np.ndarray, rows: int):
+    # ---- prefill and release -------------------------------------------------------------------
+    def prefill(self, group: PrefillGroup) -> PrefillResult:
+        """Run ``group`` through the offload mode (on the decode cache, or the mode's scratch); its result."""
+        self.cache, self.window, result = self.mode.prefill(self.cache, self.window, group, run=self._run)
+        return result
+
+    def release(self, released: list[Released]) -> None:
+        """Empty what the ended requests held on the devices (the offload mode's ``release``)."""
+        self.cache = self.mode.release(self.cache, released)
+
+    def flush(self) -> None:
+        """The last step's rows to the host store (the offload mode's ``flush``)."""
+        with self.on_mesh():
+            self.cache = self.mode.flush(self.cache)
+
+    def _run(self, cache, shardings, window, group: PrefillGroup, table_DX: np.ndarray, row_D: np.ndarray, rows: int):
         """Run ``group`` on ``cache`` (the decode cache, or the offload mode's scratch; ``rows`` batch rows per data
-        shard) with each shard's page table ``table_DX`` and batch row ``row_D`` (in its shard); the result and the
-        cache. A piece past a cached prefix first resumes its row's state (and its MTP cache's) from the prefix's
-        snapshot; a piece the prefix cache snapshots after takes it (``prefix.PrefixIO``)."""
+        shard) with each shard's page table ``table_DX`` and batch row ``row_D`` (in its shard); the cache, the
+        window and the result. A piece past a cached prefix first resumes its row's state (and its MTP cache's) from
+        the prefix's snapshot; a piece the prefix cache snapshots after takes it (``prefix.PrefixIO``)."""
         for shard, piece in group.slices.items():
             cache, *rest = self.prefix.before(self._targets(cache, shardings, shard, piece, table_DX, row_D, rows),
                                               shard, piece)
             self.proposer.resumed(rest)
-        result, cache = self._prefill(cache, shardings, group, table_DX, row_D)
+        cache, window, result = self._prefill(cache, shardings, window, group, table_DX, row_D)
         states, saved = {}, {}
         for shard, piece in group.slices.items():
             states[shard], saved[shard] = self.prefix.after(
                 self._targets(cache, shardings, shard, piece, table_DX, row_D, rows), shard, piece)
-        return dataclasses.replace(result, states=states, saved=saved), cache
+        return cache, window, dataclasses.replace(result, states=states, saved=saved)
 
     def _targets(self, cache, shardings, shard: int, piece: PrefillSlice, table_DX: np.ndarray, row_D: np.ndarray,
                  rows: int) -> list[Target]:
@@ -118,7 +117,7 @@ class Runner:
         MTP module's (the request's own batch row and pages)."""
         return [(cache, shardings, shard * rows + int(row_D[shard]), table_DX[shard]), *self.proposer.targets(piece)]
 
-    def _prefill(self, cache, shardings, group: PrefillGroup, table_DX: np.ndarray, row_D: np.ndarray):
+    def _prefill(self, cache, shardings, window, group: PrefillGroup, table_DX: np.ndarray, row_D: np.ndarray):
         d, t = self.shards, group.size
         tokens, positions = np.zeros((d, t), np.int32), np.zeros((d, t), np.int32)
         valid, targets = np.zeros((d, t), bool), np.zeros((d, t), np.int32)
@@ -132,9 +131,9 @@ class Runner:
         meta = StepMeta(*(jnp.asarray(x) for x in (positions, valid, table_DX, row_D)))
         mtp = self.proposer.prefill_args(positions, valid, pages_DX, rows_D, last_D)
         targets = jnp.asarray(targets)
-        token, logits_DV, hidden, self.window, cache, drafts_DK, mtp_cache = steps.prefill(
+        token, logits_DV, hidden, window, cache, drafts_DK, mtp_cache = steps.prefill(
             self.model.graphdef, self.kernels, self.params, jnp.asarray(tokens), meta, cache,
-            steps.SamplingBatch.of(params, steps_D), self.window, targets, shardings=shardings, **mtp)
+            steps.SamplingBatch.of(params, steps_D), window, targets, shardings=shardings, **mtp)
         scores = steps.score(self.model.graphdef, self.params, hidden, targets, top=self.prompt_top,
                              shardings=shardings) if group.scored else None
         drafts = self.proposer.prefill_done(mtp_cache, drafts_DK, group)
@@ -146,7 +145,7 @@ class Runner:
             fields = [mesh.host_array(x) for x in jax.tree.leaves(scores)]  # in PromptScores' field order
             scored = {s: tuple(x[s, :len(piece.targets)] for x in fields) for s, piece in group.slices.items()
                       if piece.prompt_logprobs is not None}
-        return PrefillResult(sampled, {s: logits[s] for s in wanted}, scored, drafts), cache
+        return cache, window, PrefillResult(sampled, {s: logits[s] for s in wanted}, scored, drafts)
 
     # ---- decode --------------------------------------------------------------------------------
     def decode_args(self, batch: DecodeBatch):

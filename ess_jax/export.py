@@ -10,10 +10,10 @@ of ``--device-kind`` (default: TPU v6 lite; NVIDIA H200): ``--kernels auto`` cho
 the parameters from ``nnx.eval_shape`` in the runner's shardings (``mesh.param_sharding``), the caches from the
 engine's cache builders traced (``layout.MODE_SPECS[...].decode_cache``, the ESS prefill scratch) in the runner's
 shardings (``mesh.shard_axes``, ``mesh.cache_shardings``), each array in the memory kind its builder gives it (the
-ESS host store: ``pinned_host``). The steps are the engine's own (``ess_jax.engine.steps``) with the runner's
-static arguments: ``decode``, ``prefill_T`` for each piece size T (``plan.piece_sizes``), and with ``--offload ess``
-``handoff``, ``release``, ``flush`` and (with the prefix cache) ``load_prefix``; with the
-prefix cache on DeepSeek-V4 ``row_state`` and ``resume`` (a prompt's window and rings to a snapshot and back).
+ESS host store: ``pinned_host``). The steps are the engine's own, as its catalog declares them (``steps.catalog``):
+``decode``, ``prefill_T`` for each piece size T (``plan.piece_sizes``), and with ``--offload ess`` ``handoff``,
+``release``, ``flush`` and (with the prefix cache) ``load_prefix``; with the prefix cache on DeepSeek-V4 ``row_state``
+and ``resume`` (a prompt's window and rings to a snapshot and back).
 
 ``DIR/STEP.jax_export`` holds each step's ``Exported.serialize()`` (``jax.export.deserialize`` reads it back on the
 target, whose ``call`` runs it); ``DIR/summary.json`` the target, the kernels used and per step its file, the
@@ -32,7 +32,6 @@ import math
 import re
 import sys
 from pathlib import Path
-from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,15 +41,13 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding, 
 
 from ess_jax import aot, cli, families, mesh, ops
 from ess_jax.api import DTYPES
-from ess_jax.cache import StepMeta
 from ess_jax.config import ModelConfig, resolve_model
-from ess_jax.engine import plan, steps
-from ess_jax.engine.layout import MODE_SPECS, CacheLayout, cache_layout, window_shape
+from ess_jax.engine import steps
+from ess_jax.engine.layout import MODE_SPECS, cache_layout, window_shape
 from ess_jax.models import quant
 
 PLATFORMS = {"tpu": ("tpu", "TPU v6 lite"), "cuda": ("gpu", "NVIDIA H200")}  # --platform: jax's device platform, kind
 GPU_CALLS = ("mosaic_gpu_v2",)  # the Mosaic GPU kernels' custom call: jax.export serializes it only when told to
-I32 = jnp.int32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,35 +137,6 @@ def abstract_cache(make, size: families.CacheSize, config, target: Target):
     return cache, mesh.Layout.of(shardings) if config.mesh else None
 
 
-def meta(rows: int, tokens: int, pages: int) -> StepMeta:
-    return StepMeta(jax.ShapeDtypeStruct((rows, tokens), I32), jax.ShapeDtypeStruct((rows, tokens), bool),
-                    jax.ShapeDtypeStruct((rows, pages), I32), jax.ShapeDtypeStruct((rows,), I32))
-
-
-class Step(NamedTuple):
-    """One engine step as the engine calls it: ``step(*static, *args, **kwargs)``, its results in ``out``."""
-
-    step: Callable
-    static: tuple
-    args: tuple  # jax.ShapeDtypeStructs, in the runner's shardings and memory kinds
-    kwargs: dict
-    out: tuple  # the results' shardings, as the engine's step returns them (a pytree prefix of the results)
-
-
-@dataclasses.dataclass(frozen=True)
-class Abstract:
-    """An engine's parameters, caches and window as shapes, and its steps' static shardings (``Runner``, ``Ess``)."""
-
-    graphdef: nnx.GraphDef
-    params: nnx.State
-    layout: CacheLayout
-    cache: object  # the decode cache
-    shardings: mesh.Layout | None  # the decode cache's (None: no --mesh)
-    scratch: object  # the cache prefill pieces run on: the decode cache, or with ESS the prefill scratch
-    scratch_shardings: mesh.Layout | None
-    window: jax.ShapeDtypeStruct  # i32[L, D, Q, K]
-
-
 def release_params(cfg: ModelConfig, params: nnx.State) -> nnx.State:
     """``params`` (shapes) as ``weights="release"`` holds them: each parameter the release quantizes
     (``Family.release_bytes``) as its ``quant.Fp8Blocks`` (e4m3 values, 128 x 128 block scales: float32, or ue8m0
@@ -197,9 +165,9 @@ def release_params(cfg: ModelConfig, params: nnx.State) -> nnx.State:
 
 
 def abstract_engine(cfg: ModelConfig, config, dtype: str, seed: int, target: Target,
-                    weights: str = "dequantized") -> Abstract:
-    """What ``Engine(model, config)`` builds on the target's devices, as shapes (``Runner.__init__``, ``Ess``), the
-    parameters as ``weights`` keeps them (``release``: the release's quantized bytes)."""
+                    weights: str = "dequantized") -> steps.EngineArrays:
+    """What ``Engine(model, config)`` builds on the target's devices, as shapes (``Runner.arrays``), the parameters
+    as ``weights`` keeps them (``release``: the release's quantized bytes)."""
     module = nnx.eval_shape(lambda: families.get(cfg.family).module_cls(cfg, dtype=DTYPES[dtype],
                                                                        rngs=nnx.Rngs(seed)))
     graphdef, params = nnx.split(module)
@@ -212,60 +180,18 @@ def abstract_engine(cfg: ModelConfig, config, dtype: str, seed: int, target: Tar
     cache, shardings = abstract_cache(lambda size: mode.decode_cache(module, size, config, layout), layout.size,
                                       config, target)
     scratch, scratch_shardings = abstract_cache(*mode.prefill_cache(module, config, layout), config, target)
-    window = jax.ShapeDtypeStruct(window_shape(module, layout.size, config.kernels), I32,
+    window = jax.ShapeDtypeStruct(window_shape(module, layout.size, config.kernels), jnp.int32,
                                   sharding=NamedSharding(target.mesh, steps.LAYER_ROWS))
-    return Abstract(graphdef, params, layout, cache, shardings, scratch, scratch_shardings, window)
+    return steps.EngineArrays(layout, target.mesh, graphdef, params, cache, shardings, scratch, scratch_shardings,
+                              window)
 
 
-def engine_steps(cfg: ModelConfig, config, engine: Abstract, target: Target) -> dict[str, Step]:
-    """Each step the engine compiles, by name, called as the runner and the offload mode call it
-    (``Runner.compile_decode``, ``Runner.prefill``, ``Ess``)."""
-    b, d, x = config.max_batch, engine.layout.size.shards, engine.layout.pages_per_row
-    static, family = (engine.graphdef, config.kernels), families.get(cfg.family)
-    rows = NamedSharding(target.mesh, steps.ROWS if config.mesh else PartitionSpec())
-    cache_out, scratch_out = (jax.tree.map(lambda a: a.sharding, c) for c in (engine.cache, engine.scratch))
-    t = 1 + config.num_speculative_tokens  # each row's last token and its drafts
-    found = {"decode": Step(steps.decode, static, (engine.params, jax.ShapeDtypeStruct((b, t), I32), meta(b, t, x),
-                                                   engine.cache, steps.SamplingBatch.shapes(b),
-                                                   jax.ShapeDtypeStruct((b,), bool)),
-                            dict(shardings=engine.shardings),
-                            # with drafts also the verified step's hidden states and kept lengths
-                            # (``steps.draft``'s input)
-                            (rows, rows, rows, cache_out) + ((rows, rows) if t > 1 else ()))}
-    for t in plan.piece_sizes(config.prefill_chunk):
-        found[f"prefill_{t}"] = Step(
-            steps.prefill, static, (engine.params, jax.ShapeDtypeStruct((d, t), I32), meta(d, t, x), engine.scratch,
-                                    steps.SamplingBatch.shapes(d), engine.window, jax.ShapeDtypeStruct((d, t), I32)),
-            dict(shardings=engine.scratch_shardings), (rows, rows, rows, engine.window.sharding, scratch_out))
-    table, row = jax.ShapeDtypeStruct((d, x), I32), jax.ShapeDtypeStruct((d,), I32)
-    moves = {  # the offload mode's own steps
-        "handoff": lambda: Step(steps.handoff, (family,), (engine.cache, engine.scratch, table, table, row, row,
-                                                           engine.window, row),
-                                dict(shardings=engine.shardings, scratch_shardings=engine.scratch_shardings),
-                                cache_out),
-        "release": lambda: Step(steps.release, (family,), (engine.cache, row), dict(shardings=engine.shardings),
-                                cache_out),
-        "load_prefix": lambda: Step(steps.load_prefix, (family,), (engine.cache, engine.scratch, table, table),
-                                    dict(shardings=engine.shardings, scratch_shardings=engine.scratch_shardings),
-                                    scratch_out),
-        "flush": lambda: Step(steps.flush, (family,), (engine.cache,), dict(shardings=engine.shardings), cache_out)}
-    if config.prefix_cache and family.row_state:  # a prompt's row state out to a snapshot and back (``Runner.prefill``)
-        row0 = jax.ShapeDtypeStruct((), I32)
-        state = jax.eval_shape(steps.row_state, engine.scratch, row0)
-        replicated = jax.tree.map(lambda _: NamedSharding(target.mesh, PartitionSpec()), state)
-        found |= {"row_state": Step(steps.row_state, (), (engine.scratch, row0), {}, replicated),
-                  "resume": Step(steps.resume, (), (engine.scratch, row0, state),
-                                 dict(shardings=engine.scratch_shardings), scratch_out)}
-    return found | {name: moves[name]() for name in MODE_SPECS[config.offload].steps
-                    if name != "load_prefix" or config.prefix_cache}
-
-
-def export_step(name: str, step: Step, target: Target) -> jax.export.Exported:
+def export_step(name: str, step: steps.StepSpec, target: Target) -> jax.export.Exported:
     """``step`` exported for the target over the leaves of its arguments, returning the leaves of its results
     (an artifact a caller feeds from its own pytrees, whatever their types); StepError with the lowering's
     message."""
     leaves, treedef = jax.tree.flatten(step.args)
-    flat = jax.jit(lambda *leaves: jax.tree.leaves(step.step(*step.static, *jax.tree.unflatten(treedef, leaves),
+    flat = jax.jit(lambda *leaves: jax.tree.leaves(step.fn(*step.static, *jax.tree.unflatten(treedef, leaves),
                                                              **step.kwargs)),
                    out_shardings=jax.tree.leaves(step.out))
     checks = [jax.export.DisabledSafetyCheck.custom_call(c) for c in GPU_CALLS] if target.platform == "cuda" else []
@@ -297,7 +223,7 @@ def export(cfg: ModelConfig, config, dtype: str, seed: int, target: Target, out:
     """Every engine step exported for ``target`` into ``out``, and the summary (also ``out/summary.json``)."""
     with target.using():
         kernels = ops.resolve_kernels(config.kernels)
-        found = engine_steps(cfg, config, abstract_engine(cfg, config, dtype, seed, target), target)
+        found = steps.catalog(families.get(cfg.family), config, abstract_engine(cfg, config, dtype, seed, target))
         out.mkdir(parents=True, exist_ok=True)
         summary = {"target": {"platform": target.platform, "device_kind": target.kind, "mesh": str(target.shape),
                               "devices": target.shape.size},
@@ -312,15 +238,15 @@ def export(cfg: ModelConfig, config, dtype: str, seed: int, target: Target, out:
     return summary
 
 
-def compile_step(name: str, step: Step, target: Target) -> dict:
+def compile_step(name: str, step: steps.StepSpec, target: Target) -> dict:
     """``step`` compiled by the target's own compiler (libtpu with Mosaic TPU; XLA:GPU) as the engine compiles it (its
     own jit: the caches donated, so updated in place), and what the compiled program says (``aot.analyze``); a step
     that does not compile: ``compiled: False`` and the compiler's message."""
     try:
         if target.platform == "cuda":
-            compiled = aot.compile_with_host_memory(step.step, (*step.static, *step.args), target.spec, step.kwargs)
+            compiled = aot.compile_with_host_memory(step.fn, (*step.static, *step.args), target.spec, step.kwargs)
         else:
-            compiled = step.step.lower(*step.static, *step.args, **step.kwargs).compile()
+            compiled = step.lower().compile()
     except Exception as e:  # the compiler's verdict, whatever it raises, is the report
         lines = [line for line in str(e).splitlines() if line.strip()]
         return {"compiled": False, "error": f"{type(e).__name__}: {' '.join(lines[:4])[:1500]}"}
@@ -333,8 +259,8 @@ def compile_all(cfg: ModelConfig, config, dtype: str, seed: int, target: Target,
     (also ``out/summary.json`` when ``out`` is given)."""
     with target.using():
         kernels = ops.resolve_kernels(config.kernels)
-        engine = abstract_engine(cfg, config, dtype, seed, target, weights)
-        found = engine_steps(cfg, config, engine, target)
+        found = steps.catalog(families.get(cfg.family), config,
+                              abstract_engine(cfg, config, dtype, seed, target, weights))
         if only:
             if unknown := sorted(set(only) - set(found)):
                 raise ValueError(f"--steps {','.join(unknown)}: not a step of this engine; its steps are "

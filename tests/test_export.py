@@ -15,7 +15,7 @@ from flax import nnx
 
 from ess_jax import export, families, mesh
 from ess_jax.api import Model
-from ess_jax.engine import Engine, EngineConfig, cache_layout, plan
+from ess_jax.engine import Engine, EngineConfig, cache_layout, plan, steps
 from ess_jax.engine.plan import DecodeBatch
 from ess_jax.tokenizer import load_tokenizer
 
@@ -131,7 +131,7 @@ def test_the_export_takes_the_arguments_the_runner_builds():
     target = export.Target("tpu", "TPU v6 lite", mesh.MeshShape())
     abstract = export.abstract_engine(cfg, config, "bfloat16", 0, target)
     runner = engine.runner
-    decode = export.engine_steps(cfg, config, abstract, target)["decode"]
+    decode = steps.catalog(families.get(cfg.family), config, abstract)["decode"]
     runs = runner.decode_args(DecodeBatch.idle(2, 4))
     pairs = [(abstract.params, runner.params), (abstract.cache, runner.cache),
              (abstract.scratch, engine.offload.scratch),

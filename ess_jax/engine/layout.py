@@ -160,14 +160,17 @@ def prefill_scratch(module, size: families.CacheSize, cache_dtype: str | None, i
     return (lambda size: family.resident_cache(module, size, dtype, index_dtype)), scratch_size(size)
 
 
+def meta_shapes(rows: int, tokens: int, pages: int) -> StepMeta:
+    """The shapes of a step's metadata: ``rows`` batch rows of ``tokens`` tokens, page tables of ``pages`` pages."""
+    return StepMeta(jax.ShapeDtypeStruct((rows, tokens), jnp.int32), jax.ShapeDtypeStruct((rows, tokens), bool),
+                    jax.ShapeDtypeStruct((rows, pages), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32))
+
+
 def window_shape(module, size: families.CacheSize, kernels: str) -> tuple[int, ...]:
     """The shape ``[L, D, Q, K]`` of the running window of prompt top-k ids (``steps.next_window``) of an engine whose
     decode cache is of ``size``: the layers and top-k of a prefill piece's ids, a row per data shard."""
     shards, pages_per_row = size.shards, -(-size.max_seq_len // size.page_size)
-    tokens = jax.ShapeDtypeStruct((shards, 1), jnp.int32)
-    meta = StepMeta(tokens, jax.ShapeDtypeStruct((shards, 1), bool),
-                    jax.ShapeDtypeStruct((shards, pages_per_row), jnp.int32),
-                    jax.ShapeDtypeStruct((shards,), jnp.int32))
+    tokens, meta = jax.ShapeDtypeStruct((shards, 1), jnp.int32), meta_shapes(shards, 1, pages_per_row)
     graphdef, params = nnx.split(module)
 
     def prefill(params, tokens, meta):  # the ids' shapes of a prefill piece, on a resident cache of a row per shard

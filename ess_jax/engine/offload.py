@@ -6,7 +6,8 @@ the decode cache: each call takes it and returns it, the mode holding only what 
 scratch):
 
 - ``decode_cache``: the empty decode cache of a size; ``place``: the decode cache's shardings (and ``Ess`` its
-  scratch, built by the runner's ``build``);
+  scratch, built by the runner's ``build``); ``prefill_on``: what prefill pieces run on (the decode cache, the
+  scratch);
 - ``prefill``: run a prefill group through the runner's ``run`` (``Ess``: on a device scratch of one prompt per data
   shard, then the finished prompts handed off to the decode cache and the host store);
 - ``release``: empty what ended requests held on the device; ``flush``: the last step's rows to the host;
@@ -35,6 +36,7 @@ class Mode(Protocol):
 
     def decode_cache(self, size: families.CacheSize): ...
     def place(self, build: Callable, shardings: mesh.Layout | None) -> None: ...
+    def prefill_on(self, cache, shardings: mesh.Layout | None) -> tuple: ...
     def prefill(self, cache, window, group: PrefillGroup, *, run: Run) -> tuple: ...
     def release(self, cache, released: list[Released]): ...
     def flush(self, cache): ...
@@ -56,6 +58,10 @@ class Resident:
 
     def place(self, build: Callable, shardings: mesh.Layout | None) -> None:
         self.shardings = shardings
+
+    def prefill_on(self, cache, shardings: mesh.Layout | None) -> tuple:
+        """What prefill pieces run on, and its shardings: the decode cache itself."""
+        return cache, shardings
 
     def prefill(self, cache, window, group: PrefillGroup, *, run: Run) -> tuple:
         """The decode cache, the window and the result after ``group``, run on the decode cache."""
@@ -103,6 +109,10 @@ class Ess:
         self.shardings = shardings
         self.scratch, self.scratch_shardings = build(*MODE_SPECS[Offload.ESS].prefill_cache(self.module, self.config,
                                                                                              self.layout))
+
+    def prefill_on(self, cache, shardings: mesh.Layout | None) -> tuple:
+        """What prefill pieces run on, and its shardings: the scratch."""
+        return self.scratch, self.scratch_shardings
 
     def _scratch_table(self, pages_X: np.ndarray) -> np.ndarray:
         """A prompt's scratch pages: 1..n where it has pages."""

@@ -18,7 +18,6 @@ from typing import Callable
 import numpy as np
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 
 from ess_jax import families, mesh, ops
 from ess_jax.cache import StepMeta
@@ -76,9 +75,14 @@ class Runner:
     def _empty_window(self) -> jax.Array:
         """No prompt positions yet on any shard: ``i32[L, D, Q, K]`` of -1, placed as ``steps.prefill`` returns it."""
         window = jnp.full(window_shape(self.model.module, self.layout.size, self.kernels), -1, jnp.int32)
-        sharding = (NamedSharding(self.mesh, steps.LAYER_ROWS) if self.mesh
-                    else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-        return jax.device_put(window, sharding)
+        return jax.device_put(window, steps.placement(self.mesh, steps.LAYER_ROWS))
+
+    def arrays(self) -> steps.EngineArrays:
+        """What the steps run on now (``steps.catalog``'s arguments): the parameters, the decode cache, what prefill
+        pieces run on (the offload mode's ``prefill_on``) and the window."""
+        scratch, scratch_shardings = self.mode.prefill_on(self.cache, self.shardings)
+        return steps.EngineArrays(self.layout, self.mesh, self.model.graphdef, self.params, self.cache, self.shardings,
+                                  scratch, scratch_shardings, self.window)
 
     # ---- prefill and release -------------------------------------------------------------------
     def prefill(self, group: PrefillGroup) -> PrefillResult:
@@ -161,15 +165,15 @@ class Runner:
                 steps.SamplingBatch.of(batch.sampling, batch.steps_B), jnp.asarray(batch.forced_B))
 
     def compile_decode(self) -> None:
-        """Compile the decode step (and with the MTP module its drafting) ahead (one shape), so no decode timing
-        includes compilation."""
+        """Compile the decode step (``steps.catalog``'s; with the MTP module its drafting too) ahead (one shape), so
+        no decode timing includes compilation."""
         if self._compiled_decode is not None:
             return
         start = time.perf_counter()
+        decode = steps.catalog(families.get(self.model.cfg.family), self.config, self.arrays())["decode"]
         idle = DecodeBatch.idle(self.config.max_batch, self.layout.pages_per_row, self.config.num_speculative_tokens)
-        args = self.decode_args(idle)
-        self._compiled_decode = steps.decode.lower(self.model.graphdef, self.kernels, *args,
-                                                   shardings=self.shardings).compile()
+        args = self.decode_args(idle)  # made as serving makes them (the host-made ones uncommitted: replicated)
+        self._compiled_decode = decode.fn.lower(*decode.static, *args, **decode.kwargs).compile()
         self.proposer.compile(self.model.graphdef, self.kernels, self.params, self._compiled_decode, args[2])
         self.stats.compile_s = time.perf_counter() - start
 

@@ -12,12 +12,16 @@ so that engines over the same model and shapes share their executables, each don
   ``read_pages``, ``write_pages``: a prompt's pages out to the prefix cache's disk store and back.
 
 ``shardings`` (static): the cache's ``mesh.Layout`` on the engine's mesh; the steps then run per data shard
-(``mesh.per_shard``), their batch-row-major arguments split over ``data``. None: one device."""
+(``mesh.per_shard``), their batch-row-major arguments split over ``data``. None: one device.
+
+``catalog`` declares the steps a configuration compiles, each once (``StepSpec``: the step, its static arguments,
+its arguments' shapes, its results' shardings) over an engine's arrays or their shapes (``EngineArrays``): the runner
+compiles its decode step from it, ``ess_jax.export`` lowers and compiles them all."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import jax
@@ -27,6 +31,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ess_jax import families, mesh, tier
 from ess_jax.cache import StepMeta
+from ess_jax.engine.config import EngineConfig
+from ess_jax.engine.layout import MODE_SPECS, CacheLayout, meta_shapes
+from ess_jax.engine.plan import piece_sizes
 from ess_jax.sampling import SamplingParams, sample, verify
 
 ROWS, ALL = PartitionSpec("data"), PartitionSpec()  # a batch-row-major argument split over the shards; replicated
@@ -85,6 +92,12 @@ def prompt_scores(logits_BTV: jax.Array, targets_BT: jax.Array, top: int) -> Pro
     rank_BT = (logprobs_BTV > target_BT[..., None]).sum(-1, dtype=jnp.int32) + 1
     top_BTK, ids_BTK = jax.lax.top_k(logprobs_BTV, top)
     return PromptScores(target_BT, rank_BT, ids_BTK.astype(jnp.int32), top_BTK)
+
+
+def placement(device_mesh, spec: PartitionSpec) -> jax.sharding.Sharding:
+    """``spec`` on the engine's mesh (concrete or abstract); without one (None) the one device."""
+    return (NamedSharding(device_mesh, spec) if device_mesh is not None
+            else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
 
 
 def placed(shardings: mesh.Layout | None, cache):
@@ -321,3 +334,74 @@ read_pages = jax.jit(_read_pages)
 write_pages = jax.jit(_write_pages, static_argnames="shardings", donate_argnums=0)
 load_prefix = jax.jit(_load_prefix, static_argnums=0, static_argnames=("shardings", "scratch_shardings"),
                       donate_argnums=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineArrays:
+    """What an engine's steps run on: its arrays (``Runner.arrays``) or their shapes (``export.abstract_engine``:
+    ``jax.ShapeDtypeStruct``s in its shardings and memory kinds)."""
+
+    layout: CacheLayout
+    device_mesh: Any  # the engine's mesh, concrete or abstract (None: one device)
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    cache: Any  # the decode cache
+    shardings: mesh.Layout | None  # the decode cache's (None: no --mesh)
+    scratch: Any  # what prefill pieces run on: the decode cache, or with ESS the prefill scratch
+    scratch_shardings: mesh.Layout | None
+    window: Any  # i32[L, D, Q, K] the running window of prompt top-k ids
+
+
+class StepSpec(NamedTuple):
+    """One compiled step as the engine calls it: ``fn(*static, *args, **kwargs)``."""
+
+    fn: Callable  # the jitted step
+    static: tuple  # its static positional arguments
+    args: tuple  # its arguments: arrays, or shapes (``jax.ShapeDtypeStruct``s) of the same shardings
+    kwargs: dict  # its static keyword arguments: the caches' shardings
+    out: Any  # its results' shardings, as the step returns them (a pytree prefix of its results)
+
+    def lower(self) -> jax.stages.Lowered:
+        return self.fn.lower(*self.static, *self.args, **self.kwargs)
+
+
+def _i32(*shape: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.int32)
+
+
+def catalog(family: families.Family, config: EngineConfig, engine: EngineArrays) -> dict[str, StepSpec]:
+    """Every step an engine of ``config`` compiles, by name, with its arguments as the runner and the offload mode pass
+    them: ``decode``; ``prefill_T`` for each piece size T (``plan.piece_sizes``); with the prefix cache on a family with
+    row state ``row_state`` and ``resume`` (a prompt's window and rings to a snapshot and back); the offload mode's
+    own (``layout.ModeSpec.steps``; ``load_prefix`` with the prefix cache)."""
+    b, d, x = config.max_batch, engine.layout.size.shards, engine.layout.pages_per_row
+    t = 1 + config.num_speculative_tokens  # each row's last token and its drafts
+    model = (engine.graphdef, config.kernels)
+    rows = placement(engine.device_mesh, ROWS if config.mesh else ALL)
+    cache_out, scratch_out = (jax.tree.map(lambda a: a.sharding, c) for c in (engine.cache, engine.scratch))
+    on_cache, on_scratch = dict(shardings=engine.shardings), dict(shardings=engine.scratch_shardings)
+    on_both = dict(shardings=engine.shardings, scratch_shardings=engine.scratch_shardings)
+    found = {"decode": StepSpec(decode, model, (engine.params, _i32(b, t), meta_shapes(b, t, x), engine.cache,
+                                                SamplingBatch.shapes(b), jax.ShapeDtypeStruct((b,), bool)), on_cache,
+                                # with drafts also the hidden states and kept lengths (``draft``'s input)
+                                (rows, rows, rows, cache_out) + ((rows, rows) if t > 1 else ()))}
+    for n in piece_sizes(config.prefill_chunk):
+        found[f"prefill_{n}"] = StepSpec(
+            prefill, model, (engine.params, _i32(d, n), meta_shapes(d, n, x), engine.scratch, SamplingBatch.shapes(d),
+                             engine.window, _i32(d, n)),
+            on_scratch, (rows, rows, rows, engine.window.sharding, scratch_out))
+    if config.prefix_cache and family.row_state:
+        row0 = _i32()
+        state = jax.eval_shape(row_state, engine.scratch, row0)
+        replicated = jax.tree.map(lambda _: placement(engine.device_mesh, ALL), state)
+        found |= {"row_state": StepSpec(row_state, (), (engine.scratch, row0), {}, replicated),
+                  "resume": StepSpec(resume, (), (engine.scratch, row0, state), on_scratch, scratch_out)}
+    table, row = _i32(d, x), _i32(d)
+    moves = {"handoff": StepSpec(handoff, (family,), (engine.cache, engine.scratch, table, table, row, row,
+                                                      engine.window, row), on_both, cache_out),
+             "release": StepSpec(release, (family,), (engine.cache, row), on_cache, cache_out),
+             "flush": StepSpec(flush, (family,), (engine.cache,), on_cache, cache_out),
+             "load_prefix": StepSpec(load_prefix, (family,), (engine.cache, engine.scratch, table, table), on_both,
+                                     scratch_out)}
+    return found | {name: moves[name] for name in MODE_SPECS[config.offload].steps
+                    if name != "load_prefix" or config.prefix_cache}

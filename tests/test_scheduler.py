@@ -59,7 +59,7 @@ def test_a_prompt_is_cut_into_the_engines_pieces_within_each_steps_chunk():
     s = scheduler(chunk=64)
     rid = add(s, 150, 4)
     s.take_inbox()
-    assert prefill_pieces(150, 64) == [64, 64, 16, 4, 2]
+    assert prefill_pieces(150, 64) == [64, 64, 16, 4, 1, 1]
     planned = []
     for _ in range(3):
         groups = prefill_all(s)
@@ -67,7 +67,8 @@ def test_a_prompt_is_cut_into_the_engines_pieces_within_each_steps_chunk():
         planned.append([(g.size, g.slices[0].start, g.slices[0].last) for g in groups])
         if s.schedule_decode() is not None:
             break
-    assert planned == [[(64, 0, False)], [(64, 64, False)], [(16, 128, False), (4, 144, False), (2, 148, True)]]
+    assert planned == [[(64, 0, False)], [(64, 64, False)],
+                       [(16, 128, False), (4, 144, False), (1, 148, False), (1, 149, True)]]
     piece = s.schedule_prefill()  # nothing left to prefill
     assert piece == []
     batch = s.schedule_decode()
@@ -115,7 +116,7 @@ def test_stop_rules_and_what_a_finished_request_releases():
 
 def test_a_stop_token_at_the_prefill_ends_the_request_before_it_decodes():
     s = scheduler()
-    rid = add(s, 8, 8, stop=[99])
+    rid = add(s, 16, 8, stop=[99])
     s.take_inbox()
     (group,) = s.schedule_prefill()
     released = s.update_prefill(group, sampled(s, group, 99))
@@ -146,7 +147,7 @@ def test_abort_of_a_waiting_and_of_a_running_request():
 
 def test_each_data_shard_prefills_its_own_prompt_and_equal_pieces_share_a_call():
     s = scheduler(shards=2, rows=4, pages=17, chunk=32)
-    a, b, c = add(s, 32, 2), add(s, 32, 2), add(s, 8, 2)
+    a, b, c = add(s, 32, 2), add(s, 32, 2), add(s, 16, 2)
     s.take_inbox()
     groups = s.schedule_prefill()
     # a and b on the two shards (least loaded first), one call of 32 for both; c behind a on shard 0, next step
@@ -157,16 +158,16 @@ def test_each_data_shard_prefills_its_own_prompt_and_equal_pieces_share_a_call()
     for g in groups:
         s.update_prefill(g, sampled(s, g, 1))
     (group,) = s.schedule_prefill()
-    assert group.size == 8 and [p.request_id for p in group.slices.values()] == [c]
+    assert group.size == 16 and [p.request_id for p in group.slices.values()] == [c]
     per_shard = s.usage()["per_shard"]
     assert [p["rows_in_use"] for p in per_shard] == [2, 1]
 
 
 def test_pieces_of_different_sizes_run_largest_first():
     s = scheduler(shards=2, rows=2, pages=17, chunk=32)
-    add(s, 32, 1), add(s, 12, 1)
+    add(s, 32, 1), add(s, 20, 1)
     s.take_inbox()
-    assert [(g.size, list(g.slices)) for g in s.schedule_prefill()] == [(32, [0]), (8, [1]), (4, [1])]
+    assert [(g.size, list(g.slices)) for g in s.schedule_prefill()] == [(32, [0]), (16, [1]), (4, [1])]
 
 
 def test_admission_is_fifo_and_reservations_are_counted():

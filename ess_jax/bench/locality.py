@@ -82,7 +82,7 @@ def topk_trace(model, prompt: list[int], steps: int, *, chunk: int, page_size: i
     """The top-k ids of one request of ``prompt`` and ``steps + 1`` greedy new tokens (``steps`` decode
     steps), from a resident pass on the cache an offloaded engine prefills on (its one-row scratch, sized
     for this request): the prompt runs through the engine's own prefill step in the engine's pieces
-    (``--prefill-chunk``, the rest in powers of two: ``plan.prefill_pieces``), so the warm-up ids are those
+    (``--prefill-chunk``, the rest in powers of four: ``plan.prefill_pieces``), so the warm-up ids are those
     an ESS engine's warm-up reads; then ``steps`` decode steps, each a one-token piece of the same step (its
     ids the last of the window)."""
     import jax.numpy as jnp

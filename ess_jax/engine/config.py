@@ -119,7 +119,7 @@ class EngineConfig:
              "one per cached prompt, least recently used out first (default 16)")
     prefill_chunk: int = _flag(
         256, group=_CACHE,
-        help="longest prefill piece in tokens; a shorter remainder runs as power-of-two pieces (default 256)")
+        help="longest prefill piece in tokens; a shorter remainder runs as power-of-four pieces (default 256)")
     speculative: Speculative | None = _flag(
         None, group=_SPECULATIVE,
         help="'mtp': the checkpoint's multi-token-prediction module drafts --num-speculative-tokens tokens per "

@@ -2,7 +2,7 @@
 ``PrefillGroup``, ``DecodeBatch``), what the device returned (``PrefillResult``, ``DecodeResult``), what an ended
 request frees (``Released``), the engine's counters (``EngineStats``, ``StepTimes``, taken by ``StepTimer``), and the
 prefill-piece rule:
-a prompt is cut into pieces of ``prefill_chunk`` tokens, the remainder into powers of two, largest first
+a prompt is cut into pieces of ``prefill_chunk`` tokens, the remainder into powers of four, largest first
 (``piece_size``); a piece never depends on other prompts."""
 
 from __future__ import annotations
@@ -189,10 +189,12 @@ class Released:
 
 
 def piece_sizes(chunk: int) -> tuple[int, ...]:
-    """Every prefill piece size: the powers of two below ``chunk``, and ``chunk``."""
+    """Every prefill piece size: the powers of four below ``chunk``, and ``chunk``. Each is a compiled prefill step
+    (minutes each for a full model on a TPU), so a ratio of four halves their number against powers of two, for at
+    most three pieces of each size in a prompt's tail (exact pieces: no padding)."""
     sizes = [1]
     while sizes[-1] < chunk:
-        sizes.append(min(sizes[-1] * 2, chunk))
+        sizes.append(min(sizes[-1] * 4, chunk))
     return tuple(sizes)
 
 

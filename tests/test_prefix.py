@@ -60,11 +60,12 @@ def test_a_second_prompt_sharing_a_system_prompt_resumes_from_the_first_ones_lan
     rng = np.random.default_rng(0)
     stem = rng.integers(0, 256, 50).tolist()
     first = serve(s, stem + rng.integers(0, 256, 40).tolist())
-    assert first == [(0, 32, False, None), (32, 16, True, None), (48, 16, True, None), (64, 16, True, None),
-                     (80, 8, False, None), (88, 2, False, None)]
+    assert first == [(0, 16, False, None), (16, 16, False, None), (32, 16, True, None), (48, 16, True, None),
+                     (64, 16, True, None), (80, 4, False, None), (84, 4, False, None), (88, 1, False, None),
+                     (89, 1, False, None)]
     assert s.usage()["prefix_cache_states"] == 3 and s.usage()["prefix_cache_state_bytes"] == 24
     second = serve(s, stem + rng.integers(0, 256, 40).tolist())
-    assert second[0] == (48, 16, True, "at 48") and [p[0] for p in second] == [48, 64, 80, 88]
+    assert second[0] == (48, 16, True, "at 48") and [p[0] for p in second] == [48, 64, 80, 84, 88, 89]
     assert s.usage()["prefix_cache_states"] == 5
     metrics = prefix.metrics()
     assert (metrics["query_tokens"], metrics["hit_tokens"]) == (180, 48)

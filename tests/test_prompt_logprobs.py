@@ -122,7 +122,7 @@ def test_the_scheduler_scores_each_piece_against_the_next_prompt_tokens():
     request of no new tokens ends after its last piece with no token and its prompt's scores in its output."""
     s = Scheduler(ONLINE["resident"], shards=1, pages=40, pages_per_row=38, max_seq_len=606, stats=EngineStats(),
                   prefix=NoPrefixCache(ONLINE["resident"].page_size), proposer=NoDrafts(ONLINE["resident"].max_batch))
-    ids = prompt(70, 9)  # pieces 64, 4, 2
+    ids = prompt(70, 9)  # pieces 64, 4, 1, 1
     s.inbox.add(Request.from_spec(RequestSpec(ids, 0, prompt_logprobs=1), model("v32").tokenizer, []), s.check(70, 0))
     s.take_inbox()
     pieces = []
@@ -135,7 +135,7 @@ def test_the_scheduler_scores_each_piece_against_the_next_prompt_tokens():
                       np.asarray(piece.targets, np.int32)[:, None], -np.asarray(piece.targets, np.float32)[:, None])
             released = s.update_prefill(group, PrefillResult(np.zeros(1, np.int32), {}, {0: scores}))
             assert len(released) == piece.last  # its row and pages, after its last piece
-    assert pieces == [(0, tuple(ids[1:65])), (64, tuple(ids[65:69])), (68, tuple(ids[69:70]))]
+    assert pieces == [(0, tuple(ids[1:65])), (64, tuple(ids[65:69])), (68, tuple(ids[69:70])), (69, ())]
     [out] = s.outputs()
     assert (out.new_token_ids, out.finished, out.finish_reason) == ([], True, "length")
     assert out.prompt_logprobs[0] is None

@@ -54,9 +54,11 @@ def pytest_sessionfinish(session, exitstatus):
 
 # The modules that take longest (mostly compiling their engines), scheduled first: ``--dist loadfile`` hands each
 # worker whole modules in collection order, so the short ones fill in at the end instead of a long one trailing.
-LONGEST_FIRST = ("test_mesh.py", "test_speculative.py", "test_online.py", "test_lm_eval.py", "test_rings.py",
-                 "test_hisparse.py", "test_server.py", "test_server_handlers.py", "test_engine.py", "test_eval.py",
-                 "test_bench.py", "test_mtp.py", "test_tier.py", "test_depth.py", "test_cli.py")
+LONGEST_FIRST = ("test_hisparse.py", "test_speculative.py", "test_index_share.py", "test_mesh.py", "test_fp8_matrix.py",
+                 "test_prefix_cache_v4.py", "test_online.py", "test_tier.py", "test_lm_eval.py", "test_prefix_cache.py",
+                 "test_server.py", "test_engine.py", "test_deepseek_v4.py", "test_server_handlers.py",
+                 "test_prefix_store.py", "test_depth.py", "test_bench.py", "test_mtp.py", "test_model_v32.py",
+                 "test_train.py", "test_serve_processes.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -1,9 +1,8 @@
 """What the engine's parts hand each other, as plain data (no jax): the scheduler's plans (``PrefillSlice`` in a
 ``PrefillGroup``, ``DecodeBatch``), what the device returned (``PrefillResult``, ``DecodeResult``), what an ended
 request frees (``Released``), the engine's counters (``EngineStats``, ``StepTimes``, taken by ``StepTimer``), and the
-prefill-piece rule:
-a prompt is cut into pieces of ``prefill_chunk`` tokens, the remainder into powers of four, largest first
-(``piece_size``); a piece never depends on other prompts."""
+prefill-piece rule: a prompt is cut into pieces of ``prefill_chunk`` tokens, the remainder into powers of four,
+largest first (``piece_size``); a piece never depends on other prompts."""
 
 from __future__ import annotations
 

@@ -33,8 +33,6 @@ from ess_jax.engine.speculate import CallerDrafts, NoDrafts
 from ess_jax.sampling import SamplingParams
 
 
-
-
 class Runner:
     def __init__(self, model, config: EngineConfig, layout: CacheLayout, stats: EngineStats, mode: Mode,
                  prefix: PrefixIO | NoPrefixIO, proposer: NoDrafts | CallerDrafts):
@@ -173,7 +171,7 @@ class Runner:
         decode = steps.catalog(families.get(self.model.cfg.family), self.config, self.arrays())["decode"]
         idle = DecodeBatch.idle(self.config.max_batch, self.layout.pages_per_row, self.config.num_speculative_tokens)
         args = self.decode_args(idle)  # made as serving makes them (the host-made ones uncommitted: replicated)
-        self._compiled_decode = decode.fn.lower(*decode.static, *args, **decode.kwargs).compile()
+        self._compiled_decode = decode._replace(args=args).lower().compile()
         self.proposer.compile(self.model.graphdef, self.kernels, self.params, self._compiled_decode, args[2])
         self.stats.compile_s = time.perf_counter() - start
 

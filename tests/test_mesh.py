@@ -89,8 +89,7 @@ def _run(checkpoint: str, runs: list[str]) -> dict:
     ("v32", ["none:inline:expert=8", "ess:inline:data=2,expert=4", "ess:split:data=2,expert=4", "ess:split:expert=8",
              "ess:inline:data=8"], 8, 48),
     # one CSA entry per 4 tokens; 4 routed experts
-    ("v4", ["none:inline:data=2,expert=4", "none:inline:data=8", "ess:split:data=8", "ess:inline:data=2,expert=4"],
-     4, 12),
+    ("v4", ["none:inline:data=2,expert=4", "ess:split:data=8", "ess:inline:data=2,expert=4"], 4, 12),
 ])
 def test_mesh_tokens_equal_one_device(family, runs, experts, entries):
     """Resident and ESS (both fetch backends; V4's compressor rings in host memory) on meshes sharding the

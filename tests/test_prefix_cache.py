@@ -426,7 +426,7 @@ def test_data_shards_route_to_the_shard_holding_the_prefix_and_give_the_same_tok
 
 # Runs with 2 simulated CPU devices: argv = checkpoint, then the prompts as JSON. On a data=2 mesh of two batch rows
 # per shard, resident and ESS, every prompt submitted at once; prints the tokens and the prefix cache's counters, and
-# the reference: the tokens of one device without the prefix cache (the module engines' shape is too short for them).
+# the reference: the tokens of the same mesh without the prefix cache (the resident mode's compiled steps).
 IN_BATCH_SCRIPT = r"""
 import dataclasses, json, sys
 import ess_jax
@@ -441,7 +441,7 @@ for mode, extra in (("resident", {}), ("ess", dict(offload="ess", pool_size=24))
     for p in prompts:
         engine.add_request(RequestSpec(p, 6))
     out[mode] = {"tokens": [r.output_ids for r in engine.run()], "prefix": engine.prefix_cache_metrics()}
-alone = Engine(model, dataclasses.replace(base, max_batch=2, mesh=None, prefix_cache=False))
+alone = Engine(model, dataclasses.replace(base, prefix_cache=False))  # the resident mode's compiled steps
 for p in prompts:
     alone.add_request(RequestSpec(p, 6))
 reference = [r.output_ids for r in alone.run()]
@@ -451,8 +451,8 @@ print(json.dumps({"reference": reference, "modes": out}))
 
 def in_batch_on_a_mesh(fixture: Path) -> dict[str, tuple[int, ...]]:
     """Five prompts of one 50-token system prompt and distinct 30-token messages, submitted at once on a data=2
-    mesh (``IN_BATCH_SCRIPT``): the tokens of each mode asserted equal to the single-device run without the prefix
-    cache; each mode's hit tokens per data shard."""
+    mesh (``IN_BATCH_SCRIPT``): the tokens of each mode asserted equal to the same mesh's run without the prefix
+    cache (tests/test_mesh.py: a mesh's tokens are one device's); each mode's hit tokens per data shard."""
     import json
     import sys
 

@@ -154,8 +154,8 @@ def test_v4_prompts_submitted_together_share_a_system_prompt(engines, mode):
 
 def test_v4_prompts_submitted_together_on_a_mesh_share_their_system_prompt():
     """``test_prefix_cache``'s in-batch run on a data=2 mesh on DeepSeek-V4 (blocks of 16 tokens): the first prompt
-    snapshots where the waiting ones part from it (48) and the next one on its shard resumes there; tokens as on one
-    device without the prefix cache."""
+    snapshots where the waiting ones part from it (48) and the next one on its shard resumes there; tokens as on the
+    same mesh without the prefix cache."""
     from test_prefix_cache import in_batch_on_a_mesh
 
     for mode, hits in in_batch_on_a_mesh(FIXTURE).items():

@@ -31,7 +31,8 @@ from helpers import MTP_ENGINE, mtp_v32
 
 FIXTURES = Path(__file__).parent / "fixtures"
 NEW = 12  # new tokens of every reference request
-PROMPTS = {"v32": (40, 70, 96, 33), "v4": (40, 70, 96, 33)}  # prompt lengths; the tier pools hold fewer entries
+PROMPTS = {"v32": (33, 65, 96, 34), "v4": (33, 65, 96, 34)}  # prompt lengths (pieces of 32 and 1: two compiled sizes);
+# the tier pools hold fewer entries
 # (max_seq_len: the longest prompt, its new tokens and the 2K positions K = 3 drafts reserve)
 BASE = {"v32": EngineConfig(max_batch=2, page_size=16, prefill_chunk=32, max_seq_len=96 + NEW + 6),
         "v4": EngineConfig(max_batch=2, page_size=16, prefill_chunk=32, max_seq_len=96 + NEW + 6)}

@@ -56,14 +56,18 @@ SMALL_V32 = dict(hidden_size=64, num_hidden_layers=2, mlp_layer_types=["dense", 
                  index_head_dim=16, index_topk=8, intermediate_size=96, moe_intermediate_size=32)
 
 
+# The test engines' prefill pieces: the chunk and single tokens (--prefill-piece-ratio of the chunk), two compiled
+# prefill steps per cache shape instead of one per power of four: a compile (seconds on XLA:CPU) costs what
+# hundreds of one-token pieces (milliseconds each on these models) do.
+
 # One small engine shape for the V3.2 engine tests (prompt + new tokens <= 64), so they reuse each other's
 # compiled prefill pieces and decode steps.
-ENGINE = EngineConfig(max_batch=3, page_size=8, num_pages=25, prefill_chunk=32, max_seq_len=64)
+ENGINE = EngineConfig(max_batch=3, page_size=8, num_pages=25, prefill_chunk=32, prefill_piece_ratio=32, max_seq_len=64)
 
 # One shape pair (resident, ESS) for the online-engine and server tests on the hf-v32-a / hf-v4-a fixtures
 # (prompts up to 600 tokens), so the servers reuse the engines' compiled steps.
 ONLINE_LONGEST, ONLINE_NEW = 600, 6
-ONLINE = {"resident": EngineConfig(max_batch=2, page_size=16, prefill_chunk=64,
+ONLINE = {"resident": EngineConfig(max_batch=2, page_size=16, prefill_chunk=64, prefill_piece_ratio=64,
                                    max_seq_len=ONLINE_LONGEST + ONLINE_NEW)}
 ONLINE["ess"] = dataclasses.replace(ONLINE["resident"], offload="ess", pool_size=40)
 
@@ -84,7 +88,7 @@ def lively_v32(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32) -> DeepseekV3
 
 # One engine shape for the MTP module drafting on ``mtp_v32`` (tests/test_speculative.py, tests/test_prefix_cache.py),
 # so they reuse each other's compiled steps.
-MTP_ENGINE = EngineConfig(max_batch=2, page_size=8, prefill_chunk=16, max_seq_len=64)
+MTP_ENGINE = EngineConfig(max_batch=2, page_size=8, prefill_chunk=16, prefill_piece_ratio=16, max_seq_len=64)
 
 
 def mtp_v32():

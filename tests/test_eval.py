@@ -29,7 +29,8 @@ TEXT = ("The cache outgrew the device, so its rows moved to the host: each decod
         "résumé. Perplexity is exp of the mean negative log-likelihood per token, nats.\n")
 ENGINE = ONLINE["ess"]  # the resident path runs the same shapes with offload "none"
 CLI_SHAPE = ["--context", str(CONTEXT), "--max-batch", str(ENGINE.max_batch), "--page-size", str(ENGINE.page_size),
-             "--prefill-chunk", str(ENGINE.prefill_chunk), "--max-seq-len", str(ENGINE.max_seq_len),
+             "--prefill-chunk", str(ENGINE.prefill_chunk), "--prefill-piece-ratio", str(ENGINE.prefill_piece_ratio),
+             "--max-seq-len", str(ENGINE.max_seq_len),
              "--pool-size", str(ENGINE.pool_size)]
 
 

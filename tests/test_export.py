@@ -34,7 +34,8 @@ def _export(out, model: str, layers: int, *flags: str) -> dict:
     """Run the CLI; its summary, having checked that every step the engine compiles was written."""
     export.main(["--model", model, "--num-layers", str(layers), *SMALL, *flags, "--out", str(out)])
     summary = json.loads((out / "summary.json").read_text())
-    pieces = [f"prefill_{t}" for t in plan.piece_sizes(summary["engine"]["prefill_chunk"])]
+    engine = summary["engine"]
+    pieces = [f"prefill_{t}" for t in plan.piece_sizes(engine["prefill_chunk"], engine["prefill_piece_ratio"])]
     rows = ["row_state", "resume"] if model.startswith("deepseek-v4") else []  # the prefix cache's row-state snapshots
     assert list(summary["steps"]) == ["decode", *pieces, *rows, "handoff", "release", "flush", "load_prefix"]
     assert all((out / step["file"]).stat().st_size > 0 for step in summary["steps"].values())

@@ -30,10 +30,12 @@ needs_lm_eval = pytest.mark.skipif(find_spec("lm_eval") is None, reason="lm-eval
 HELDOUT = Path(__file__).parents[1] / "checkpoints" / "heldout_code.txt"
 TASKS = ["heldout_next_line", "heldout_rolling", "heldout_generate"]
 MAX_LENGTH = 126  # the native model's inputs per request: rolling documents span several windows
-SHAPE = {"batch_size": 4, "page_size": 16, "prefill_chunk": 32}  # the native model's engine (ESS, pool ratio 0.2)
+# the native model's engine (ESS, pool ratio 0.2)
+SHAPE = {"batch_size": 4, "page_size": 16, "prefill_chunk": 32, "prefill_piece_ratio": 32}
 # local-completions reserves a token for its max_tokens=1 and another for the rolling windows' context: with
 # max_length = MAX_LENGTH + 2 its windows are the native model's; the server holds max_tokens=1 beyond them.
-SERVE = ["--max-batch", "4", "--page-size", "16", "--prefill-chunk", "32", "--max-seq-len", str(MAX_LENGTH + 2)]
+SERVE = ["--max-batch", "4", "--page-size", "16", "--prefill-chunk", "32", "--prefill-piece-ratio", "32",
+         "--max-seq-len", str(MAX_LENGTH + 2)]
 GEN_TOKENS = 24
 DEADLINE = 600
 

@@ -383,7 +383,8 @@ from ess_jax.engine import Engine, EngineConfig, RequestSpec
 
 model = ess_jax.load_model(sys.argv[1])
 prompts = json.loads(sys.argv[2])
-base = EngineConfig(max_batch=2, page_size=8, num_pages=17, prefill_chunk=32, max_seq_len=64, mesh="data=2")
+base = EngineConfig(max_batch=2, page_size=8, num_pages=17, prefill_chunk=32, prefill_piece_ratio=32, max_seq_len=64,
+                    mesh="data=2")
 out = {}
 for mode, extra in (("ess", dict(offload="ess", pool_size=20)),):  # (admission is the resident path's too)
     engine = Engine(model, dataclasses.replace(base, **extra))
@@ -434,7 +435,7 @@ from ess_jax.engine import Engine, EngineConfig, RequestSpec
 
 model = ess_jax.load_model(sys.argv[1])
 prompts = json.loads(sys.argv[2])
-base = EngineConfig(max_batch=4, page_size=8, prefill_chunk=32, max_seq_len=96, mesh="data=2")
+base = EngineConfig(max_batch=4, page_size=8, prefill_chunk=32, prefill_piece_ratio=32, max_seq_len=96, mesh="data=2")
 out = {}
 for mode, extra in (("resident", {}), ("ess", dict(offload="ess", pool_size=24))):
     engine = Engine(model, dataclasses.replace(base, **extra))

@@ -205,8 +205,8 @@ def test_v4_prefix_hits_decode_with_mtp_speculation_as_without_the_prefix_cache(
     (``page_keys``' lookahead). A prompt sharing the first's 128-token prefix, then the first sent again: every
     step's tokens and drafts those of the same engine without the prefix cache."""
     model = ess_jax.load_model("tiny-v4-code")
-    config = EngineConfig(max_batch=1, page_size=64, prefill_chunk=128, max_seq_len=176, speculative="mtp",
-                          num_speculative_tokens=2)
+    config = EngineConfig(max_batch=1, page_size=64, prefill_chunk=128, prefill_piece_ratio=128, max_seq_len=176,
+                          speculative="mtp", num_speculative_tokens=2)
     assert families.get("deepseek_v4").prefix_block(model.cfg, config.page_size) == 128
     rng = np.random.default_rng(9)
     stem = rng.integers(0, 4096, 140).tolist()

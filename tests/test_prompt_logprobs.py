@@ -2,6 +2,7 @@
 the full forward's log-softmax for both families, resident and ESS, on prompts of several pieces; a request
 of no new tokens ends after its prefill."""
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -120,8 +121,9 @@ def test_loglikelihood_scores_continuations_as_the_full_forward():
 def test_the_scheduler_scores_each_piece_against_the_next_prompt_tokens():
     """Host only: each piece's targets are the prompt tokens after its positions (the last piece one fewer), a
     request of no new tokens ends after its last piece with no token and its prompt's scores in its output."""
-    s = Scheduler(ONLINE["resident"], shards=1, pages=40, pages_per_row=38, max_seq_len=606, stats=EngineStats(),
-                  prefix=NoPrefixCache(ONLINE["resident"].page_size), proposer=NoDrafts(ONLINE["resident"].max_batch))
+    config = dataclasses.replace(ONLINE["resident"], prefill_piece_ratio=4)
+    s = Scheduler(config, shards=1, pages=40, pages_per_row=38, max_seq_len=606, stats=EngineStats(),
+                  prefix=NoPrefixCache(config.page_size), proposer=NoDrafts(config.max_batch))
     ids = prompt(70, 9)  # pieces 64, 4, 1, 1
     s.inbox.add(Request.from_spec(RequestSpec(ids, 0, prompt_logprobs=1), model("v32").tokenizer, []), s.check(70, 0))
     s.take_inbox()

@@ -7,7 +7,7 @@ import pytest
 from ess_jax.config import preset_dict
 from ess_jax.engine import EngineConfig, EngineStats
 from ess_jax.engine.request import Request, RequestSpec
-from ess_jax.engine.plan import DecodeResult, PrefillResult, prefill_pieces
+from ess_jax.engine.plan import DecodeResult, PrefillResult, piece_sizes, prefill_pieces
 from ess_jax.engine.prefix import NoPrefixCache
 from ess_jax.engine.speculate import NoDrafts
 from ess_jax.engine.scheduler import Scheduler
@@ -21,8 +21,9 @@ EOS = 7
 UNIFORM_V = np.zeros(CFG.vocab_size, np.float32)  # logits for the requests that read them back
 
 
-def scheduler(*, shards=1, rows=2, pages=33, chunk=64, page_size=16, max_seq_len=256, keep_logits=False):
-    config = EngineConfig(max_batch=rows, page_size=page_size, prefill_chunk=chunk, keep_logits=keep_logits)
+def scheduler(*, shards=1, rows=2, pages=33, chunk=64, page_size=16, max_seq_len=256, keep_logits=False, ratio=4):
+    config = EngineConfig(max_batch=rows, page_size=page_size, prefill_chunk=chunk, keep_logits=keep_logits,
+                          prefill_piece_ratio=ratio)
     return Scheduler(config, shards=shards, pages=pages, pages_per_row=max_seq_len // page_size,
                      max_seq_len=max_seq_len, stats=EngineStats(), prefix=NoPrefixCache(page_size),
                      proposer=NoDrafts(rows))
@@ -74,6 +75,20 @@ def test_a_prompt_is_cut_into_the_engines_pieces_within_each_steps_chunk():
     batch = s.schedule_decode()
     assert batch.request_ids == (rid, None) and batch.tokens_B[0] == 50 and batch.lengths_B[0] == 150
     assert list(batch.page_table_BX[0, :10]) == list(range(1, 11))  # 154 tokens: 10 pages of 16, in order
+
+
+def test_the_piece_ratio_sets_the_piece_sizes():
+    """--prefill-piece-ratio R: sizes 1, R, R^2, ... below the chunk, and the chunk; a ratio of the chunk or more
+    leaves 1 and the chunk (two compiled steps, a prompt's tail token by token); below 2 is refused."""
+    assert piece_sizes(64, 2) == (1, 2, 4, 8, 16, 32, 64) and piece_sizes(64, 8) == (1, 8, 64)
+    assert piece_sizes(64, 64) == piece_sizes(64, 100) == (1, 64) and piece_sizes(300, 4) == (1, 4, 16, 64, 256, 300)
+    assert prefill_pieces(150, 64, 64) == [64, 64] + [1] * 22
+    s = scheduler(chunk=64, ratio=8)
+    add(s, 90, 4)
+    s.take_inbox()
+    assert [[g.size for g in prefill_all(s)] for _ in range(2)] == [[64], [8, 8, 8, 1, 1]]
+    with pytest.raises(ValueError, match="--prefill-piece-ratio 1 must be an integer >= 2"):
+        EngineConfig(prefill_piece_ratio=1)
 
 
 def test_pieces_carry_the_prompts_tokens_and_page_table():

@@ -20,9 +20,11 @@ from helpers import free_port, outputs, spawn
 FIXTURES = Path(__file__).parent / "fixtures"
 DEADLINE = 300
 # ESS with a pool smaller than a request (the tier fetches from the host store), two batch rows per data shard
-CONFIG = EngineConfig(max_batch=4, page_size=8, prefill_chunk=16, max_seq_len=64, offload="ess", pool_size=17)
-FLAGS = ["--max-batch", "4", "--page-size", "8", "--prefill-chunk", "16", "--max-seq-len", "64", "--offload", "ess",
-         "--pool-size", "17", "--compile-cache", "none", "--served-model-name", "m"]
+CONFIG = EngineConfig(max_batch=4, page_size=8, prefill_chunk=16, prefill_piece_ratio=16, max_seq_len=64, offload="ess",
+                      pool_size=17)
+FLAGS = ["--max-batch", "4", "--page-size", "8", "--prefill-chunk", "16", "--prefill-piece-ratio", "16",
+         "--max-seq-len", "64", "--offload", "ess", "--pool-size", "17", "--compile-cache", "none",
+         "--served-model-name", "m"]
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3], [7 * i % 256 for i in range(32)], [2, 7, 1, 8, 2, 8, 1, 8]]
 
 

@@ -321,7 +321,8 @@ def test_sigterm_lets_running_requests_finish_and_exits_0(root):
     proc = subprocess.Popen([sys.executable, "-m", "ess_jax.serve", "--model", str(checkpoint("v32", root)),
                              "--port", str(port), "--max-seq-len", str(shape.max_seq_len), "--max-batch",
                              str(shape.max_batch), "--page-size", str(shape.page_size), "--prefill-chunk",
-                             str(shape.prefill_chunk), "--pool-size", str(shape.pool_size),
+                             str(shape.prefill_chunk), "--prefill-piece-ratio", str(shape.prefill_piece_ratio),
+                             "--pool-size", str(shape.pool_size),
                              "--served-model-name", "m", "--shutdown-timeout", "60"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -32,7 +32,7 @@ def test_heldout_perplexity_matches_the_record(name):
 def test_cached_paths_score_like_the_full_forward():
     model = load_model("tiny-v32-code")
     ids = model.tokenizer.encode((ROOT / "checkpoints" / "heldout_code.txt").read_text())[:160]
-    engine = EngineConfig(page_size=16, prefill_chunk=64, pool_size=model.cfg.index_topk + 8)
+    engine = EngineConfig(page_size=16, prefill_chunk=64, prefill_piece_ratio=64, pool_size=model.cfg.index_topk + 8)
     result = evaluate(model, ids, context=160, paths=["full", "ess"], engine=engine)
     assert max(result["max_abs_diff"].values()) < 1e-4, result["max_abs_diff"]
     assert result["offload"]["misses"] > 0  # the tier fetched rows

@@ -119,7 +119,14 @@ class EngineConfig:
              "one per cached prompt, least recently used out first (default 16)")
     prefill_chunk: int = _flag(
         256, group=_CACHE,
-        help="longest prefill piece in tokens; a shorter remainder runs as power-of-four pieces (default 256)")
+        help="longest prefill piece in tokens; a shorter remainder runs in pieces of the powers of "
+             "--prefill-piece-ratio (default 256)")
+    prefill_piece_ratio: int = _flag(
+        4, group=_CACHE, metavar="R",
+        help="prefill piece sizes: 1, R, R^2, ... below --prefill-chunk, and the chunk; each size is a compiled "
+             "prefill step, and a prompt's tail runs as up to R - 1 pieces of each (exact pieces, no padding). A "
+             "larger R compiles fewer steps and runs more of them (R >= the chunk: sizes 1 and the chunk alone; "
+             "default 4)")
     speculative: Speculative | None = _flag(
         None, group=_SPECULATIVE,
         help="'mtp': the checkpoint's multi-token-prediction module drafts --num-speculative-tokens tokens per "
@@ -159,6 +166,7 @@ class EngineConfig:
     def __post_init__(self):
         for name in ("max_batch", "page_size", "prefill_chunk"):
             self._check_number(name, 1, integer=True)
+        self._check_number("prefill_piece_ratio", 2, integer=True)
         self._check_number("num_pages", 2, integer=True, why=" (page 0 is the reserved null page)")
         for name in ("max_seq_len", "pool_size", "prefix_cache_states"):
             self._check_number(name, 1, integer=True)

@@ -187,24 +187,24 @@ class Released:
     row: int
 
 
-def piece_sizes(chunk: int) -> tuple[int, ...]:
-    """Every prefill piece size: the powers of four below ``chunk``, and ``chunk``. Each is a compiled prefill step
-    (minutes each for a full model on a TPU), so a ratio of four halves their number against powers of two, for at
+def piece_sizes(chunk: int, ratio: int = 4) -> tuple[int, ...]:
+    """Every prefill piece size: the powers of ``ratio`` below ``chunk``, and ``chunk``. Each is a compiled prefill
+    step (minutes each for a full model on a TPU): a ratio of four halves their number against powers of two, for at
     most three pieces of each size in a prompt's tail (exact pieces: no padding)."""
     sizes = [1]
     while sizes[-1] < chunk:
-        sizes.append(min(sizes[-1] * 4, chunk))
+        sizes.append(min(sizes[-1] * ratio, chunk))
     return tuple(sizes)
 
 
-def piece_size(remaining: int, chunk: int) -> int:
+def piece_size(remaining: int, chunk: int, ratio: int = 4) -> int:
     """The next piece of a prompt with ``remaining`` tokens left: the largest size that fits."""
-    return max(s for s in piece_sizes(chunk) if s <= remaining)
+    return max(s for s in piece_sizes(chunk, ratio) if s <= remaining)
 
 
-def prefill_pieces(length: int, chunk: int) -> list[int]:
+def prefill_pieces(length: int, chunk: int, ratio: int = 4) -> list[int]:
     """The pieces a prompt of ``length`` tokens is prefilled in, in order."""
     pieces = []
     while (done := sum(pieces)) < length:
-        pieces.append(piece_size(length - done, chunk))
+        pieces.append(piece_size(length - done, chunk, ratio))
     return pieces

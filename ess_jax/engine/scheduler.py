@@ -135,7 +135,8 @@ class Scheduler:
         order, one exact piece at a time (``plan.piece_size``) from its first position not cached, while its
         ``prefill_chunk`` tokens last; the shards' pieces of one size run as one call, largest first."""
         self._admit()
-        budget = [self.config.prefill_chunk] * len(self.allocators)
+        chunk, ratio = self.config.prefill_chunk, self.config.prefill_piece_ratio
+        budget = [chunk] * len(self.allocators)
         planned = {e.request_id: self._requests[e.request_id].prefilled for e in self._prefilling}
         groups = []
         while True:
@@ -144,7 +145,7 @@ class Scheduler:
                 shard, length = self.admission.shard_of(entry.row), len(self._requests[entry.request_id].prompt_ids)
                 if shard not in heads and (done := planned[entry.request_id]) < length:
                     end = next((at for at in self.prefix.points(entry.request_id) if at > done), length)
-                    heads[shard] = (entry, piece_size(end - done, self.config.prefill_chunk))
+                    heads[shard] = (entry, piece_size(end - done, chunk, ratio))
             runs = {shard: head for shard, head in heads.items() if head[1] <= budget[shard]}
             if not runs:
                 return groups
@@ -158,13 +159,12 @@ class Scheduler:
                 groups.append(PrefillGroup(size, slices))
 
     def _slice(self, entry: Admitted, start: int, size: int) -> PrefillSlice:
-        request = self._requests[entry.request_id]
-        length = len(request.prompt_ids)
-        return PrefillSlice(entry.request_id, entry.row, start, tuple(request.prompt_ids[start:start + size]),
-                            self.page_table(entry.pages), length, start + size == length, request.sampling,
-                            self._wants_logits(request), tuple(request.prompt_ids[start + 1:start + size + 1]),
-                            request.prompt_logprobs, entry.shared * self.config.page_size,
-                            self.prefix.work(entry, request, start, size))
+        request, end = self._requests[entry.request_id], start + size
+        length, table = len(request.prompt_ids), self.admission.page_table(self.pages_per_row)
+        return PrefillSlice(entry.request_id, entry.row, start, tuple(request.prompt_ids[start:end]), table[entry.row],
+                            length, end == length, request.sampling, self._wants_logits(request),
+                            tuple(request.prompt_ids[start + 1:end + 1]), request.prompt_logprobs,
+                            entry.shared * self.config.page_size, self.prefix.work(entry, request, start, size))
 
     def update_prefill(self, group: PrefillGroup, result: PrefillResult) -> list[Released]:
         """Record a prefill call: its prompt log-probabilities; the prompts it finished join the decode with
@@ -259,12 +259,6 @@ class Scheduler:
         self.prefix.release(request_id)
         self.inbox.remove(request_id)
         return released
-
-    def page_table(self, pages: np.ndarray) -> np.ndarray:
-        """A request's pages as a page-table row ``i32[pages_per_row]`` (the null page past them)."""
-        pages_X = np.zeros(self.pages_per_row, np.int32)
-        pages_X[: pages.size] = pages
-        return pages_X
 
     def outputs(self) -> list[RequestOutput]:
         """One output per request that produced tokens, finished or was aborted since the last call."""

@@ -385,7 +385,7 @@ def catalog(family: families.Family, config: EngineConfig, engine: EngineArrays)
                                                 SamplingBatch.shapes(b), jax.ShapeDtypeStruct((b,), bool)), on_cache,
                                 # with drafts also the hidden states and kept lengths (``draft``'s input)
                                 (rows, rows, rows, cache_out) + ((rows, rows) if t > 1 else ()))}
-    for n in piece_sizes(config.prefill_chunk):
+    for n in piece_sizes(config.prefill_chunk, config.prefill_piece_ratio):
         found[f"prefill_{n}"] = StepSpec(
             prefill, model, (engine.params, _i32(d, n), meta_shapes(d, n, x), engine.scratch, SamplingBatch.shapes(d),
                              engine.window, _i32(d, n)),

@@ -136,14 +136,18 @@ def test_an_engine_restarted_on_the_directory_reads_its_prefixes_back(tmp_path, 
 
 def test_a_server_restarted_on_the_directory_hits_on_a_prompt_it_served_before(tmp_path):
     """``python -m ess_jax.serve --prefix-cache-dir DIR``: a prompt served, the server stopped (SIGTERM) and started
-    again on DIR: the same completion, its prefix read from the disk store (``/metrics``: hits of tier "disk")."""
-    fixture = FIXTURES / "hf-v4-a"
+    again on DIR: the same completion, its prefix read from the disk store (``/metrics``: hits of tier "disk"). The
+    server has ``ONLINE["ess"]``'s shapes, so it reads the steps the other modules' engines compiled from the session's
+    compilation cache."""
+    fixture, shape = FIXTURES / "hf-v4-a", ONLINE["ess"]
     prompt = np.random.default_rng(8).integers(0, 256, 80).tolist()
 
     def run_once() -> tuple[str, float]:
         port = free_port()
         (proc,) = spawn([[sys.executable, "-m", "ess_jax.serve", "--model", str(fixture), "--port", str(port),
-                          "--max-batch", "1", "--page-size", "16", "--prefill-chunk", "64", "--max-seq-len", "96",
+                          "--max-batch", str(shape.max_batch), "--page-size", str(shape.page_size), "--prefill-chunk",
+                          str(shape.prefill_chunk), "--prefill-piece-ratio", str(shape.prefill_piece_ratio),
+                          "--max-seq-len", str(shape.max_seq_len), "--pool-size", str(shape.pool_size),
                           "--prefix-cache-dir", str(tmp_path), "--served-model-name", "m"]], devices=1)
         try:
             deadline = time.monotonic() + 300

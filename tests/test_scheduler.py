@@ -60,7 +60,7 @@ def test_a_prompt_is_cut_into_the_engines_pieces_within_each_steps_chunk():
     s = scheduler(chunk=64)
     rid = add(s, 150, 4)
     s.take_inbox()
-    assert prefill_pieces(150, 64) == [64, 64, 16, 4, 1, 1]
+    assert prefill_pieces(150, 64, 4) == [64, 64, 16, 4, 1, 1]
     planned = []
     for _ in range(3):
         groups = prefill_all(s)

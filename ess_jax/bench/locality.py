@@ -82,11 +82,12 @@ def topk_trace(model, prompt: list[int], steps: int, *, chunk: int, page_size: i
     """The top-k ids of one request of ``prompt`` and ``steps + 1`` greedy new tokens (``steps`` decode
     steps), from a resident pass on the cache an offloaded engine prefills on (its one-row scratch, sized
     for this request): the prompt runs through the engine's own prefill step in the engine's pieces
-    (``--prefill-chunk``, the rest in powers of four: ``plan.prefill_pieces``), so the warm-up ids are those
-    an ESS engine's warm-up reads; then ``steps`` decode steps, each a one-token piece of the same step (its
-    ids the last of the window)."""
+    (``--prefill-chunk``, the rest in powers of the default piece ratio: ``plan.prefill_pieces``), so the warm-up
+    ids are those an ESS engine's warm-up reads; then ``steps`` decode steps, each a one-token piece of the same
+    step (its ids the last of the window)."""
     import jax.numpy as jnp
     from ess_jax import families
+    from ess_jax.engine import EngineConfig
     from ess_jax.engine.plan import prefill_pieces
 
     family = families.get(model.cfg.family)
@@ -96,7 +97,7 @@ def topk_trace(model, prompt: list[int], steps: int, *, chunk: int, page_size: i
     max_seq_len = len(prompt) + steps + 1
     cache, table_BX, window = scratch(model, max_seq_len, page_size, cache_dtype, kernels)
     start = 0
-    for real in prefill_pieces(len(prompt), chunk):  # the engine's pieces
+    for real in prefill_pieces(len(prompt), chunk, EngineConfig.prefill_piece_ratio):  # the engine's pieces
         token, window, cache = run_piece(model, kernels, prompt[start:start + real], start, table_BX, cache, window)
         start += real
     warm_LTK = np.asarray(window[:, 0])

@@ -1,8 +1,8 @@
 """What the engine's parts hand each other, as plain data (no jax): the scheduler's plans (``PrefillSlice`` in a
 ``PrefillGroup``, ``DecodeBatch``), what the device returned (``PrefillResult``, ``DecodeResult``), what an ended
 request frees (``Released``), the engine's counters (``EngineStats``, ``StepTimes``, taken by ``StepTimer``), and the
-prefill-piece rule: a prompt is cut into pieces of ``prefill_chunk`` tokens, the remainder into powers of four,
-largest first (``piece_size``); a piece never depends on other prompts."""
+prefill-piece rule: a prompt is cut into pieces of ``prefill_chunk`` tokens, the remainder into powers of
+``prefill_piece_ratio``, largest first (``piece_size``); a piece never depends on other prompts."""
 
 from __future__ import annotations
 
@@ -187,22 +187,22 @@ class Released:
     row: int
 
 
-def piece_sizes(chunk: int, ratio: int = 4) -> tuple[int, ...]:
+def piece_sizes(chunk: int, ratio: int) -> tuple[int, ...]:
     """Every prefill piece size: the powers of ``ratio`` below ``chunk``, and ``chunk``. Each is a compiled prefill
-    step (minutes each for a full model on a TPU): a ratio of four halves their number against powers of two, for at
-    most three pieces of each size in a prompt's tail (exact pieces: no padding)."""
+    step (minutes each for a full model on a TPU), for at most ``ratio - 1`` pieces of each size in a prompt's tail
+    (exact pieces: no padding); the default ratio of four halves their number against powers of two."""
     sizes = [1]
     while sizes[-1] < chunk:
         sizes.append(min(sizes[-1] * ratio, chunk))
     return tuple(sizes)
 
 
-def piece_size(remaining: int, chunk: int, ratio: int = 4) -> int:
+def piece_size(remaining: int, chunk: int, ratio: int) -> int:
     """The next piece of a prompt with ``remaining`` tokens left: the largest size that fits."""
     return max(s for s in piece_sizes(chunk, ratio) if s <= remaining)
 
 
-def prefill_pieces(length: int, chunk: int, ratio: int = 4) -> list[int]:
+def prefill_pieces(length: int, chunk: int, ratio: int) -> list[int]:
     """The pieces a prompt of ``length`` tokens is prefilled in, in order."""
     pieces = []
     while (done := sum(pieces)) < length:

@@ -11,11 +11,12 @@ demo: venv
 
 test: venv
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -n auto --dist loadfile --durations=15
+	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=15
 
 # The inner loop: everything but the multi-device, multi-process and Pallas-interpreter tests (CI runs `test`).
 test-fast: venv
-	$(PY) -m pytest -q -n auto --dist loadfile --ignore=tests/test_mesh.py --ignore=tests/test_processes.py \
+	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --ignore=tests/test_mesh.py \
+		--ignore=tests/test_processes.py \
 		--ignore=tests/test_serve_processes.py --ignore=tests/test_sharded_load.py --ignore=tests/kernels
 
 # Compiled for TPUs and NVIDIA GPUs without one, in .venv-aot (the aot extra: libtpu and jax's CUDA plugin, ~1 GB,

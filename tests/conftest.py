@@ -47,18 +47,29 @@ def pytest_runtest_setup(item):
         gc.collect()
 
 
+@pytest.fixture(autouse=True)
+def _compile_cache_kept():
+    """Every test leaves the session's compilation cache on and where it was: a CLI run in this process with
+    ``--compile-cache none`` (or another directory) would turn it off (or move it) for every later module of this
+    worker, which would then compile every step again."""
+    yield
+    assert jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir == COMPILE_CACHE, \
+        "this test changed the session's compilation cache (a CLI's --compile-cache, run in this process)"
+
+
 def pytest_sessionfinish(session, exitstatus):
     if _OWNS_CACHE:  # the controller ends after its workers
         shutil.rmtree(COMPILE_CACHE, ignore_errors=True)
 
 
-# The modules that take longest (mostly compiling their engines), scheduled first: ``--dist loadfile`` hands each
-# worker whole modules in collection order, so the short ones fill in at the end instead of a long one trailing.
-LONGEST_FIRST = ("test_hisparse.py", "test_speculative.py", "test_index_share.py", "test_mesh.py", "test_fp8_matrix.py",
-                 "test_prefix_cache_v4.py", "test_online.py", "test_tier.py", "test_lm_eval.py", "test_prefix_cache.py",
-                 "test_server.py", "test_engine.py", "test_deepseek_v4.py", "test_server_handlers.py",
-                 "test_prefix_store.py", "test_depth.py", "test_bench.py", "test_mtp.py", "test_model_v32.py",
-                 "test_train.py", "test_serve_processes.py")
+# The modules that take longest (mostly compiling their engines), scheduled first: ``--dist loadfile
+# --no-loadscope-reorder`` hands each worker whole modules in collection order (xdist's default reorders them by their
+# number of tests), so the short ones fill in at the end instead of a long one trailing.
+LONGEST_FIRST = ("test_hisparse.py", "test_speculative.py", "test_mesh.py", "test_index_share.py", "test_lm_eval.py",
+                 "test_fp8_matrix.py", "test_prefix_cache_v4.py", "test_tier.py", "test_online.py", "test_server.py",
+                 "test_engine.py", "test_prefix_cache.py", "test_deepseek_v4.py", "test_train.py",
+                 "test_prefix_store.py", "test_mtp.py", "test_bench.py", "test_depth.py", "test_rings.py",
+                 "test_fp4_index.py", "test_export.py", "test_serve_processes.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -292,9 +292,10 @@ def test_refusals(models):
     engine = Engine(v32, config, drafter=lambda r: [0, 0])
     with pytest.raises(ValueError, match="exceeds"):
         engine.add_request(RequestSpec([1] * 100, BASE["v32"].max_seq_len - 100))
-    bad = Engine(v32, config, drafter=lambda r: [0, -1])
-    bad.add_request(RequestSpec([1] * 8, 4))
-    with pytest.raises(ValueError, match="drafter must give 2 token ids"):
+    # a drafter's wrong count: refused by name (K = 1 and a 33-token prompt: "v32 resident K=1"'s compiled steps)
+    bad = Engine(v32, dataclasses.replace(config, num_speculative_tokens=1), drafter=lambda r: [0, -1])
+    bad.add_request(RequestSpec([1] * 33, 4))
+    with pytest.raises(ValueError, match="drafter must give 1 token ids"):
         bad.run()
 
 

@@ -28,9 +28,14 @@ def model():
     return ess_jax.load_model("tiny-v4")
 
 
+def _engine(model, **config) -> Engine:
+    """The module's engine shapes: two batch rows of MAX_SEQ_LEN tokens, prefill pieces up to 1024 tokens."""
+    return Engine(model, EngineConfig(max_batch=2, max_seq_len=MAX_SEQ_LEN, prefill_chunk=1024, keep_logits=True,
+                                      **config))
+
+
 def _serve(model, **config):
-    engine = Engine(model, EngineConfig(max_batch=2, max_seq_len=MAX_SEQ_LEN, prefill_chunk=1024, keep_logits=True,
-                                        **config))
+    engine = _engine(model, **config)
     rng = np.random.default_rng(0)
     for n, new in zip(PROMPTS, NEW_TOKENS):
         engine.add_request(RequestSpec(rng.integers(0, model.cfg.vocab_size, n).tolist(), new))
@@ -125,14 +130,13 @@ def test_fp8_entries_bounded_exact_through_the_tier_and_counted(model):
     """--cache-dtype fp8 on V4: CSA entries as FP8 rows (tiny-v4: 48 e4m3 + 32 bf16 rope bytes + 1 ue8m0
     scale + 7 pad = 88 bytes against 256 in float32). Logits stay within 2e-3 of their scale of the
     float32 cache (measured 3.5e-4); the tier over FP8 rows equals the resident FP8 cache; byte
-    counts follow the 88-byte row."""
+    counts follow the 88-byte row. The module's engine shapes: the float32 run is the resident fixture's steps."""
     prompt = np.random.default_rng(2).integers(0, model.cfg.vocab_size, 512).tolist()
     runs = {}
     for name, config in {"f32": dict(offload="none"), "fp8": dict(offload="none", cache_dtype="fp8"),
                          "fp8 tier": dict(offload="ess", cache_dtype="fp8",
                                           pool_size=model.cfg.index_topk + 1)}.items():
-        engine = Engine(model, EngineConfig(max_batch=1, max_seq_len=530, prefill_chunk=512, keep_logits=True,
-                                            **config))
+        engine = _engine(model, **config)
         engine.add_request(RequestSpec(prompt, 12))
         runs[name] = (engine, np.stack(engine.run()[0].logits))
     scale = np.abs(runs["f32"][1]).max()
@@ -142,8 +146,8 @@ def test_fp8_entries_bounded_exact_through_the_tier_and_counted(model):
     metrics = engine.offload_metrics()
     assert engine.layout.offloaded.row_bytes == 88 and metrics["misses"] > 0
     assert metrics["h2d_bytes"] == metrics["misses"] * 88
-    pages = 530 // 64 + 2  # 9 pages of 16 entries and the null page; and the HCA layer's ring of the batch row
-    assert engine.cache_bytes()["host_bytes"] == len(CSA_LAYERS) * pages * 16 * 88 + 128 * model.cfg.head_dim * 8
+    pages = 2 * 17 + 1  # 17 pages of 16 entries per batch row and the null page; and the HCA layer's two rings
+    assert engine.cache_bytes()["host_bytes"] == len(CSA_LAYERS) * pages * 16 * 88 + 2 * 128 * model.cfg.head_dim * 8
     resident_fp8, resident_f32 = runs["fp8"][0].cache_bytes(), runs["f32"][0].cache_bytes()
     assert resident_f32["device_bytes"] - resident_fp8["device_bytes"] == len(CSA_LAYERS) * pages * 16 * (256 - 88)
 

@@ -1,5 +1,7 @@
 # Every target bootstraps .venv (Python >= 3.12 from PATH or pyenv) when it is missing.
 PY := .venv/bin/python
+# Whole modules per xdist worker, in collection order (tests/conftest.py puts the longest first)
+PYTEST := $(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
 
 .PHONY: demo test test-fast aot venv fixtures
 venv:
@@ -11,12 +13,11 @@ demo: venv
 
 test: venv
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=15
+	$(PYTEST) --durations=15
 
 # The inner loop: everything but the multi-device, multi-process and Pallas-interpreter tests (CI runs `test`).
 test-fast: venv
-	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --ignore=tests/test_mesh.py \
-		--ignore=tests/test_processes.py \
+	$(PYTEST) --ignore=tests/test_mesh.py --ignore=tests/test_processes.py \
 		--ignore=tests/test_serve_processes.py --ignore=tests/test_sharded_load.py --ignore=tests/kernels
 
 # Compiled for TPUs and NVIDIA GPUs without one, in .venv-aot (the aot extra: libtpu and jax's CUDA plugin, ~1 GB,

@@ -136,6 +136,7 @@ class Scheduler:
         ``prefill_chunk`` tokens last; the shards' pieces of one size run as one call, largest first."""
         self._admit()
         chunk, ratio = self.config.prefill_chunk, self.config.prefill_piece_ratio
+        table = self.admission.page_table(self.pages_per_row)  # the rows' pages, fixed until the next admission
         budget = [chunk] * len(self.allocators)
         planned = {e.request_id: self._requests[e.request_id].prefilled for e in self._prefilling}
         groups = []
@@ -154,14 +155,14 @@ class Scheduler:
                 for shard, (entry, n) in runs.items():
                     if n == size:
                         budget[shard] -= size
-                        slices[shard] = self._slice(entry, planned[entry.request_id], size)
+                        slices[shard] = self._slice(entry, table[entry.row], planned[entry.request_id], size)
                         planned[entry.request_id] += size
                 groups.append(PrefillGroup(size, slices))
 
-    def _slice(self, entry: Admitted, start: int, size: int) -> PrefillSlice:
+    def _slice(self, entry: Admitted, pages_X: np.ndarray, start: int, size: int) -> PrefillSlice:
         request, end = self._requests[entry.request_id], start + size
-        length, table = len(request.prompt_ids), self.admission.page_table(self.pages_per_row)
-        return PrefillSlice(entry.request_id, entry.row, start, tuple(request.prompt_ids[start:end]), table[entry.row],
+        length = len(request.prompt_ids)
+        return PrefillSlice(entry.request_id, entry.row, start, tuple(request.prompt_ids[start:end]), pages_X,
                             length, end == length, request.sampling, self._wants_logits(request),
                             tuple(request.prompt_ids[start + 1:end + 1]), request.prompt_logprobs,
                             entry.shared * self.config.page_size, self.prefix.work(entry, request, start, size))

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding, PartitionSpec
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding
 
 from ess_jax import aot, cli, families, mesh, ops
 from ess_jax.api import DTYPES
@@ -127,12 +127,7 @@ def model_config(name: str, num_layers: int | None) -> ModelConfig:
 def abstract_cache(make, size: families.CacheSize, config, target: Target):
     """The cache ``make(size)`` as shapes in the shardings the runner commits it to (``Runner.build``), each
     array in the memory kind ``make`` gives it; and the steps' static shardings (None without ``--mesh``)."""
-    closed, shapes = jax.make_jaxpr(lambda: make(size), return_shape=True)()
-    leaves, treedef = jax.tree.flatten(shapes)
-    kinds = ["pinned_host" if a.memory_space == jax.memory.Space.Host else None for a in closed.out_avals]
-    kinded = [shaped(x, NamedSharding(target.mesh, PartitionSpec(), memory_kind=k)) for x, k in zip(leaves, kinds)]
-    axes = mesh.shard_axes(lambda rows, pages: make(dataclasses.replace(size, rows=rows, pages=pages)))
-    shardings = mesh.cache_shardings(jax.tree.unflatten(treedef, kinded), axes, target.mesh)
+    shapes, shardings = mesh.cache_shardings(make, size, target.mesh)
     cache = jax.tree.map(shaped, shapes, shardings)
     return cache, mesh.Layout.of(shardings) if config.mesh else None
 

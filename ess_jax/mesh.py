@@ -223,19 +223,25 @@ def shard_axes(build: Callable[[int, int], object]) -> list[int | None]:
             for a, b in zip(small, large, strict=True)]
 
 
-def cache_shardings(cache, axes: list[int | None], mesh: jax.sharding.Mesh):
-    """Shardings of ``cache``'s arrays (a pytree like it): the batch-row or page axis ``axes`` gives
-    (``shard_axes``) over ``data``, the rest replicated, each array kept in its memory kind (device, or the host
-    store's pinned_host; an array's shape, ``jax.ShapeDtypeStruct``, has none: the default). ``mesh`` may be a
-    ``jax.sharding.AbstractMesh`` (shapes per device without the devices)."""
-    def sharding(x, axis):
+def cache_shardings(make: Callable[[object], object], size, mesh: jax.sharding.Mesh):
+    """The cache ``make(size)`` as shapes, and the shardings of its arrays (a pytree like it; ``size`` has ``rows``
+    and ``pages``): each over ``data`` on the batch-row or page axis ``shard_axes`` finds, the rest replicated, each
+    in the memory kind ``make`` puts it in (the host stores' ``pinned_host``; otherwise the default). Shapes only:
+    ``make`` is traced, nothing allocated but leafless parts. ``mesh`` may be a ``jax.sharding.AbstractMesh``
+    (shapes per device without the devices)."""
+    closed, shapes = jax.make_jaxpr(lambda: make(size), return_shape=True)()
+    leaves, treedef = jax.tree.flatten(shapes)
+    axes = shard_axes(lambda rows, pages: make(dataclasses.replace(size, rows=rows, pages=pages)))
+
+    def sharding(x, aval, axis):
         spec = [None] * x.ndim
         if axis is not None:
             spec[axis] = "data"
-        return NamedSharding(mesh, PartitionSpec(*spec), memory_kind=x.sharding and x.sharding.memory_kind)
+        kind = "pinned_host" if aval.memory_space == jax.memory.Space.Host else None
+        return NamedSharding(mesh, PartitionSpec(*spec), memory_kind=kind)
 
-    leaves, treedef = jax.tree.flatten(cache)
-    return jax.tree.unflatten(treedef, [sharding(x, axis) for x, axis in zip(leaves, axes, strict=True)])
+    return shapes, jax.tree.unflatten(treedef, [sharding(x, aval, axis) for x, aval, axis
+                                                in zip(leaves, closed.out_avals, axes, strict=True)])
 
 
 def batch_rows(requests: int, max_batch: int, mesh: str | None) -> int:

@@ -190,7 +190,6 @@ def test_bytes_per_device_equal_the_sharded_engine_cache(preset, cache_dtype, in
     sharded by the engine's rule (mesh.cache_shardings) over an abstract 32-device mesh, holds on each device the
     planner's bytes for its data shard's requests, in the formats the engine stores (its Parts), plus its
     shard's null page."""
-    import dataclasses
 
     import jax
     import jax.numpy as jnp
@@ -213,11 +212,9 @@ def test_bytes_per_device_equal_the_sharded_engine_cache(preset, cache_dtype, in
         assert key.row_bytes == planned.row_bytes == {"fp4": 68, "fp8": 132}[index_dtype]
     assert layout.size.pages == shape.data * (1 + batch // shape.data * context // page)  # a pool per data shard
     decode_cache = MODE_SPECS[config.offload].decode_cache
-    cache = jax.eval_shape(lambda: decode_cache(module, layout.size, config, layout))
-    axes = mesh.shard_axes(lambda rows, pages: decode_cache(
-        module, dataclasses.replace(layout.size, rows=rows, pages=pages), config, layout))
     abstract = AbstractMesh((shape.data, shape.expert), mesh.AXES, axis_types=(AxisType.Auto,) * 2)
-    shardings = mesh.cache_shardings(cache, axes, abstract)
+    cache, shardings = mesh.cache_shardings(lambda size: decode_cache(module, size, config, layout), layout.size,
+                                            abstract)
     on_device = lambda x, s: math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize  # noqa: E731
     total = sum(jax.tree.leaves(jax.tree.map(on_device, cache, shardings)))
     # the host stores: the tier's and (V4, --rings host by default) the HCA rings'

@@ -61,14 +61,22 @@ class Runner:
         return jax.set_mesh(self.mesh) if self.mesh else contextlib.nullcontext()
 
     def build(self, make: Callable[[families.CacheSize], object], size: families.CacheSize):
-        """The cache ``make(size)`` committed to its shardings, and those shardings (``mesh.Layout``; None: one
-        device): on a mesh each array over ``data`` on its batch-row or page axis."""
-        cache = make(size)
+        """The cache ``make(size)``, made by one compiled program straight into its shardings (on a mesh no device
+        ever holds more of it than its shard), and those shardings (``mesh.Layout``; None: one device): on a mesh
+        each array over ``data`` on its batch-row or page axis (``mesh.cache_shardings``)."""
+        made = []
+
+        def leaves():  # the cache made anew in the trace (a fresh host store: NumPy's is leafless), its structure kept
+            leaves, treedef = jax.tree.flatten(make(size))
+            made.append(treedef)
+            return leaves
+
         if not self.mesh:
-            return jax.tree.map(lambda x: jax.device_put(x, x.sharding), cache), None
-        axes = mesh.shard_axes(lambda rows, pages: make(dataclasses.replace(size, rows=rows, pages=pages)))
-        shardings = mesh.cache_shardings(cache, axes, self.mesh)
-        return jax.device_put(cache, shardings), mesh.Layout.of(shardings)
+            out = jax.jit(leaves)()
+            return jax.tree.unflatten(made[0], out), None
+        shardings = jax.tree.leaves(mesh.cache_shardings(make, size, self.mesh)[1])
+        out = jax.jit(leaves, out_shardings=shardings)()
+        return jax.tree.unflatten(made[0], out), mesh.Layout.of(jax.tree.unflatten(made[0], shardings))
 
     def _empty_window(self) -> jax.Array:
         """No prompt positions yet on any shard: ``i32[L, D, Q, K]`` of -1, placed as ``steps.prefill`` returns it."""

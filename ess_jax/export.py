@@ -326,6 +326,8 @@ def parse_args(argv: list[str] | None):
 
 def main(argv: list[str] | None = None) -> None:
     parser, args = parse_args(argv)
+    if args.compile:  # traced on this machine's CPU devices, compiled for compile-only ones: an installed
+        jax.config.update("jax_platforms", "cpu")  # accelerator plugin must not become the default backend
     try:
         if args.num_layers is not None and args.num_layers < 1:
             raise ValueError(f"--num-layers {args.num_layers} must be >= 1")

@@ -95,9 +95,8 @@ class PinnedHostStore:
         operands = jax.device_put((page_B.reshape(-1), offset_B.reshape(-1) * (l * w), rows_BX), jax.memory.Space.Host)
 
         def write(store, p_B, c_B, rows_BX):
-            for i in range(b):
-                store = jax.lax.dynamic_update_slice(store, rows_BX[i][None], (p_B[i], c_B[i]))
-            return store
+            return jax.lax.fori_loop(0, b, lambda i, store: jax.lax.dynamic_update_slice(
+                store, jax.lax.dynamic_slice_in_dim(rows_BX, i, 1), (p_B[i], c_B[i])), store)
 
         return PinnedHostStore(write(self.array, *operands), l, w)
 
@@ -108,9 +107,8 @@ class PinnedHostStore:
         operands = jax.device_put((pages_X, pages_XR), jax.memory.Space.Host)
 
         def write(store, p_X, pages_XR):
-            for i in range(x):
-                store = jax.lax.dynamic_update_slice(store, pages_XR[i][None], (p_X[i], 0))
-            return store
+            return jax.lax.fori_loop(0, x, lambda i, store: jax.lax.dynamic_update_slice(
+                store, jax.lax.dynamic_slice_in_dim(pages_XR, i, 1), (p_X[i], 0)), store)
 
         return PinnedHostStore(write(self.array, *operands), l, w)
 

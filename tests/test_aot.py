@@ -162,3 +162,18 @@ def test_v32_ess_decode_compiles_for_an_h200_with_its_store_in_host_memory(tmp_p
     store = sizes["host_arguments"]  # the host store (and nothing else in host memory)
     assert store == sizes["host_outputs"] > 4 * 4 * 4096 * 64  # updated in place: 4 layers, 4 x 4K rows of 64+ bytes
     assert 0 < decode["host_to_device_bytes"] < store / 8, decode
+
+
+@needs_libtpu
+def test_v4_flash_release_experts_dequantize_without_weight_sized_temporaries(tmp_path):
+    """V4-Flash's first two layers with the release's FP4 experts on ``expert=8`` (32 experts a chip), 256 requests
+    (past the dense-experts path: the grouped matmuls dequantize a layer's held experts), compiled for v5p: the step's
+    temporaries stay near the dequantized experts' own (2 GiB of bfloat16 a layer); decoding e2m1 by a table lookup
+    made them 133 GiB (its gather's int32 indices, the nibble pair padded to a lane tile)."""
+    run = _export("--target", "v5p", "--model", "deepseek-v4-flash", "--num-layers", "2", "--weights", "release",
+                  "--dtype", "bfloat16", "--offload", "none", "--cache-dtype", "fp8", "--max-batch", "256",
+                  "--max-seq-len", "32768", "--mesh", "expert=8", "--steps", "decode", out=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    decode = json.loads((tmp_path / "summary.json").read_text())["steps"]["decode"]
+    assert decode["compiled"] and decode["fits"]
+    assert decode["bytes_per_device"]["temporaries"] < 8 * aot.GIB, decode["bytes_per_device"]

@@ -71,9 +71,10 @@ class Runner:
             made.append(treedef)
             return leaves
 
-        if not self.mesh:
+        if not self.mesh:  # committed to its device, as the steps return it (one compiled signature per step)
             out = jax.jit(leaves)()
-            return jax.tree.unflatten(made[0], out), None
+            cache = jax.tree.unflatten(made[0], out)
+            return jax.tree.map(lambda x: jax.device_put(x, x.sharding), cache), None
         shardings = jax.tree.leaves(mesh.cache_shardings(make, size, self.mesh)[1])
         out = jax.jit(leaves, out_shardings=shardings)()
         return jax.tree.unflatten(made[0], out), mesh.Layout.of(jax.tree.unflatten(made[0], shardings))

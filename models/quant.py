@@ -22,13 +22,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import numpy as np
 import jax
 import jax.numpy as jnp
 
 FP4_GROUP = 32  # values per ue8m0 scale of a row of FP4 values
-# e2m1 codes 0..15: sign bit 3, exponent bits 2..1, mantissa bit 0
-E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
 
 def _static(**kwargs):
@@ -55,9 +52,10 @@ def dequantize_fp4(packed: jax.Array, scales: jax.Array) -> jax.Array:
 
 
 def e2m1(code: jax.Array) -> jax.Array:
-    """``E2M1_VALUES[code]`` (``code`` < 16) in float32, computed elementwise rather than looked up: a table lookup is a
-    gather whose int32 indices XLA:TPU materializes, the pair axis of the two nibbles padded to a lane tile (128 GiB of
-    temporaries for V4-Flash's experts of two layers on ``expert=8``); arithmetic fuses into the dequantization."""
+    """The e2m1 value of ``code`` (< 16: sign bit 3, exponent bits 2..1, mantissa bit 0; 0, 0.5, 1, 1.5, 2, 3, 4, 6
+    and their negatives) in float32, computed elementwise rather than looked up: a table lookup is a gather whose
+    int32 indices XLA:TPU materializes, the pair axis of the two nibbles padded to a lane tile (128 GiB of temporaries
+    for V4-Flash's experts of two layers on ``expert=8``); arithmetic fuses into the dequantization."""
     exponent, mantissa = (code >> 1) & 3, (code & 1).astype(jnp.float32)
     power = jnp.left_shift(jnp.uint8(1), exponent).astype(jnp.float32)  # 2 ** exponent
     magnitude = jnp.where(exponent == 0, 0.5 * mantissa, 0.5 * power * (1 + 0.5 * mantissa))

@@ -312,3 +312,13 @@ def test_release_weights_need_a_checkpoint():
     cli.add_engine_flags(parser)
     with pytest.raises(ValueError, match="--weights release .* the preset tiny-v32"):
         cli.engine_config(parser.parse_args(["--model", "tiny-v32", "--weights", "release"]))
+
+
+def test_e2m1_codes_decode_as_ml_dtypes_float4():
+    """Every e2m1 code (the low nibble of a packed FP4 byte) decodes to ml_dtypes' ``float4_e2m1fn`` value, bit for
+    bit (-0.0 included)."""
+    from ess_jax.models.quant import e2m1
+
+    codes = np.arange(16, dtype=np.uint8)
+    want = codes.view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(e2m1(jnp.asarray(codes))).view(np.uint32), want.view(np.uint32))

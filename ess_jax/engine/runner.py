@@ -61,9 +61,11 @@ class Runner:
         return jax.set_mesh(self.mesh) if self.mesh else contextlib.nullcontext()
 
     def build(self, make: Callable[[families.CacheSize], object], size: families.CacheSize):
-        """The cache ``make(size)``, made by one compiled program straight into its shardings (on a mesh no device
-        ever holds more of it than its shard), and those shardings (``mesh.Layout``; None: one device): on a mesh
-        each array over ``data`` on its batch-row or page axis (``mesh.cache_shardings``)."""
+        """The cache ``make(size)`` committed to its shardings, and those shardings (``mesh.Layout``; None: one
+        device): on a mesh each array over ``data`` on its batch-row or page axis (``mesh.cache_shardings``), made
+        by one compiled program straight into its shards, so no device ever holds more of it than its shard."""
+        if not self.mesh:
+            return jax.tree.map(lambda x: jax.device_put(x, x.sharding), make(size)), None
         made = []
 
         def leaves():  # the cache made anew in the trace (a fresh host store: NumPy's is leafless), its structure kept
@@ -71,10 +73,6 @@ class Runner:
             made.append(treedef)
             return leaves
 
-        if not self.mesh:  # committed to its device, as the steps return it (one compiled signature per step)
-            out = jax.jit(leaves)()
-            cache = jax.tree.unflatten(made[0], out)
-            return jax.tree.map(lambda x: jax.device_put(x, x.sharding), cache), None
         shardings = jax.tree.leaves(mesh.cache_shardings(make, size, self.mesh)[1])
         out = jax.jit(leaves, out_shardings=shardings)()
         return jax.tree.unflatten(made[0], out), mesh.Layout.of(jax.tree.unflatten(made[0], shardings))

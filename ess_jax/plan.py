@@ -15,6 +15,13 @@ grow with the context):
                                        (offloaded, ``--rings host``: the HCA tails in host memory, the device
                                        keeping each ring's newest row, 4 KiB a layer, and an int32 slot)
 
+Formats (``--formats``): ``engine`` (the default) counts each part as ess_jax's engine stores it
+(``Family.stored_formats``: ``--cache-dtype fp8`` makes V3.2's latent rows and indexer keys and V4's CSA
+entries FP8; V4's indexer keys, HCA rows, SWA window and compressor tails stay in the model's ``--dtype``) in
+whole pages of ``--page-size`` tokens (``Part.page_bytes``: V4's 128-token HCA rows on 64-token pages take a page
+each), so its bytes per device are the compiled decode's arguments; ``release`` counts DeepSeek's release formats
+(the table above, float32 tails) row by row.
+
 Row formats: FP8 V3.2 latent = C e4m3 + C/128 fp32 scales + R bf16 rope (FlashMLA's 656-byte row);
 FP8 V4 main row = (H - R) e4m3 + R bf16 + (H - R)/64 ue8m0 scales, padded to 8 bytes (584);
 FP8 indexer key = J e4m3 + one fp32 scale (132); FP4 = J/2 e2m1 + J/32 ue8m0 (68); bf16 = 2 bytes a value.
@@ -81,16 +88,33 @@ CACHE_DTYPES = ("bfloat16", "fp8")
 INDEX_DTYPES = ("auto", "bfloat16", "fp8", "fp4")
 ACCOUNTINGS = ("ess_jax", "paper")
 RINGS = ("host", "device")
+FORMATS = ("engine", "release")
+PAGE_SIZE = 64  # the engine's default page (``EngineConfig.page_size``; the planner imports no engine)
 
 
-def cache_parts(cfg: ModelConfig, cache_dtype: str, index_dtype: str = "auto") -> list[Part]:
-    """The KV cache of one request of ``cfg`` as DeepSeek's release stores it, part by part, in
-    ``cache_dtype`` rows (the compressor tails in float32)."""
+def stored_formats(cfg: ModelConfig, cache_dtype: str, index_dtype: str = "auto", formats: str = "release",
+                   dtype: str = "bfloat16") -> families.Formats:
+    """How a request of ``cfg`` is stored: as DeepSeek's release does (``formats`` "release": every row in
+    ``cache_dtype``, the compressor tails in float32), or as ess_jax's engine of ``--cache-dtype cache_dtype`` does
+    for a ``dtype`` model ("engine": ``Family.stored_formats``, its ``init_cache``'s: ``cache_dtype`` where the
+    engine takes it, V3.2's latent rows and indexer keys and V4's CSA entries; V4's indexer keys, HCA rows, SWA
+    window and compressor tails in ``dtype``). ``index_dtype`` "auto": the formats' own indexer keys."""
     if cache_dtype not in CACHE_DTYPES:
         raise ValueError(f"--cache-dtype {cache_dtype!r} is not one of {', '.join(CACHE_DTYPES)}")
-    index_dtype = cache_dtype if index_dtype == "auto" else index_dtype
-    formats = families.Formats(entries=cache_dtype, index=index_dtype, rows=cache_dtype, ring="float32")
-    return [p for p in families.get(cfg.family).cache_parts(cfg, formats) if p.layers]
+    if formats not in FORMATS:
+        raise ValueError(f"--formats {formats!r} is not one of {', '.join(FORMATS)}")
+    if formats == "engine":
+        return families.get(cfg.family).stored_formats(cache_dtype, dtype,
+                                                       None if index_dtype == "auto" else index_dtype)
+    return families.Formats(entries=cache_dtype, index=cache_dtype if index_dtype == "auto" else index_dtype,
+                            rows=cache_dtype, ring="float32")
+
+
+def cache_parts(cfg: ModelConfig, cache_dtype: str, index_dtype: str = "auto", formats: str = "release",
+                dtype: str = "bfloat16") -> list[Part]:
+    """The KV cache of one request of ``cfg``, part by part, in ``stored_formats``."""
+    stored = stored_formats(cfg, cache_dtype, index_dtype, formats, dtype)
+    return [p for p in families.get(cfg.family).cache_parts(cfg, stored) if p.layers]
 
 
 def snapshot_bytes(parts: list[Part]) -> int:
@@ -111,17 +135,25 @@ class RequestBytes:
 
 
 def request_bytes(parts: list[Part], context: int, ratio: float, accounting: str = "ess_jax",
-                  rings: str = "host") -> RequestBytes:
+                  rings: str = "host", page_size: int | None = None) -> RequestBytes:
     """Bytes of one request of ``context`` tokens, resident and offloaded at pool ratio ``ratio``; offloaded, the
-    compressor rings in host memory (``rings`` "host": ``families.host_rings``) or on the device."""
+    compressor rings in host memory (``rings`` "host": ``families.host_rings``) or on the device. ``page_size``: the
+    engine's pages of that many tokens, whole pages of each paged part (``Part.page_bytes``: a page holds at least
+    one row, so V4's 128-token HCA rows on 64-token pages take a page each); None: its rows alone."""
     if accounting not in ACCOUNTINGS:
         raise ValueError(f"--accounting {accounting!r} is not one of {', '.join(ACCOUNTINGS)}")
     if rings not in RINGS:
         raise ValueError(f"--rings {rings!r} is not one of {', '.join(RINGS)}")
-    resident = sum(p.bytes(context) for p in parts)
+
+    def held(p: Part) -> int:  # the request's bytes of part ``p``
+        if page_size is None or not p.tokens_per_row:
+            return p.bytes(context)
+        return -(-context // page_size) * p.page_bytes(page_size)
+
+    resident = sum(held(p) for p in parts)
     placed = families.host_rings(parts) if rings == "host" else parts
-    device = sum(p.bytes(context) for p in placed if p.where not in ("offloaded", "host"))
-    host, slots = sum(p.bytes(context) for p in placed if p.where == "host"), None
+    device = sum(held(p) for p in placed if p.where not in ("offloaded", "host"))
+    host, slots = sum(held(p) for p in placed if p.where == "host"), None
     for p in parts:
         if p.where != "offloaded":
             continue
@@ -131,7 +163,7 @@ def request_bytes(parts: list[Part], context: int, ratio: float, accounting: str
             device += tier.device_bytes(layers=p.layers, rows=1, slots=slots, row_bytes=p.row_bytes, entries=entries)
         else:  # the pools' rows
             device += p.layers * slots * p.row_bytes
-        host += p.bytes(context)
+        host += held(p)
     return RequestBytes(resident, device, host, slots)
 
 
@@ -188,7 +220,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cache-dtype", action="append", choices=CACHE_DTYPES,
                    help="KV row format (repeatable; default: both)")
     p.add_argument("--index-dtype", choices=INDEX_DTYPES, default="auto",
-                   help="indexer key format; auto = --cache-dtype (fp4: V4's 68-byte keys)")
+                   help="indexer key format (fp4: V4's 68-byte keys); auto: the --formats' own (engine: V3.2's keys in "
+                        "--cache-dtype, V4's in --dtype; release: --cache-dtype)")
+    p.add_argument("--formats", choices=FORMATS, default="engine",
+                   help="engine (default): the rows as ess_jax's engine stores them (--cache-dtype fp8: V3.2's latent "
+                        "rows and keys, V4's CSA entries; V4's other rows in --dtype); release: every row as "
+                        "DeepSeek's release stores it (--cache-dtype rows, float32 compressor tails)")
+    p.add_argument("--page-size", type=int, default=PAGE_SIZE,
+                   help=f"the engine's tokens per cache page (default {PAGE_SIZE}): with --formats engine "
+                        "and --accounting ess_jax each paged part in whole pages")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="the model's dtype, the engine's format for the rows it does not store in --cache-dtype "
+                        "(default bfloat16)")
     p.add_argument("--context", action="append", type=int,
                    help="tokens per request (repeatable; default 32768, 131072)")
     p.add_argument("--pool-ratio", action="append", type=float,
@@ -234,6 +277,8 @@ def _check(args: argparse.Namespace) -> None:
             raise ValueError(f"--pool-ratio {r} must be in (0, 1]")
     if args.kv_budget_gb is not None and args.kv_budget_gb <= 0:
         raise ValueError(f"--kv-budget-gb {args.kv_budget_gb} must be > 0")
+    if args.page_size < 1:
+        raise ValueError(f"--page-size {args.page_size} must be >= 1")
     if args.gpu_mem_gb <= 0:
         raise ValueError(f"--gpu-mem-gb {args.gpu_mem_gb} must be > 0")
     if not 0 < args.mem_fraction <= 1:
@@ -271,7 +316,8 @@ def plan(args: argparse.Namespace) -> dict:
         budget["kv_budget_bytes"] = kv_budget
         layouts = []
         for dtype in args.cache_dtype:
-            parts = cache_parts(cfg, dtype, args.index_dtype)
+            parts = cache_parts(cfg, dtype, args.index_dtype, args.formats, args.dtype)
+            index = stored_formats(cfg, dtype, args.index_dtype, args.formats, args.dtype).index
             per_token = {w: sum(p.bytes_per_token() for p in parts if p.where == w) for w in ("offloaded", "resident")}
             total = per_token["offloaded"] + per_token["resident"]
             layouts.append({"cache_dtype": dtype,
@@ -281,12 +327,13 @@ def plan(args: argparse.Namespace) -> dict:
                             "bytes_per_token": total, "offloaded_fraction": per_token["offloaded"] / total,
                             "fixed_bytes_per_request": snapshot_bytes(parts)})  # (a snapshot holds them)
             for context, ratio, rings in itertools.product(args.context, args.pool_ratio, args.rings):
-                req = request_bytes(parts, context, ratio, args.accounting, rings)
+                paged = args.formats == "engine" and args.accounting == "ess_jax"  # the engine's whole pages
+                req = request_bytes(parts, context, ratio, args.accounting, rings, args.page_size if paged else None)
                 resident_batch = max_batch(req.resident, kv_budget, shape.data)
                 offload_batch = max_batch(req.device, kv_budget, shape.data)
                 rows.append({
                     "model": name, "mesh": str(shape), "context": context, "pool_ratio": ratio, "cache_dtype": dtype,
-                    "index_dtype": dtype if args.index_dtype == "auto" else args.index_dtype,
+                    "formats": args.formats, "index_dtype": index,
                     "rings": rings if any(p.ring for p in parts) else None,
                     "accounting": args.accounting, "kv_budget_bytes": kv_budget,
                     "max_batch_resident": resident_batch, "max_batch_offload": offload_batch,

@@ -80,7 +80,8 @@ def test_ess_jax_accounting_adds_the_residency_map_and_slot_tables(capsys):
 
 def test_v4_bytes_per_token_match_domain(capsys):
     result = run_json(["--model", "deepseek-v4-flash", "--model", "deepseek-v4-pro", "--cache-dtype", "fp8",
-                       "--kv-budget-gb", "80", "--context", "131072", "--pool-ratio", "0.2"], capsys)
+                       "--kv-budget-gb", "80", "--context", "131072", "--pool-ratio", "0.2", "--formats", "release"],
+                      capsys)
     flash, pro = (m["layouts"][0] for m in result["models"])
     # Flash: 21 CSA layers x (584 + 132) / 4 + 20 HCA layers x 584 / 128; Pro: 30 CSA + 31 HCA
     assert flash["bytes_per_token"] == 21 * (584 + 132) / 4 + 20 * 584 / 128 == 3850.25
@@ -176,20 +177,21 @@ def test_module_entry_point():
     assert proc.stdout == ""
 
 
-@pytest.mark.parametrize("preset, cache_dtype, index_dtype, offload, spec", [
-    ("deepseek-v3.2", "fp8", None, "ess", "data=4,expert=8"),
-    ("deepseek-v3.2", "bfloat16", None, "none", "data=2,expert=16"),
-    ("deepseek-v3.2", "bfloat16", "fp8", "ess", "data=4,expert=8"),
-    ("deepseek-v4-flash", "bfloat16", None, "ess", "data=8,expert=4"),
-    ("deepseek-v4-flash", "fp8", "fp4", "ess", "data=8,expert=4"),
-    ("deepseek-v4-pro", "fp8", None, "none", "data=4,expert=8"),
-    ("deepseek-v4-pro", "bfloat16", "fp4", "none", "data=4,expert=8"),
+@pytest.mark.parametrize("preset, cache_dtype, index_dtype, offload, spec, page", [
+    ("deepseek-v3.2", "fp8", None, "ess", "data=4,expert=8", 128),
+    ("deepseek-v3.2", "bfloat16", None, "none", "data=2,expert=16", 128),
+    ("deepseek-v3.2", "bfloat16", "fp8", "ess", "data=4,expert=8", 64),
+    ("deepseek-v4-flash", "bfloat16", None, "ess", "data=8,expert=4", 128),
+    ("deepseek-v4-flash", "fp8", None, "ess", "data=8,expert=4", 64),  # a page of its own per 128-token HCA row
+    ("deepseek-v4-flash", "fp8", "fp4", "ess", "data=8,expert=4", 128),
+    ("deepseek-v4-pro", "fp8", None, "none", "data=4,expert=8", 128),
+    ("deepseek-v4-pro", "bfloat16", "fp4", "none", "data=4,expert=8", 64),
 ])
-def test_bytes_per_device_equal_the_sharded_engine_cache(preset, cache_dtype, index_dtype, offload, spec):
+def test_bytes_per_device_equal_the_sharded_engine_cache(preset, cache_dtype, index_dtype, offload, spec, page):
     """The real configs: the engine's decode cache built abstractly (jax.eval_shape) at 8 requests of 8192 tokens,
     sharded by the engine's rule (mesh.cache_shardings) over an abstract 32-device mesh, holds on each device the
-    planner's bytes for its data shard's requests, in the formats the engine stores (its Parts), plus its
-    shard's null page."""
+    planner's bytes for its data shard's requests, in the formats the engine stores (``--formats engine``, the
+    default: the engine's Parts) and whole pages of ``page`` tokens, plus its shard's null page."""
 
     import jax
     import jax.numpy as jnp
@@ -202,7 +204,7 @@ def test_bytes_per_device_equal_the_sharded_engine_cache(preset, cache_dtype, in
     cfg, shape = load_config(preset_dict(preset)), mesh.parse(spec)
     family = families.get(cfg.family)
     module = nnx.eval_shape(lambda: family.module_cls(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
-    batch, context, page = 8, 8192, 128  # a page size that V4's 128-token HCA entries fill: no padding rows
+    batch, context = 8, 8192
     config = engine.EngineConfig(max_batch=batch, page_size=page, max_seq_len=context, offload=offload,
                                  pool_ratio=0.2, cache_dtype=cache_dtype, index_dtype=index_dtype, mesh=spec)
     layout = engine.cache_layout(cfg, config, "bfloat16")
@@ -223,7 +225,9 @@ def test_bytes_per_device_equal_the_sharded_engine_cache(preset, cache_dtype, in
     store_shardings = [x for x in jax.tree.leaves(shardings, is_leaf=is_store) if is_store(x)]
     host = sum(jax.tree.leaves(jax.tree.map(on_device, stores, store_shardings)))
     assert len(stores) == (0 if offload == "none" else 3 if cfg.family == "deepseek_v4" else 1)
-    request = plan.request_bytes(layout.parts, context, 0.2)
+    assert plan.cache_parts(cfg, cache_dtype, index_dtype or "auto", "engine") == layout.parts
+    assert plan.PAGE_SIZE == engine.EngineConfig.page_size  # --page-size's default, the engine's
+    request = plan.request_bytes(layout.parts, context, 0.2, page_size=page)
     # page 0 of each shard, its null page, is in every paged array: a page of each resident paged part and
     # (offloaded) of the host store
     paged = [p for p in layout.parts if p.tokens_per_row]

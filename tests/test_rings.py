@@ -134,7 +134,7 @@ def test_ring_bytes_move_from_the_device_to_the_host_as_the_parts_say(model, run
 @pytest.mark.parametrize("mesh", [[], ["--mesh", "expert=8"]])
 def test_planner_v4_flash_32k_reaches_3x_with_host_rings(mesh, capsys):
     argv = ["--model", "deepseek-v4-flash", "--context", "32768", "--cache-dtype", "fp8", "--index-dtype", "fp4",
-            "--pool-ratio", "0.2", "--rings", "host", "--rings", "device", "--json", *mesh]
+            "--pool-ratio", "0.2", "--rings", "host", "--rings", "device", "--formats", "release", "--json", *mesh]
     assert plan.main(argv) == 0
     rows = {r["rings"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
     assert rows["host"]["capacity_gain"] >= 3.0 > rows["device"]["capacity_gain"]

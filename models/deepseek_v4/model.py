@@ -413,7 +413,10 @@ class DeepseekV4(MTPHost, nnx.Module):
         before the cache holds an entry) and the cache.
         """
         b, t = tokens_BT.shape
-        rows = take_rows(meta, cache)
+        # a step over every row (the decode) clears and keeps each layer's window in place: taken and put back
+        # whole, the window (the bulk of the row state) would be copied twice
+        in_place = every_row(meta, cache)
+        rows = take_rows(meta, cache, window=not in_place)
         csa_layers, hca_layers = self.layer_groups()
         # each layer's place among the layers of its kind (the index into the CSA or HCA record)
         places = jnp.asarray([csa_layers.index(i) if i in csa_layers else hca_layers.index(i) if i in hca_layers
@@ -428,9 +431,12 @@ class DeepseekV4(MTPHost, nnx.Module):
             streams_BTOD, window_LBSH, csa, hca, ids_LBTK, shared_BTK = carry
             kind, place = layer.self_attn.layer_type, places[index]
             record = csa if kind == CSA else hca if kind == HCA else None
-            streams_BTOD, window_BSH, record, ids_BTK = layer.step(streams_BTOD, tokens_BT, meta, window_LBSH[index],
-                                                                   record, place, kernels, shared_BTK,
-                                                                   key_places[index])
+            old_BSH = window_LBSH[index]
+            streams_BTOD, window_BSH, record, ids_BTK = layer.step(
+                streams_BTOD, tokens_BT, meta, _fresh(meta, old_BSH, 0) if in_place else old_BSH, record, place,
+                kernels, shared_BTK, key_places[index])
+            if in_place:
+                window_BSH = _kept(meta, window_BSH, old_BSH, 0)
             if kind == CSA:
                 csa = record
                 if ids_BTK is not None:
@@ -445,7 +451,7 @@ class DeepseekV4(MTPHost, nnx.Module):
         if hca.host is not None:  # every HCA layer's newest row is now this step's token's
             hca = dataclasses.replace(hca, host=hca.host.appended(meta.positions[:, -1] % self.cfg.compress_rate_hca,
                                                                   meta.valid[:, 0]))
-        cache = put_rows(meta, cache, V4Cache(window_LBSH, csa, hca))
+        cache = put_rows(meta, cache, V4Cache(window_LBSH, csa, hca), window=not in_place)
         return self.head(streams_BTOD), streams_BTOD, ids_LBTK, cache
 
     # ---- the MTP module (models.deepseek_v4.mtp) -------------------------------------------------
@@ -475,27 +481,45 @@ def layer_groups(cfg: DeepseekV4Config) -> tuple[list[int], list[int]]:
     return [i for i, t in enumerate(types) if t == CSA], [i for i, t in enumerate(types) if t == HCA]
 
 
-def take_rows(meta: StepMeta, cache: V4Cache) -> V4Cache:
-    """``cache`` with its per-batch-row state ``[layers, batch rows, ...]`` cut to this step's rows (``meta.rows``),
-    cleared for new requests (first position 0)."""
+def every_row(meta: StepMeta, cache: V4Cache) -> bool:
+    """A step over as many rows as ``cache`` has runs every batch row in order (``meta.rows`` 0..B-1: the decode;
+    in each data shard, its own rows): its row state is used where it is, not gathered and scattered back."""
+    return meta.rows.shape[0] == cache.window.shape[1]
+
+
+def _fresh(meta: StepMeta, x: jax.Array, rows_axis: int = 1) -> jax.Array:
+    """``x`` (batch rows on ``rows_axis``) with the rows of new requests (first position 0) cleared."""
     fresh = meta.positions[:, 0] == 0
-
-    def take(x):
-        sub = x[:, meta.rows]
-        return jnp.where(fresh.reshape((1, -1) + (1,) * (sub.ndim - 2)), jnp.zeros_like(sub), sub)
-
-    return cache.with_row_arrays(jax.tree.map(take, cache.row_arrays()))
+    return jnp.where(fresh.reshape((1,) * rows_axis + (-1,) + (1,) * (x.ndim - rows_axis - 1)), jnp.zeros_like(x), x)
 
 
-def put_rows(meta: StepMeta, cache: V4Cache, ran: V4Cache) -> V4Cache:
-    """``take_rows``' inverse: ``ran`` (this step's rows, its paged parts the new ones) with the rows that ran
-    (``meta.valid``) put back into their batch rows of ``cache``."""
+def _kept(meta: StepMeta, new: jax.Array, old: jax.Array, rows_axis: int = 1) -> jax.Array:
+    """``new`` in the rows that ran (``meta.valid``), ``old`` in the others."""
     keep = meta.valid[:, 0]
+    return jnp.where(keep.reshape((1,) * rows_axis + (-1,) + (1,) * (new.ndim - rows_axis - 1)), new, old)
+
+
+def take_rows(meta: StepMeta, cache: V4Cache, window: bool = True) -> V4Cache:
+    """``cache`` with its per-batch-row state ``[layers, batch rows, ...]`` cut to this step's rows (``meta.rows``),
+    cleared for new requests (first position 0); ``window`` False: a step over every row (``every_row``) that
+    clears and keeps its window layer by layer in place leaves it as it is."""
+    everyone = every_row(meta, cache)
+    arrays = cache.row_arrays()
+    taken = jax.tree.map(lambda x: _fresh(meta, x if everyone else x[:, meta.rows]), arrays)
+    return cache.with_row_arrays(taken | ({} if window or not everyone else {"window": cache.window}))
+
+
+def put_rows(meta: StepMeta, cache: V4Cache, ran: V4Cache, window: bool = True) -> V4Cache:
+    """``take_rows``' inverse: ``ran`` (this step's rows, its paged parts the new ones) with the rows that ran
+    (``meta.valid``) put back into their batch rows of ``cache``; ``window`` False: as ``take_rows``."""
+    everyone = every_row(meta, cache)
 
     def put(x, new):
-        return x.at[:, meta.rows].set(jnp.where(keep.reshape((1, -1) + (1,) * (new.ndim - 2)), new, x[:, meta.rows]))
+        kept = _kept(meta, new, x if everyone else x[:, meta.rows])
+        return kept if everyone else x.at[:, meta.rows].set(kept)
 
-    return ran.with_row_arrays(jax.tree.map(put, cache.row_arrays(), ran.row_arrays()))
+    arrays = jax.tree.map(put, cache.row_arrays(), ran.row_arrays())
+    return ran.with_row_arrays(arrays | ({} if window or not everyone else {"window": ran.window}))
 
 
 def _init_cache(cfg: DeepseekV4Config, dtype, rows: int, num_pages: int, page_size: int, csa_dtype,

@@ -213,9 +213,9 @@ def _window_moves(module: DeepseekV4, batch: int, rows: int) -> int:
     def count(jaxpr) -> int:
         found = 0
         for e in jaxpr.eqns:
-            moved = {"gather": lambda: e.outvars[0], "scatter": lambda: e.invars[2]}.get(e.primitive.name)
-            if moved and e.invars[0].aval.shape == window and moved().aval.shape[::2] == window[::2]:
-                found += 1
+            if e.primitive.name in ("gather", "scatter") and e.invars[0].aval.shape == window:
+                moved = e.outvars[0] if e.primitive.name == "gather" else e.invars[2]  # the rows taken or put
+                found += moved.aval.shape[::2] == window[::2]
             found += sum(count(sub) for sub in jax.extend.core.jaxprs_in_params(e.params))
         return found
 

@@ -501,25 +501,29 @@ def _kept(meta: StepMeta, new: jax.Array, old: jax.Array, rows_axis: int = 1) ->
 
 def take_rows(meta: StepMeta, cache: V4Cache, window: bool = True) -> V4Cache:
     """``cache`` with its per-batch-row state ``[layers, batch rows, ...]`` cut to this step's rows (``meta.rows``),
-    cleared for new requests (first position 0); ``window`` False: a step over every row (``every_row``) that
-    clears and keeps its window layer by layer in place leaves it as it is."""
+    cleared for new requests (first position 0); ``window`` False: the window left as it is, for a step over every
+    row (``every_row``) that clears and keeps it layer by layer in place."""
     everyone = every_row(meta, cache)
-    arrays = cache.row_arrays()
+    kept = {} if window else {"window": cache.window}
+    arrays = {k: v for k, v in cache.row_arrays().items() if k not in kept}
     taken = jax.tree.map(lambda x: _fresh(meta, x if everyone else x[:, meta.rows]), arrays)
-    return cache.with_row_arrays(taken | ({} if window or not everyone else {"window": cache.window}))
+    return cache.with_row_arrays(taken | kept)
 
 
 def put_rows(meta: StepMeta, cache: V4Cache, ran: V4Cache, window: bool = True) -> V4Cache:
     """``take_rows``' inverse: ``ran`` (this step's rows, its paged parts the new ones) with the rows that ran
-    (``meta.valid``) put back into their batch rows of ``cache``; ``window`` False: as ``take_rows``."""
+    (``meta.valid``) put back into their batch rows of ``cache``; ``window`` False: ``ran``'s window as it is (kept
+    layer by layer, as ``take_rows``)."""
     everyone = every_row(meta, cache)
 
     def put(x, new):
         kept = _kept(meta, new, x if everyone else x[:, meta.rows])
         return kept if everyone else x.at[:, meta.rows].set(kept)
 
-    arrays = jax.tree.map(put, cache.row_arrays(), ran.row_arrays())
-    return ran.with_row_arrays(arrays | ({} if window or not everyone else {"window": ran.window}))
+    kept = {} if window else {"window": ran.window}
+    arrays = {k: v for k, v in cache.row_arrays().items() if k not in kept}
+    news = {k: v for k, v in ran.row_arrays().items() if k not in kept}
+    return ran.with_row_arrays(jax.tree.map(put, arrays, news) | kept)
 
 
 def _init_cache(cfg: DeepseekV4Config, dtype, rows: int, num_pages: int, page_size: int, csa_dtype,

@@ -44,10 +44,17 @@ compressor tails, the tier's pools, slot tables, residency map, staged rows and 
 shard's devices only:
 
     bytes per device   = B / D * request                  B requests in all, a multiple of D
-    max batch          = D * floor(KV budget / request)
+    max batch          = D * floor(KV budget / request)   with --kv-budget-gb: KV bytes only
+                       = D * the most rows b with b * request + temporaries(b) <= KV budget   otherwise
     KV budget          = --kv-budget-gb, or --gpu-mem-gb * --mem-fraction - weights per device
                          (release formats: V3.2 FP8 with fp32 128x128 block scales; V4 FP4 experts,
                          FP8 attention and shared experts, bf16 compressors / indexers / embeddings)
+    temporaries(b)     = max(experts, b * (E * (4 H_idx + J * s) + V * (8 + s)))   the decode step's (``step_bytes``)
+                         experts: one MoE layer's routed experts on a device (FP4 dequantized to the model dtype);
+                         per batch row the indexer's f32 scores of H_idx heads and its keys of J values (s bytes,
+                         the model dtype) over the E entries an indexed layer holds, and the head's logits (two
+                         float32 and one model-dtype copy of V); within 7 % of XLA's memory analysis for V3.2
+                         and V4-Flash on H200 (``docs/results/compiled.md``)
 
 Each data shard serves ``floor(KV budget / request)`` requests; its host store holds theirs (each of its
 devices' host memory holds a copy of the shard's store). ESS's figures are per GPU, each GPU attending for
@@ -167,6 +174,35 @@ def request_bytes(parts: list[Part], context: int, ratio: float, accounting: str
     return RequestBytes(resident, device, host, slots)
 
 
+@dataclasses.dataclass(frozen=True)
+class StepBytes:
+    """A decode step's temporaries on one device, which peak at one of two points: one MoE layer's routed experts
+    as the step holds them (``experts``), or the batch rows' indexer scores, gathered keys and logits
+    (``per_request`` each). ``temporaries(rows)`` is the larger: what XLA's memory analysis reports within a few
+    per cent for V3.2 and V4-Flash on 8 x H200 (``docs/results/compiled.md``)."""
+
+    per_request: int  # the indexer's f32 scores and its keys in the model dtype over the context, the logits
+    experts: int  # one MoE layer's routed experts on the device: FP4 ones dequantized to the model dtype
+
+    def temporaries(self, rows: int) -> int:
+        return max(self.experts, rows * self.per_request)
+
+
+def step_bytes(cfg: ModelConfig, parts: list[Part], context: int, dtype: str = "bfloat16",
+               shape: mesh.MeshShape = mesh.MeshShape()) -> StepBytes:
+    """The decode step's temporaries per device for requests of ``context`` tokens (``parts``: their cache) on a
+    mesh of ``shape``, release-format experts: the indexer scores ``f32[H_idx, E]`` and keys ``[E, J]`` (``E`` the
+    entries an indexed layer holds) and the head's logits (two float32 and one ``dtype`` copy) per request; one
+    layer's held routed experts, as stored or, below a byte a value (V4's FP4), dequantized to ``dtype``."""
+    itemsize = 2 if dtype == "bfloat16" else 4
+    entries = max((p.entries(context) for p in parts if "indexer" in p.name), default=0)
+    per_request = entries * (4 * cfg.index_n_heads + itemsize * cfg.index_head_dim) + cfg.vocab_size * (8 + itemsize)
+    held = (cfg.n_routed_experts // shape.expert, 3 * cfg.moe_intermediate_size, cfg.hidden_size)
+    stored = families.get(cfg.family).release_bytes(["mlp", "experts", "weight"], True, held)
+    experts = math.prod(held) * itemsize if stored < math.prod(held) else stored
+    return StepBytes(per_request, int(experts))
+
+
 def bytes_per_device(request: int, batch: int, data: int) -> int:
     """Bytes on each device of a mesh of ``data`` data shards serving ``batch`` requests (a multiple of
     ``data``: each shard ``batch / data`` of them, on its own devices) of ``request`` bytes each."""
@@ -175,9 +211,13 @@ def bytes_per_device(request: int, batch: int, data: int) -> int:
     return batch // data * request
 
 
-def max_batch(request: int, budget: float, data: int) -> int:
-    """The most requests (a multiple of ``data``) whose ``bytes_per_device`` fit in ``budget``."""
-    return data * int(budget // bytes_per_device(request, data, data))
+def max_batch(request: int, budget: float, data: int, step: StepBytes | None = None) -> int:
+    """The most requests (a multiple of ``data``) whose ``bytes_per_device``, with ``step``'s temporaries for their
+    rows on each device (None: none), fit in ``budget``."""
+    rows = int(budget // request)
+    if step is not None:
+        rows = max(0, min(int((budget - step.experts) // request), int(budget // (request + step.per_request))))
+    return data * rows
 
 
 # ---- weights per device ------------------------------------------------------------------------
@@ -241,7 +281,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="KV-cache memory per device; wins over the device memory / weights estimate")
     budget.add_argument("--gpu-mem-gb", type=float, default=141.0, help="device memory (default 141, an H200)")
     budget.add_argument("--mem-fraction", type=float, default=0.9,
-                        help="share of GPU memory for weights + KV, the rest for activations (default 0.9)")
+                        help="share of device memory for the weights, the KV cache and the decode step's "
+                             "temporaries, the rest for the runtime (default 0.9)")
     budget.add_argument("--weights-gb", type=float, default=None,
                         help="weight bytes per device, instead of the release formats' on the --mesh")
     p.add_argument("--mesh", default=None, metavar="data=D,expert=E",
@@ -311,7 +352,7 @@ def plan(args: argparse.Namespace) -> dict:
                       "weights_bytes_per_device": weights}
             if kv_budget <= 0:
                 raise ValueError(f"{name}: weights take {weights / GB:.1f} GB per device, more than "
-                                 f"{args.mem_fraction} x {args.gpu_mem_gb} GB; raise --mesh expert=... or "
+                                 f"{args.mem_fraction:g} x {args.gpu_mem_gb:.1f} GB; raise --mesh expert=... or "
                                  "--gpu-mem-gb")
         budget["kv_budget_bytes"] = kv_budget
         layouts = []
@@ -329,8 +370,10 @@ def plan(args: argparse.Namespace) -> dict:
             for context, ratio, rings in itertools.product(args.context, args.pool_ratio, args.rings):
                 paged = args.formats == "engine" and args.accounting == "ess_jax"  # the engine's whole pages
                 req = request_bytes(parts, context, ratio, args.accounting, rings, args.page_size if paged else None)
-                resident_batch = max_batch(req.resident, kv_budget, shape.data)
-                offload_batch = max_batch(req.device, kv_budget, shape.data)
+                # the step's temporaries come out of a device's memory, not out of a --kv-budget-gb
+                step = step_bytes(cfg, parts, context, args.dtype, shape) if args.kv_budget_gb is None else None
+                resident_batch = max_batch(req.resident, kv_budget, shape.data, step)
+                offload_batch = max_batch(req.device, kv_budget, shape.data, step)
                 rows.append({
                     "model": name, "mesh": str(shape), "context": context, "pool_ratio": ratio, "cache_dtype": dtype,
                     "formats": args.formats, "index_dtype": index,
@@ -341,6 +384,7 @@ def plan(args: argparse.Namespace) -> dict:
                     "host_bytes_per_device": offload_batch // shape.data * req.host, "pool_slots": req.pool_slots,
                     "resident_bytes_per_request": req.resident, "device_bytes_per_request": req.device,
                     "host_bytes_per_request": req.host,
+                    "temporaries_bytes_per_device": step.temporaries(offload_batch // shape.data) if step else None,
                 })
         models.append({"model": name, "family": cfg.family, "mesh": str(shape), "budget": budget, "layouts": layouts})
     return {"models": models, "rows": rows}

@@ -4,6 +4,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -140,6 +141,53 @@ def test_data_shards_hold_their_own_requests(capsys):
     assert plan.bytes_per_device(1000, 4, 2) == 2 * 1000
     with pytest.raises(ValueError, match="3 requests do not divide over 2 data shards"):
         plan.bytes_per_device(1000, 3, 2)
+
+
+COMPILED = Path(__file__).parents[1] / "docs" / "results" / "compiled"
+# XLA:GPU's memory analysis of the decode (python -m ess_jax.export --compile, 8 x H200, expert=8, release weights,
+# ESS 0.2, FP8 entries, 32K; the summaries it wrote): the planner's temporaries within 7 % of the compiler's
+STEP_COMPILES = ("h200x8_v4flash_5_ess_fp8_index_fp8_release_bf16_b812_decode.json",
+                 "h200x8_v4flash_5_ess_fp8_index_fp8_release_bf16_b1624_decode.json",
+                 "h200x8_v4flash_43_ess_fp8_index_fp8_release_bf16_b1489_decode.json",
+                 "h200x8_v32_5_ess_fp8_release_bf16_b46_decode.json",
+                 "h200x8_v32_5_ess_fp8_release_bf16_b184_decode.json",
+                 "h200x8_v32_61_ess_fp8_release_bf16_b43_decode.json")
+
+
+@pytest.mark.parametrize("summary", STEP_COMPILES)
+def test_step_temporaries_match_the_compilers(summary):
+    compiled = json.loads((COMPILED / summary).read_text())
+    engine, model = compiled["engine"], compiled["model"]
+    name = {"deepseek_v32": "deepseek-v3.2", "deepseek_v4": "deepseek-v4-flash"}[model["family"]]
+    cfg = load_config(preset_dict(name))
+    parts = plan.cache_parts(cfg, engine["cache_dtype"], engine["index_dtype"] or "auto", "engine", model["dtype"])
+    step = plan.step_bytes(cfg, parts, engine["max_seq_len"], model["dtype"], mesh.parse(engine["mesh"]))
+    got = compiled["steps"]["decode"]["bytes_per_device"]["temporaries"]
+    assert step.temporaries(engine["max_batch"]) == pytest.approx(got, rel=0.07)
+
+
+def test_the_device_batch_leaves_room_for_the_steps_temporaries(capsys):
+    """On a device's memory (no --kv-budget-gb) a batch's cache, the weights and its decode step's temporaries fit
+    in --gpu-mem-gb x --mem-fraction, and one more data shard's requests would not."""
+    result = run_json(["--model", "deepseek-v4-flash", "--cache-dtype", "fp8", "--index-dtype", "fp8", "--context",
+                       "32768", "--pool-ratio", "0.2", "--mesh", "data=2,expert=4"], capsys)
+    budget, row = result["models"][0]["budget"], result["rows"][0]
+    v4 = load_config(preset_dict("deepseek-v4-flash"))
+    step = plan.step_bytes(v4, plan.cache_parts(v4, "fp8", "fp8", "engine"), 32768, shape=mesh.MeshShape(2, 4))
+    assert step.per_request == 8192 * (4 * 64 + 2 * 128) + 129280 * 10  # scores and keys of 8192 entries, logits
+    assert step.experts == 64 * 3 * 2048 * 4096 * 2  # a layer's 64 held FP4 experts in bfloat16
+    room = 141e9 * 0.9 - budget["weights_bytes_per_device"]
+    for key, per_request in (("max_batch_offload", "device_bytes_per_request"),
+                             ("max_batch_resident", "resident_bytes_per_request")):
+        rows = row[key] // 2
+        assert rows * row[per_request] + step.temporaries(rows) <= room
+        assert (rows + 1) * row[per_request] + step.temporaries(rows + 1) > room
+    assert row["temporaries_bytes_per_device"] == step.temporaries(row["max_batch_offload"] // 2)
+    # a --kv-budget-gb is the cache's alone
+    row = run_json(["--model", "deepseek-v4-flash", "--kv-budget-gb", "80", "--cache-dtype", "fp8", "--context",
+                    "32768", "--pool-ratio", "0.2"], capsys)["rows"][0]
+    assert row["temporaries_bytes_per_device"] is None
+    assert row["max_batch_offload"] == 80_000_000_000 // row["device_bytes_per_request"]
 
 
 def test_text_output_names_the_budget_and_the_batches(capsys):

@@ -7,8 +7,8 @@
   the device, the resident run's tokens; the arrays' bytes move from device to host by what the cache parts say;
 - on meshes of data shards (tests/test_mesh.py: V4's ESS runs keep the rings in host memory, the default): the
   single-device tokens and logits;
-- the planner: V4-Flash at 32K, FP8 entries, FP4 indexer keys, pool ratio 0.2 reaches 3x with the rings in host
-  memory.
+- the planner: V4-Flash at 32K, FP8 entries, FP4 indexer keys, pool ratio 0.2 reaches 3x the KV capacity with the
+  rings in host memory.
 """
 
 import json
@@ -133,8 +133,10 @@ def test_ring_bytes_move_from_the_device_to_the_host_as_the_parts_say(model, run
 
 @pytest.mark.parametrize("mesh", [[], ["--mesh", "expert=8"]])
 def test_planner_v4_flash_32k_reaches_3x_with_host_rings(mesh, capsys):
+    """In KV bytes (a KV budget: the decode step's temporaries, which every request needs, left out)."""
     argv = ["--model", "deepseek-v4-flash", "--context", "32768", "--cache-dtype", "fp8", "--index-dtype", "fp4",
-            "--pool-ratio", "0.2", "--rings", "host", "--rings", "device", "--formats", "release", "--json", *mesh]
+            "--pool-ratio", "0.2", "--rings", "host", "--rings", "device", "--formats", "release", "--kv-budget-gb",
+            "112.9", "--json", *mesh]
     assert plan.main(argv) == 0
     rows = {r["rings"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
     assert rows["host"]["capacity_gain"] >= 3.0 > rows["device"]["capacity_gain"]

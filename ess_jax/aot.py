@@ -220,6 +220,19 @@ class _Instruction:
     text: str
 
 
+def _bound(instructions: dict[str, _Instruction], condition: str) -> int:
+    """The trip count of a while loop whose ``condition`` computation returns ``compare(counter, constant N),
+    direction=LT`` (a scan's, its counter from 0 by 1): N; 1 for any other condition (a loop bounded by data)."""
+    for ins in instructions.values():
+        if ins.computation == condition and ins.opcode == "compare" and ins.text.lstrip().startswith("ROOT") \
+                and "direction=LT" in ins.text and len(ins.operands) == 2:
+            bound = instructions.get(ins.operands[1])
+            if bound is not None and bound.opcode == "constant" and bound.computation == condition:
+                value = re.search(r"constant\((\d+)\)", bound.text)
+                return int(value[1]) if value else 1
+    return 1
+
+
 def _parse(hlo: str) -> tuple[dict[str, _Instruction], dict[str, int]]:
     """The scheduled HLO's instructions by name, and how many times each computation runs per call of the entry
     (while bodies times their known trip counts; fusions, calls and branches once)."""
@@ -241,6 +254,9 @@ def _parse(hlo: str) -> tuple[dict[str, _Instruction], dict[str, int]]:
         instructions[name] = _Instruction(name, computation, opcode, _arrays(type_text),
                                           re.findall(r"%([\w.\-]+)", args), called, int(trips[1]) if trips else 1,
                                           line)
+    for ins in instructions.values():  # XLA:TPU leaves the trip count out: the condition's `i < N`, N a constant
+        if ins.opcode == "while" and "known_trip_count" not in ins.text:
+            ins.trips = _bound(instructions, re.search(r"condition=%?([\w.\-]+)", ins.text)[1])
     runs = collections.Counter({entry: 1})
     callers = collections.defaultdict(list)
     for ins in instructions.values():

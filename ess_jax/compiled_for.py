@@ -3,7 +3,7 @@
 compiled by the target's own compiler, as ``python -m ess_jax.export --compile`` does (the aot extra: run it with
 ``.venv-aot/bin/python``).
 
-    python -m ess_jax.compiled_for [--target NAME ...] [--model NAME ...] [--steps decode] --out DIR
+    python -m ess_jax.compiled_for [--target NAME ...] [--model NAME ...] [--steps decode] [--kernels auto] --out DIR
 
 For each target and model, ``python -m ess_jax.plan`` gives the batch for the target's memory
 (``--gpu-mem-gb`` its HBM, the engine's formats; V4's indexer keys in FP8). A model whose weights leave no
@@ -43,18 +43,18 @@ def planned(target: aot.Spec, model: str) -> dict:
     try:
         result = plan.plan(args)
     except ValueError as e:  # the weights alone fill the device
-        return {"refused": str(e)}
+        return {"refused": str(e).removeprefix(f"{model}: ")}
     row, budget = result["rows"][0], result["models"][0]["budget"]
     return {"batch": row["max_batch_offload"], "weights": budget["weights_bytes_per_device"],
             "cache": row["max_batch_offload"] * row["device_bytes_per_request"],
             "temporaries": row["temporaries_bytes_per_device"]}
 
 
-def compile_row(target: aot.Spec, model: str, batch: int, steps: str, out: Path) -> dict:
+def compile_row(target: aot.Spec, model: str, batch: int, steps: str, kernels: str, out: Path) -> dict:
     """``python -m ess_jax.export --compile`` of ``model`` at ``batch`` for 8 of ``target``: its summary."""
     argv = [sys.executable, "-m", "ess_jax.export", "--compile", "--target", target.name, "--model", model,
             "--weights", "release", "--dtype", "bfloat16", "--offload", "ess", "--pool-ratio", str(POOL_RATIO),
-            "--max-batch", str(batch), "--steps", steps, "--out", str(out)] + engine_flags(model)
+            "--kernels", kernels, "--max-batch", str(batch), "--steps", steps, "--out", str(out)] + engine_flags(model)
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}")
     summary = out / "summary.json"
     summary.unlink(missing_ok=True)
@@ -111,6 +111,7 @@ def parse_args(argv: list[str] | None):
                    help=f"repeatable; default every target ({', '.join(aot.SPECS)})")
     p.add_argument("--model", action="append", help=f"repeatable; default {', '.join(MODELS)}")
     p.add_argument("--steps", default="decode", metavar="NAME,...", help="the steps compiled (default decode)")
+    p.add_argument("--kernels", default="auto", help="the engine's --kernels (default auto: the target's own)")
     p.add_argument("--out", type=Path, required=True, help="directory for the summaries and compiled_for.md")
     return p.parse_args(argv)
 
@@ -123,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         for model in args.model or list(MODELS):
             plan_row, summary = planned(target, model), None
             if plan_row.get("batch"):
-                summary = compile_row(target, model, plan_row["batch"], args.steps, args.out / f"{name}_{model}")
+                summary = compile_row(target, model, plan_row["batch"], args.steps, args.kernels,
+                                      args.out / f"{name}_{model}")
                 failed |= "error" in summary
             rows.append(row(target, model, plan_row, summary))
             print(" | ".join(rows[-1]), flush=True)

@@ -79,20 +79,38 @@ class Target:
     def using(self):
         """The context the steps are traced in: the abstract mesh, or the compile-only devices' mesh (NVIDIA: the CPU
         mesh, with the kernels chosen for the target's devices)."""
-        if self.spec is None:
-            with jax.sharding.use_abstract_mesh(self.mesh):
-                yield
-        elif self.platform == "cuda":
-            with jax.set_mesh(self.mesh), ops.kernels_for(ops.Device("cuda", self.kind,
-                                                                     ops.compute_capability("", self.kind))):
-                yield
-        else:
-            with jax.set_mesh(self.mesh):
-                yield
+        capability = ops.compute_capability("", self.kind) if self.platform == "cuda" else None
+        with contextlib.ExitStack() as stack:
+            if capability is not None:
+                stack.enter_context(mosaic_gpu_arch(capability))
+            if self.spec is None:
+                stack.enter_context(jax.sharding.use_abstract_mesh(self.mesh))
+            elif self.platform == "cuda":
+                stack.enter_context(jax.set_mesh(self.mesh))
+                stack.enter_context(ops.kernels_for(ops.Device("cuda", self.kind, capability)))
+            else:
+                stack.enter_context(jax.set_mesh(self.mesh))
+            yield
 
     def __str__(self) -> str:
         name = self.spec.name if self.spec is not None else self.kind
         return f"{name} ({self.platform}, mesh {self.shape})"
+
+
+@contextlib.contextmanager
+def mosaic_gpu_arch(capability: tuple[int, int]):
+    """Mosaic GPU lowers its kernels for the architecture of the traced mesh's devices, and for sm_90 when they name
+    none (abstract devices, or the CPU devices an NVIDIA target is traced on): an sm_80 kernel so lowered uses
+    Hopper-only instructions (``elect.sync``) that the A100's compiler cannot select. Within this context it lowers
+    for ``capability``, the target's."""
+    from jax.experimental.mosaic.gpu import utils as mosaic_utils
+
+    inferred = mosaic_utils._infer_arch
+    mosaic_utils._infer_arch = lambda: capability
+    try:
+        yield
+    finally:
+        mosaic_utils._infer_arch = inferred
 
 
 @functools.cache

@@ -187,6 +187,21 @@ def test_v32_ess_decode_compiles_for_an_h200_with_its_store_in_host_memory(tmp_p
     assert 0 < decode["host_to_device_bytes"] < store / 8, decode
 
 
+@pytest.mark.skipif(not aot.available("cuda"), reason="compiling for NVIDIA GPUs needs jax's CUDA plugin")
+@pytest.mark.parametrize("model", ["tiny-v32", "tiny-v4"])
+def test_sm80_kernels_compile_for_an_a100(tmp_path, model):
+    """The ESS decode through the sm_80 kernels, compiled for an A100: Mosaic GPU lowers them for sm_80, the
+    target's, not for the sm_90 it assumes of the CPU devices the step is traced on (whose ``elect.sync`` the A100's
+    LLVM cannot select: the compiler aborts)."""
+    run = _export("--target", "A100", "--model", model, "--offload", "ess", "--kernels", "auto", "--max-batch", "4",
+                  "--max-seq-len", "4096", "--steps", "decode", out=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["kernels"] == "mosaic_gpu_sm80"
+    decode = summary["steps"]["decode"]
+    assert decode["compiled"] and decode["fits"] and decode["custom_calls"]["mosaic_gpu_v2"] >= 1
+
+
 @needs_libtpu
 def test_v4_flash_release_experts_dequantize_without_weight_sized_temporaries(tmp_path):
     """V4-Flash's first two layers with the release's FP4 experts on ``expert=8`` (32 experts a chip), 256 requests

@@ -29,17 +29,15 @@ MODELS = ("deepseek-v3.2", "deepseek-v4-flash")
 CONTEXT, POOL_RATIO = 32768, 0.2
 
 
-def engine_flags(model: str) -> list[str]:
-    """The served configuration: ESS 0.2, FP8 entries (V4: and FP8 indexer keys), 32K, experts over 8 devices."""
-    return (["--cache-dtype", "fp8", "--max-seq-len", str(CONTEXT), "--mesh", f"expert={DEVICES}"]
-            + (["--index-dtype", "fp8"] if "v4" in model else []))
+def served(model: str) -> list[str]:
+    """The flags the planner and the engine share: FP8 entries (V4: and FP8 indexer keys), experts over 8 devices."""
+    return ["--cache-dtype", "fp8", "--mesh", f"expert={DEVICES}"] + (["--index-dtype", "fp8"] if "v4" in model else [])
 
 
 def planned(target: aot.Spec, model: str) -> dict:
     """The planner's row for ``model`` on 8 of ``target`` (its batch and bytes per device), or its refusal."""
-    argv = ["--model", model, "--cache-dtype", "fp8", "--context", str(CONTEXT), "--pool-ratio", str(POOL_RATIO),
-            "--rings", "host", "--mesh", f"expert={DEVICES}", "--gpu-mem-gb", str(target.hbm_bytes / plan.GB)]
-    args = plan.parse_args(argv + (["--index-dtype", "fp8"] if "v4" in model else []))
+    args = plan.parse_args(["--model", model, "--context", str(CONTEXT), "--pool-ratio", str(POOL_RATIO), "--rings",
+                            "host", "--gpu-mem-gb", str(target.hbm_bytes / plan.GB)] + served(model))
     try:
         result = plan.plan(args)
     except ValueError as e:  # the weights alone fill the device
@@ -54,7 +52,8 @@ def compile_row(target: aot.Spec, model: str, batch: int, steps: str, kernels: s
     """``python -m ess_jax.export --compile`` of ``model`` at ``batch`` for 8 of ``target``: its summary."""
     argv = [sys.executable, "-m", "ess_jax.export", "--compile", "--target", target.name, "--model", model,
             "--weights", "release", "--dtype", "bfloat16", "--offload", "ess", "--pool-ratio", str(POOL_RATIO),
-            "--kernels", kernels, "--max-batch", str(batch), "--steps", steps, "--out", str(out)] + engine_flags(model)
+            "--kernels", kernels, "--max-batch", str(batch), "--max-seq-len", str(CONTEXT), "--steps", steps,
+            "--out", str(out)] + served(model)
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}")
     summary = out / "summary.json"
     summary.unlink(missing_ok=True)

@@ -147,6 +147,8 @@ class Formats:
     index: str  # indexer keys
     rows: str  # V4's other rows: HCA entries and the SWA window
     ring: str  # V4 compressor rings: the projected inputs and gate projections (DeepSeek's release: float32)
+    release: bool = False  # the byte layouts of DeepSeek's release (V4 FP8 rows of 584 bytes), not the engine's
+    # (592: ``fp8_rows.v4_row_bytes``)
 
 
 def mla_row_bytes(latent_dim: int, rope_dim: int, fmt: str) -> int:

@@ -114,7 +114,7 @@ def stored_formats(cfg: ModelConfig, cache_dtype: str, index_dtype: str = "auto"
         return families.get(cfg.family).stored_formats(cache_dtype, dtype,
                                                        None if index_dtype == "auto" else index_dtype)
     return families.Formats(entries=cache_dtype, index=cache_dtype if index_dtype == "auto" else index_dtype,
-                            rows=cache_dtype, ring="float32")
+                            rows=cache_dtype, ring="float32", release=True)
 
 
 def cache_parts(cfg: ModelConfig, cache_dtype: str, index_dtype: str = "auto", formats: str = "release",

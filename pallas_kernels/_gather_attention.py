@@ -51,9 +51,9 @@ products.
 shared memory (``smem_bytes``) must fit the 227 KiB of an H100 / H200, which DeepSeek's bf16 and
 FP8 rows do but float32 rows of width 576 do not. The raw rows and the softmax weights' tiles share
 memory (a ``RefUnion``: the rows are dead by the time the weights are written). A row's TMA copy starts at a
-16-byte-aligned address or faults (``CUDA_ERROR_ILLEGAL_INSTRUCTION`` on an H200 with V4's 584-byte FP8 rows), so
-pools whose rows are not a multiple of 16 bytes (V4 FP8 584, tiny-v32 FP8 100, tiny-v4 FP8 88) are padded to it
-here: a copy of the pool per call, which a cache storing rows of that stride would not need.
+16-byte-aligned address or faults (``CUDA_ERROR_ILLEGAL_INSTRUCTION`` on an H200 with DeepSeek's 584-byte V4 FP8
+rows). The V4 FP8 rows are therefore stored at 592 bytes (``fp8_rows.v4_row_bytes``); pools whose rows are still not
+a multiple of 16 bytes (tiny-v32's 100-byte FP8 rows) are padded to it here, a copy of the pool per call.
 
 **Not tuned**: one warpgroup per program holds the whole
 accumulator (V3.2: 64 x 512 float32, 256 registers a thread, so it spills), and a block's row copies
@@ -76,7 +76,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ess_jax.pallas_kernels.row_layout import Chunk, RowLayout
+from ess_jax.pallas_kernels.row_layout import ROW_ALIGN, Chunk, RowLayout
 from ess_jax.pallas_kernels.split_k import deal_ids, finish_softmax, merge_splits, pad_axis, round_up
 
 if TYPE_CHECKING:
@@ -86,7 +86,6 @@ NEG_INF = float("-inf")
 # The public wrappers' keyword-only tuning knobs (static under jit), documented in sparse_mla.
 HEAD_BLOCK = 64  # query heads per program: the M of one warpgroup's wgmma
 ROW_GROUP = 8  # rows copied per barrier
-ROW_ALIGN = 16  # bytes: a TMA copy's global address must be a multiple of this (else the copy faults)
 SMEM_BYTES = 227 * 1024  # shared memory one block may use on an H100 / H200
 SMEM_ALIGNMENT = 1024  # Pallas aligns every SMEM buffer to this many bytes
 REDUCTION_SCRATCH = plgpu.CompilerParams().reduction_scratch_bytes  # Mosaic GPU's own SMEM for reductions
@@ -365,7 +364,7 @@ def gather_attention(q_value_BTNC, q_key_BTNR, sources, sinks_N, *, layout: RowL
     """
     variant = variant or HOPPER
     item = jnp.dtype(layout.dtype).itemsize
-    if layout.row_width * item % ROW_ALIGN:  # rows of 584 or 100 bytes: each row's copy must start aligned
+    if layout.row_width * item % ROW_ALIGN:  # rows of 100 bytes: each row's copy must start aligned
         padded = round_up(layout.row_width * item, ROW_ALIGN) // item
         sources = [(pad_axis(pool, 1, padded, 0), ids) for pool, ids in sources]  # a copy of the pools
         layout = dataclasses.replace(layout, row_width=padded)

@@ -26,7 +26,7 @@ bf16 or four uint8 rows into each sublane word, so a DMA of one bf16 or byte row
 an unaligned sublane offset, which Mosaic refuses ("Offsets along tiled dimensions must be aligned to
 tiles"). The kernel therefore reads pools of 32-bit rows: float32 rows as they are, bf16 and byte rows
 as ``u32[P, row_bytes / 4]`` words (``row_layout.as_words``; every format is a whole number of words:
-576 bf16 = 288, 656 B = 164, 584 B = 146, 100 B = 25, 88 B = 22). Pools given as bf16 / uint8 are
+576 bf16 = 288, 656 B = 164, 592 B = 148, 100 B = 25, 96 B = 24). Pools given as bf16 / uint8 are
 viewed as words by the wrapper, a relayout copy of the whole pool on a TPU; word pools pass as they are.
 
 **Decoding** is 32-bit integer arithmetic, which every TPU generation has, over runs of contiguous

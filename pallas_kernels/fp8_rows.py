@@ -14,17 +14,23 @@ Generalised to other widths (the tiny presets) by the same rule: C e4m3 bytes, c
 scales (the last block may be partial), R bf16 values; tiny-v32 (C = 64, R = 16) gives
 64 + 4 + 32 = 100 bytes. Dequantize: ``e4m3 * scale``; a block of zeros has scale 0 and decodes to 0.
 
-**V4 row** (FlashMLA's "MODEL1", SGLang's V4 pools), 584 bytes for H = 512, R = 64::
+**V4 row** (FlashMLA's "MODEL1", SGLang's V4 pools: 584 bytes for H = 512, R = 64), stored 16-byte aligned::
 
     [0, D)                  D x e4m3fn       the non-rope dims, D = H - R, quantized per 64 values
     [D, D + 2*R)            R x bfloat16     the trailing rope dims, unquantized
     [D + 2*R, + nb)         nb x ue8m0       one power-of-two scale per block: byte e means 2**(e - 127)
-    then zero bytes up to a multiple of 8 for the scale field
-    nb = ceil(D / 64);  v4_row_bytes(512, 64) = 448 + 128 + 7 + 1 = 584
+    then zero bytes up to a multiple of 16 for the row
+    nb = ceil(D / 64);  v4_row_bytes(512, 64) = 448 + 128 + 7 + 9 = 592
+
+DeepSeek's release pads the scale field to a multiple of 8 bytes instead (``v4_release_row_bytes``: 448 + 128 +
+7 + 1 = 584). The rows here carry 8 more zero bytes so that every row of a pool starts 16-byte aligned: a TMA copy
+of a row (the Hopper kernel's) faults on any other address, and a kernel handed 584-byte rows would have to copy
+the pool at a 592-byte stride on each call (the whole stacked pool of every CSA layer: 13.8 GiB on an H100 for
+V4-Flash at 32K). The cost is 1.4 % of the entries' bytes.
 
 The scale is the smallest power of two with ``amax / scale <= 448`` (``2 ** ceil(log2(amax / 448))``),
 its exponent clamped to [-126, 127], so the byte is in [1, 254]. tiny-v4 (H = 64, R = 16):
-48 + 32 + 1 + 7 = 88 bytes.
+48 + 32 + 1 + 15 = 96 bytes (the release's 88).
 
 **FP4 indexer key** (DeepSeek-V4's QAT format for the CSA indexer keys), 68 bytes for J = 128::
 
@@ -45,11 +51,11 @@ the rope slice is exact for bf16 inputs.
 ``sparse_v4_attention_fp8`` is ``sparse_v4_attention`` over pools of V4 FP8 rows; both dequantize
 each gathered chunk in the kernel (e4m3 bytes bitcast to float8, times a scale assembled from its
 bytes; the bf16 rope values assembled from byte pairs). Same sentinels, returns, targets and lowering status as
-their float versions. The Hopper kernel copies each row from the flattened byte pool in pieces of a
-multiple of 128 bytes (its TMA copies address bytes, not rows), so rows need no alignment (the 584-
-and 88-byte V4 rows included); the TPU kernel reads the rows as 32-bit words (every format here is a
-whole number of words: 656 B = 164, 584 B = 146, 100 B = 25, 88 B = 22; ``row_layout.as_words``), one
-row per DMA, and decodes them with 32-bit integer arithmetic; none has run on a device.
+their float versions. The Hopper kernel copies each row with TMA, whose global address must be 16-byte
+aligned: the 656- and 592-byte rows are; a pool of other rows (tiny-v32's 100 bytes) is copied at a padded
+stride first (``_gather_attention``). The TPU kernel reads the rows as 32-bit words (every format here is a
+whole number of words: 656 B = 164, 592 B = 148, 100 B = 25, 96 B = 24; ``row_layout.as_words``), one
+row per DMA, and decodes them with 32-bit integer arithmetic.
 """
 
 from __future__ import annotations
@@ -61,8 +67,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ess_jax.pallas_kernels.row_layout import (KNOBS, Chunk, RowLayout, check_float, check_ids, check_knobs,
-                                               check_mla_queries, check_rank, check_words_target, is_words)
+from ess_jax.pallas_kernels.row_layout import (KNOBS, ROW_ALIGN, Chunk, RowLayout, check_float, check_ids,
+                                               check_knobs, check_mla_queries, check_rank, check_words_target,
+                                               is_words)
 from ess_jax.pallas_kernels.sparse_mla import sparse_mla_reference
 from ess_jax.pallas_kernels.sparse_v4_attention import check_v4_inputs, sparse_v4_attention_reference
 from ess_jax.pallas_kernels.target import gather_attention
@@ -75,7 +82,7 @@ E2M1_MAX = 6.0
 FP4_BLOCK = 32  # values per ue8m0 scale (V4's FP4 indexer keys)
 MLA_BLOCK = 128  # values per float32 scale (V3.2)
 V4_BLOCK = 64  # values per ue8m0 scale (V4)
-V4_SCALE_ALIGN = 8  # the V4 scale field is zero-padded to a multiple of this many bytes
+V4_RELEASE_SCALE_ALIGN = 8  # DeepSeek's V4 rows pad their scale field to a multiple of this many bytes
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -88,10 +95,16 @@ def mla_row_bytes(latent_dim: int, rope_dim: int) -> int:
 
 
 def v4_row_bytes(head_dim: int, rope_dim: int) -> int:
-    """Bytes of one V4 FP8 row: 584 for (512, 64)."""
+    """Bytes of one V4 FP8 row as stored here: 592 for (512, 64)."""
+    fields = head_dim - rope_dim + 2 * rope_dim + _ceil_div(head_dim - rope_dim, V4_BLOCK)
+    return _ceil_div(fields, ROW_ALIGN) * ROW_ALIGN
+
+
+def v4_release_row_bytes(head_dim: int, rope_dim: int) -> int:
+    """Bytes of one V4 FP8 row in DeepSeek's release (FlashMLA's "MODEL1"): 584 for (512, 64)."""
     nope = head_dim - rope_dim
     scales = _ceil_div(nope, V4_BLOCK)
-    return nope + 2 * rope_dim + _ceil_div(scales, V4_SCALE_ALIGN) * V4_SCALE_ALIGN
+    return nope + 2 * rope_dim + _ceil_div(scales, V4_RELEASE_SCALE_ALIGN) * V4_RELEASE_SCALE_ALIGN
 
 
 def fp4_key_bytes(width: int) -> int:

@@ -26,6 +26,7 @@ KNOBS = ("block_k", "num_splits", "target", "interpret")
 VALUE_CHUNK = 128  # columns per value chunk of a plain row: one wgmma N
 MAX_COPY = 256  # elements per TMA copy at most (a TMA box dimension)
 COPY_BYTES = 128  # a copy moves a multiple of this: each of the warpgroup's 128 threads arrives for 1/128
+ROW_ALIGN = 16  # bytes: a TMA copy's global address must be a multiple of this (else the copy faults)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +116,7 @@ WORD_BYTES = 4  # a TPU sublane word: the element of the pools the mosaic_tpu ke
 
 def words_per_row(layout: RowLayout) -> int:
     """32-bit words of one stored row of ``layout`` (its bytes / 4): 288 for V3.2's bf16 576-wide row,
-    164 for its 656-byte FP8 row, 146 for V4's 584-byte one."""
+    164 for its 656-byte FP8 row, 148 for V4's 592-byte one."""
     row_bytes = layout.row_width * jnp.dtype(layout.dtype).itemsize
     if row_bytes % WORD_BYTES:
         raise ValueError(f"a {layout.dtype} row of {layout.row_width} elements is {row_bytes} bytes, not whole "

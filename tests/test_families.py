@@ -44,10 +44,12 @@ def test_v32_parts_are_flashmla_rows():
 
 
 def test_v4_flash_parts_match_domain():
-    fp8 = parts(FLASH, Formats("fp8", "fp8", "fp8", "float32"))
+    fp8 = parts(FLASH, Formats("fp8", "fp8", "fp8", "float32", release=True))
     main = fp8["CSA main rows"]
     assert (main.where, main.layers, main.tokens_per_row, main.topk) == ("offloaded", 21, 4, 512)
     assert main.row_bytes == 448 + 64 * 2 + 7 + 1 == 584  # e4m3 + bf16 rope + ue8m0 per 64 + pad
+    engine = parts(FLASH, Formats("fp8", "fp8", "fp8", "float32"))  # the engine's rows: 16-byte aligned
+    assert engine["CSA main rows"].row_bytes == engine["HCA rows"].row_bytes == 592
     assert fp8["CSA indexer keys"].row_bytes == 132 and fp8["HCA rows"].layers == 20
     assert fp8["SWA window"].bytes(0) == 43 * 128 * 584
     assert fp8["CSA compressor tails (fp32)"].row_bytes == 64 * 1024  # kv + gate rings
@@ -56,7 +58,7 @@ def test_v4_flash_parts_match_domain():
     assert fp8["HCA compressor tails (fp32)"].row_bytes == 512 * 1024
     assert "token count" not in fp8  # the release keeps no length in the cache
     assert main.entries(131072) == 32768
-    fp4 = parts(FLASH, Formats("fp8", "fp4", "fp8", "float32"))
+    fp4 = parts(FLASH, Formats("fp8", "fp4", "fp8", "float32", release=True))
     assert fp4["CSA indexer keys"].row_bytes == 64 + 4 == 68
     bf16 = parts(FLASH, Formats("bfloat16", "bfloat16", "bfloat16", "float32"))
     assert bf16["CSA main rows"].row_bytes == 1024 and bf16["CSA indexer keys"].row_bytes == 256

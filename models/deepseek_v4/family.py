@@ -19,10 +19,12 @@ _SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 _V4_FP8 = {"q_a_proj", "q_b_proj", "kv_proj", "o_a_proj", "o_b_proj"}
 
 
-def _v4_row_bytes(head_dim: int, rope_dim: int, fmt: str) -> int:
-    """One V4 row: ``H`` values, or the FP8 row ((H - R) e4m3 + R bf16 + a ue8m0 scale per 64, padded to
-    8 bytes: 584 at H = 512, R = 64)."""
-    return fp8_rows.v4_row_bytes(head_dim, rope_dim) if fmt == "fp8" else ITEMSIZE[fmt] * head_dim
+def _v4_row_bytes(head_dim: int, rope_dim: int, formats: Formats, fmt: str) -> int:
+    """One V4 row: ``H`` values, or the FP8 row ((H - R) e4m3 + R bf16 + a ue8m0 scale per 64, padded: 592 bytes
+    at H = 512, R = 64 as the engine stores it, 584 in DeepSeek's release)."""
+    if fmt != "fp8":
+        return ITEMSIZE[fmt] * head_dim
+    return (fp8_rows.v4_release_row_bytes if formats.release else fp8_rows.v4_row_bytes)(head_dim, rope_dim)
 
 
 class _DeepseekV4(Family):
@@ -34,11 +36,12 @@ class _DeepseekV4(Family):
         n_index = cfg.indexer_types.count("full")  # the CSA layers with an indexer (Index Share: the full ones)
         h, r, j = cfg.head_dim, cfg.qk_rope_head_dim, cfg.index_head_dim
         m, m_h = cfg.compress_rate_csa, cfg.compress_rate_hca
-        row = _v4_row_bytes(h, r, formats.rows)
+        row = _v4_row_bytes(h, r, formats, formats.rows)
         ring = 2 * ITEMSIZE[formats.ring]  # per value: the ring input and its gate projection
         # the rings hold [coff * m, coff * D] values, coff = 2 for CSA (overlapping windows), 1 for HCA
         csa_tail, index_tail, hca_tail = (2 * m) * (2 * h) * ring, (2 * m) * (2 * j) * ring, m_h * h * ring
-        parts = [Part("CSA main rows", "offloaded", n_csa, _v4_row_bytes(h, r, formats.entries), m, cfg.index_topk),
+        parts = [Part("CSA main rows", "offloaded", n_csa, _v4_row_bytes(h, r, formats, formats.entries), m,
+                      cfg.index_topk),
                  Part("CSA indexer keys", "resident", n_index, index_key_bytes(j, formats.index), m),
                  Part("HCA rows", "resident", n_hca, row, m_h),
                  Part("SWA window", "fixed", cfg.num_hidden_layers, cfg.sliding_window * row, 0),

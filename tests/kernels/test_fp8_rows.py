@@ -17,13 +17,15 @@ E4M3_SUBNORMAL = 2.0**-10  # half the subnormal step 2**-9, in scaled units
 
 def test_byte_counts():
     assert fp8_rows.mla_row_bytes(512, 64) == 656  # 512 e4m3 + 4 x f32 + 64 x bf16
-    assert fp8_rows.v4_row_bytes(512, 64) == 584  # 448 e4m3 + 64 x bf16 + 7 ue8m0 + 1 pad
+    assert fp8_rows.v4_row_bytes(512, 64) == 592  # 448 e4m3 + 64 x bf16 + 7 ue8m0 + 9 pad: 16-byte aligned
+    assert fp8_rows.v4_release_row_bytes(512, 64) == 584  # DeepSeek's: the scales padded to 8 bytes
     assert fp8_rows.mla_row_bytes(64, 16) == 100  # tiny-v32: 64 + 4 + 32
-    assert fp8_rows.v4_row_bytes(64, 16) == 88  # tiny-v4: 48 + 32 + 1 + 7
+    assert fp8_rows.v4_row_bytes(64, 16) == 96  # tiny-v4: 48 + 32 + 1 + 15
+    assert fp8_rows.v4_release_row_bytes(64, 16) == 88  # 48 + 32 + 1 + 7
     assert fp8_rows.mla_row_bytes(192, 16) == 192 + 8 + 32  # a partial second block still has its scale
     x = jnp.ones((3, 576))
     assert fp8_rows.quantize_mla_rows(x, latent_dim=512).shape == (3, 656)
-    assert fp8_rows.quantize_v4_rows(x[:, :512], rope_dim=64).shape == (3, 584)
+    assert fp8_rows.quantize_v4_rows(x[:, :512], rope_dim=64).shape == (3, 592)
     assert fp8_rows.quantize_mla_rows(x, latent_dim=512).dtype == jnp.uint8
 
 
@@ -129,7 +131,7 @@ def test_sparse_mla_fp8_matches_reference(c, r, k, dtype):
 
 
 @pytest.mark.parametrize("h, r, with_entries, dtype", [
-    (64, 16, True, jnp.float32),  # tiny-v4's 88-byte row: one partial scale block
+    (64, 16, True, jnp.float32),  # tiny-v4's 96-byte row: one partial scale block
     (512, 64, False, jnp.bfloat16),  # the 584-byte row, window only
 ])
 def test_sparse_v4_attention_fp8_matches_reference(h, r, with_entries, dtype):
@@ -178,12 +180,12 @@ def test_fp8_kernel_checks_row_width():
     with pytest.raises(ValueError, match="window_PX"):
         fp8_rows.sparse_v4_attention_fp8(q, jnp.zeros((8, 87), jnp.uint8), jnp.zeros((1, 1, 3), jnp.int32), None,
                                          None, jnp.zeros((4,)), scale=1.0, rope_dim=16, interpret=True)
-    # rows as 32-bit words: a whole row's words (100 / 4 and 88 / 4), and only for the TPU kernels
+    # rows as 32-bit words: a whole row's words (100 / 4 and 96 / 4), and only for the TPU kernels
     with pytest.raises(ValueError, match=r"pool_PX as words must be u32\[P >= 1, 100 / 4\]"):
         fp8_rows.sparse_mla_fp8(q, jnp.zeros((1, 1, 4, 16)), jnp.zeros((8, 26), jnp.uint32),
                                 jnp.zeros((1, 1, 3), jnp.int32), scale=1.0, target="mosaic_tpu", interpret=True)
     with pytest.raises(ValueError, match="window_PX holds 32-bit words .* target='mosaic_gpu_sm80'"):
-        fp8_rows.sparse_v4_attention_fp8(q, jnp.zeros((8, 22), jnp.uint32), jnp.zeros((1, 1, 3), jnp.int32), None,
+        fp8_rows.sparse_v4_attention_fp8(q, jnp.zeros((8, 24), jnp.uint32), jnp.zeros((1, 1, 3), jnp.int32), None,
                                          None, jnp.zeros((4,)), scale=1.0, rope_dim=16, target="mosaic_gpu_sm80",
                                          interpret=True)
 

@@ -2,7 +2,7 @@
 for GPUs without TMA / wgmma (``target="mosaic_gpu_sm80"``) in the Mosaic GPU interpreter, against the
 references, each with its interpreter's race detector on: NaN-poisoned unused rows, -1 sentinels,
 queries with 0, 1, K-1 and K valid ids, two blocks of ids (both TPU row buffers turn over), split-K,
-float32 and bf16, the 656- and 584-byte FP8 rows (and the tiny presets' 100- and 88-byte ones); the
+float32 and bf16, the 656- and 592-byte FP8 rows (and the tiny presets' 100- and 96-byte ones); the
 TPU kernels both on bf16 / uint8 pools and on the same rows as 32-bit words.
 The Hopper kernels' interpreter tests are test_sparse_mla.py, test_sparse_v4_attention.py and
 test_fp8_rows.py; every target's lowering is test_lowering.py."""
@@ -109,7 +109,7 @@ def test_sparse_v4_attention_window_only_minus_inf_sink(target):
 @targets
 @pytest.mark.parametrize("h, r, dtype, num_splits", [(512, 64, jnp.bfloat16, 1), (64, 16, jnp.float32, 2)])
 def test_sparse_v4_attention_fp8(target, h, r, dtype, num_splits):
-    """The 584-byte rows (and tiny-v4's 88-byte ones): e4m3 chunks with ue8m0 scales, bf16 rope pairs."""
+    """The 592-byte rows (and tiny-v4's 96-byte ones): e4m3 chunks with ue8m0 scales, bf16 rope pairs."""
     rng = np.random.default_rng(h)
     encode = lambda x: np.asarray(fp8_rows.quantize_v4_rows(jnp.asarray(x), rope_dim=r))
     window, window_ids, entries, entry_ids = _v4_pools(rng, h, encode, k_entries=9)

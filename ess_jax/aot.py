@@ -7,7 +7,8 @@ for (``gpu_target_config``). ``compile_mesh`` builds a ``jax.sharding.Mesh`` of 
 (``jax.experimental.topologies``); ``jax.jit(f).lower(*shapes).compile()`` over arguments sharded on it runs that
 target's compiler. ``analyze`` reads the compiled program: bytes per device from ``memory_analysis``, the
 collectives and custom calls and the host transfers from the scheduled HLO (each counted as many times as the
-loops around it run), ``cost_analysis`` FLOPs and bytes, and the roofline time they imply.
+loops around it run), ``cost_analysis`` FLOPs and bytes (XLA:GPU compile-only has none: ``counted_cost``), and the
+roofline time they imply.
 
 Needs the ``aot`` extra (``pip install 'ess_jax[aot]'``: libtpu, and jax's CUDA plugin without the CUDA
 libraries, which compiling does not load); ``available(platform)`` says whether it is installed.
@@ -145,13 +146,14 @@ class HostKindsCompiled:
         return self.executable.get_compiled_memory_stats()
 
     def cost_analysis(self):
-        """XLA:GPU's compile-only client has none ("GetCostAnalysis is not supported"): None, as ``Compiled`` gives."""
+        """XLA:GPU's compile-only client has none ("GetCostAnalysis is not supported"): ``counted_cost`` of the
+        optimized program instead."""
         from jax.errors import JaxRuntimeError
 
         try:
             return self.executable.cost_analysis()
         except JaxRuntimeError:
-            return None
+            return counted_cost(self.as_text())
 
     def as_text(self) -> str:
         return self.executable.hlo_modules()[0].to_string()
@@ -275,6 +277,52 @@ def _parse(hlo: str) -> tuple[dict[str, _Instruction], dict[str, int]]:
     for ins in instructions.values():
         count(ins.computation)
     return instructions, dict(runs)
+
+
+def _with_entry(hlo: str, computation: str) -> str:
+    """The module ``hlo`` with ``computation`` as its entry (the header's entry layout, aliases and schedule, which
+    name the old entry, dropped) and the attribute HLO's parser refuses (a collective's
+    ``output_to_operand_aliasing``) removed."""
+    lines = []
+    for line in hlo.splitlines()[1:]:
+        line = line.removeprefix("ENTRY ")
+        if (m := _COMPUTATION.match(line)) and m[1] == computation:
+            line = "ENTRY " + line
+        lines.append(re.sub(r", output_to_operand_aliasing=\{\{[^}]*\}: \([^)]*\)\}", "", line))
+    return "\n".join([hlo.split("\n", 1)[0].split(",")[0], *lines])
+
+
+def counted_cost(hlo: str) -> dict:
+    """FLOPs and bytes accessed of the optimized program ``hlo`` by XLA's target-independent ``HloCostAnalysis``
+    (run by this machine's CPU client), for a compiler that reports none (XLA:GPU compile-only): the analysis counts
+    a while loop's body once, so each loop body is analysed as an entry of its own and counted as often as it runs
+    (``_parse``'s trip counts). The bytes of custom calls are left out: a Mosaic GPU kernel's operands are whole
+    row pools, of which it reads the rows its ids name."""
+    import jax
+    from jax._src.lib import xla_client
+    from jaxlib import _hlo
+
+    instructions, runs = _parse(hlo)
+    client = jax.devices("cpu")[0].client
+    body = {ins.name: re.search(r"body=%?([\w.\-]+)", ins.text)[1] for ins in instructions.values()
+            if ins.opcode == "while"}
+    entry = next(iter(runs))  # ``_parse`` counts from the entry
+
+    def inclusive(computation: str) -> dict:  # the computation as an entry: its loops' bodies once each
+        return xla_client._xla.hlo_module_cost_analysis(client, _hlo.hlo_module_from_text(_with_entry(hlo,
+                                                                                                       computation)))
+
+    costs = {c: inclusive(c) for c in (entry, *body.values())}
+    total = {}
+    for key in ("flops", "bytes accessed"):
+        total[key] = sum(runs.get(c, 1) * (cost.get(key, 0.0) - sum(
+            costs[body[w.name]].get(key, 0.0) for w in instructions.values() if w.opcode == "while"
+            and w.computation == c)) for c, cost in costs.items())
+    total["bytes accessed"] -= sum(
+        runs.get(ins.computation, 1) * (_bytes(ins.arrays) + sum(_bytes(instructions[o].arrays)
+                                                                 for o in ins.operands if o in instructions))
+        for ins in instructions.values() if ins.opcode == "custom-call")
+    return total
 
 
 def analyze(compiled, s: Spec) -> dict:

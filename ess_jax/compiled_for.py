@@ -10,9 +10,9 @@ For each target and model, ``python -m ess_jax.plan`` gives the batch for the ta
 request room is a row that says so, compiled for nothing; otherwise ``python -m ess_jax.export --compile`` runs in
 a process of its own (8 CPU devices to trace on) and writes ``DIR/TARGET_MODEL/summary.json``. The table
 (``DIR/compiled_for.md``, also printed) gives per row the steps that compile and fit, the arguments and
-temporaries per device (GiB) against the planner's, the collectives per step, the roofline time (where the
-compiler reports FLOPs and bytes: XLA:TPU does, XLA:GPU does not) and the kernels. Exit 2 when a compile fails to
-run."""
+temporaries per device (GiB) against the planner's, the collectives per step, the roofline time (the slower of
+FLOPs over the peak and bytes over the bandwidth: XLA:TPU's own count; for XLA:GPU, whose compile-only client reports
+none, ``aot.counted_cost``) and the kernels. Exit 2 when a compile fails to run."""
 
 from __future__ import annotations
 

@@ -313,8 +313,16 @@ def counted_flops(hlo: str) -> float:
     entry = next(iter(runs))  # ``_parse`` counts from the entry
     flops = {c: xla_client._xla.hlo_module_cost_analysis(client, _hlo.hlo_module_from_text(_with_entry(hlo, c)))
              .get("flops", 0.0) for c in (entry, *body.values())}  # each with its loops' bodies once
-    return sum(runs.get(c, 1) * (f - sum(flops[body[w.name]] for w in instructions.values()
-                                         if w.opcode == "while" and w.computation == c)) for c, f in flops.items())
+    caller = {called: ins.computation for ins in instructions.values() for called in ins.called}
+
+    def owner(computation: str) -> str:  # the entry or loop body a computation (a branch, a call) runs within
+        return computation if computation in flops else owner(caller[computation])
+
+    own = dict(flops)
+    for w in instructions.values():
+        if w.opcode == "while":
+            own[owner(w.computation)] -= flops[body[w.name]]
+    return sum(runs.get(c, 1) * f for c, f in own.items())
 
 
 def analyze(compiled, s: Spec) -> dict:

@@ -180,4 +180,4 @@ def test_v32_refuses_fp4_keys_and_v4_parts_count_them():
     flash = load_config(preset_dict("deepseek-v4-flash"))
     parts = {p.name: p.row_bytes for p in families.get("deepseek_v4").cache_parts(
         flash, families.get("deepseek_v4").stored_formats("fp8", "bfloat16", "fp4"))}
-    assert parts["CSA indexer keys"] == 68 and parts["CSA main rows"] == 584
+    assert parts["CSA indexer keys"] == 68 and parts["CSA main rows"] == 592  # the engine's 16-byte-aligned row

@@ -322,7 +322,19 @@ def counted_flops(hlo: str) -> float:
     for w in instructions.values():
         if w.opcode == "while":
             own[owner(w.computation)] -= flops[body[w.name]]
-    return sum(runs.get(c, 1) * f for c, f in own.items())
+    return sum(runs.get(c, 1) * f for c, f in own.items()) + _grouped_matmul_flops(instructions, runs)
+
+
+def _grouped_matmul_flops(instructions: dict[str, _Instruction], runs: dict[str, int]) -> float:
+    """The FLOPs of the grouped matmul kernels (``models.layers.grouped_matmul``'s custom calls, in its named scope
+    ``grouped_matmul``), which the analysis cannot see into: ``2 M N K`` for ``[M, K]`` rows into ``[M, N]``, as if
+    every row were in a group (the work of the rows in groups is at most that)."""
+    total = 0.0
+    for ins in instructions.values():
+        if ins.opcode == "custom-call" and re.search(r'op_name="[^"]*/grouped_matmul/', ins.text):
+            (_, (m, n), _), (_, (_, k), _) = ins.arrays[0], instructions[ins.operands[1]].arrays[0]
+            total += runs.get(ins.computation, 1) * 2.0 * m * n * k
+    return total
 
 
 def analyze(compiled, s: Spec) -> dict:

@@ -12,7 +12,7 @@ a process of its own (8 CPU devices to trace on) and writes ``DIR/TARGET_MODEL/s
 (``DIR/compiled_for.md``, also printed) gives per row the steps that compile and fit, the arguments and
 temporaries per device (GiB) against the planner's, the collectives per step, the roofline time (the slower of
 FLOPs over the peak and bytes over the bandwidth: XLA:TPU's own count; for XLA:GPU, whose compile-only client reports
-none, ``aot.counted_cost``) and the kernels. Exit 2 when a compile fails to run."""
+none, ``aot.HostKindsCompiled.cost_analysis``) and the kernels. Exit 2 when a compile fails to run."""
 
 from __future__ import annotations
 

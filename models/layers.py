@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.experimental.pallas.ops.tpu import megablox
 
+from ess_jax import ops
 from ess_jax.config import RopeConfig
 from ess_jax.mesh import over_experts
 from ess_jax.models import quant
@@ -293,10 +294,15 @@ def dense_experts(x_AD: jax.Array, gate_up, down, limit: float | None) -> jax.Ar
 
 def grouped_matmul(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array) -> jax.Array:
     """``lhs_MK``'s rows in consecutive groups of ``group_sizes_G``, each times its group's ``rhs_GNK`` transposed:
-    ``[M, N]`` (rows past the groups: undefined). The weights are read in their stored ``[G, N, K]`` layout: on
-    TPU by the Pallas grouped matmul (megablox ``gmm``, ``transpose_rhs``), not by ``ragged_dot``, whose TPU kernel
-    wants ``[G, K, N]`` and would copy every expert's weights into that layout each step; elsewhere
-    ``lax.ragged_dot_general``."""
+    ``[M, N]`` (rows past the groups: undefined). The weights are read in their stored ``[G, N, K]`` layout, by a
+    grouped matmul whose work follows the rows:
+
+    - TPU: the Pallas grouped matmul (megablox ``gmm``, ``transpose_rhs``), not ``ragged_dot``, whose TPU kernel
+      wants ``[G, K, N]`` and would copy every expert's weights into that layout each step;
+    - Hopper: JAX's Mosaic GPU ragged dot (``hopper_grouped_matmul``). XLA:GPU compiles ``ragged_dot`` to one
+      dense matmul over every group's weights concatenated, G times the work (32 x for a device's experts of
+      V4-Flash on ``expert=8``);
+    - elsewhere ``lax.ragged_dot_general``."""
     def tpu(lhs, rhs, sizes):
         (m, k), n = lhs.shape, rhs.shape[1]
         tm = 128 if m >= 128 else -(-m // 16) * 16  # row tiles: a multiple of 16 rows (bf16 packs two a sublane)
@@ -310,7 +316,36 @@ def grouped_matmul(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Arr
             dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
         return jax.lax.ragged_dot_general(lhs, rhs, sizes, dims)
 
-    return jax.lax.platform_dependent(lhs_MK, rhs_GNK, group_sizes_G, tpu=tpu, default=xla)
+    def cuda(lhs, rhs, sizes):
+        hopper = ops.target_device().capability == (9, 0) and hopper_tiles(lhs.shape, rhs.shape, lhs.dtype, rhs.dtype)
+        return hopper_grouped_matmul(lhs, rhs, sizes) if hopper else xla(lhs, rhs, sizes)
+
+    return jax.lax.platform_dependent(lhs_MK, rhs_GNK, group_sizes_G, tpu=tpu, cuda=cuda, default=xla)
+
+
+# Hopper's grouped matmul tiles: rows, output columns, the contraction; weight tiles in flight; output column tiles a
+# program instance takes. From the kernel's own sweep (64 / 128 / 192 rows and columns, 64 deep); untuned on a device.
+HOPPER_TILES = dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
+
+
+def hopper_tiles(lhs_shape, rhs_shape, lhs_dtype, rhs_dtype) -> bool:
+    """Whether Hopper's grouped matmul takes these operands: 16-bit floats of one dtype (its wgmma), ``K`` and
+    ``N`` whole tiles."""
+    (_, k), n = lhs_shape, rhs_shape[1]
+    return (lhs_dtype == rhs_dtype and jnp.dtype(lhs_dtype) in (jnp.bfloat16, jnp.float16)
+            and k % HOPPER_TILES["block_k"] == 0 and n % (HOPPER_TILES["block_n"] * HOPPER_TILES["grid_block_n"]) == 0)
+
+
+def hopper_grouped_matmul(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array) -> jax.Array:
+    """``grouped_matmul`` by JAX's Mosaic GPU ragged dot for Hopper (TMA and wgmma): one kernel over the rows'
+    tiles that reads the weights as stored (``transpose_rhs``), each row tile times its group's weights only."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    m = lhs_MK.shape[0]
+    padded = jnp.pad(lhs_MK, ((0, -m % 8), (0, 0)))  # its row copies take whole 8-row tiles
+    with jax.default_matmul_precision("default"), jax.named_scope("grouped_matmul"):  # aot.counted_flops's name
+        return ragged_dot_mgpu.ragged_dot(padded, rhs_GNK, group_sizes=group_sizes_G, transpose_rhs=True,
+                                          **HOPPER_TILES)[:m]
 
 
 class MoE(nnx.Module):

@@ -42,22 +42,24 @@ def dequantize_fp8_blocks(values: jax.Array, scales: jax.Array, block: tuple[int
     return (values.astype(jnp.float32) * expanded).reshape(*lead, out, inp)
 
 
-def dequantize_fp4(packed: jax.Array, scales: jax.Array) -> jax.Array:
+def dequantize_fp4(packed: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
     """``W[..., i, 2k] = e2m1(P[..., i, k] & 15)``, ``W[..., i, 2k + 1] = e2m1(P[..., i, k] >> 4)``, times
-    ``S[..., i, j // 32]``, in float32."""
+    ``S[..., i, j // 32]``, computed in ``dtype``: exact in bfloat16 too (two significant bits times a power of two,
+    bfloat16 having float32's exponents), so a model in bfloat16 never holds its experts in float32, twice the
+    bytes (XLA:TPU keeps a layer's dequantized experts live at once)."""
     *lead, out, half = packed.shape
     codes = jax.lax.bitcast_convert_type(jnp.asarray(packed), jnp.uint8)
-    values = jnp.stack([e2m1(codes & 15), e2m1(codes >> 4)], axis=-1).reshape(*lead, out, 2 * half)
-    return values * jnp.repeat(scales.astype(jnp.float32), FP4_GROUP, axis=-1)
+    values = jnp.stack([e2m1(codes & 15, dtype), e2m1(codes >> 4, dtype)], axis=-1).reshape(*lead, out, 2 * half)
+    return values * jnp.repeat(scales.astype(dtype), FP4_GROUP, axis=-1)
 
 
-def e2m1(code: jax.Array) -> jax.Array:
+def e2m1(code: jax.Array, dtype=jnp.float32) -> jax.Array:
     """The e2m1 value of ``code`` (< 16: sign bit 3, exponent bits 2..1, mantissa bit 0; 0, 0.5, 1, 1.5, 2, 3, 4, 6
-    and their negatives) in float32, computed elementwise rather than looked up: a table lookup is a gather whose
+    and their negatives) in ``dtype``, computed elementwise rather than looked up: a table lookup is a gather whose
     int32 indices XLA:TPU materializes, the pair axis of the two nibbles padded to a lane tile (128 GiB of temporaries
     for V4-Flash's experts of two layers on ``expert=8``); arithmetic fuses into the dequantization."""
-    exponent, mantissa = (code >> 1) & 3, (code & 1).astype(jnp.float32)
-    power = jnp.left_shift(jnp.uint8(1), exponent).astype(jnp.float32)  # 2 ** exponent
+    exponent, mantissa = (code >> 1) & 3, (code & 1).astype(dtype)
+    power = jnp.left_shift(jnp.uint8(1), exponent).astype(dtype)  # 2 ** exponent
     magnitude = jnp.where(exponent == 0, 0.5 * mantissa, 0.5 * power * (1 + 0.5 * mantissa))
     return jnp.where(code >= 8, -magnitude, magnitude)
 
@@ -96,7 +98,7 @@ class Fp4Values:
         return (*lead, 2 * half)
 
     def __getitem__(self, index) -> jax.Array:
-        return dequantize_fp4(self.packed, self.scales).astype(self.dtype)[index]
+        return dequantize_fp4(self.packed, self.scales, self.dtype)[index]
 
 
 Quantized = Fp8Blocks | Fp4Values

@@ -322,3 +322,18 @@ def test_e2m1_codes_decode_as_ml_dtypes_float4():
     codes = np.arange(16, dtype=np.uint8)
     want = codes.view(ml_dtypes.float4_e2m1fn).astype(np.float32)
     np.testing.assert_array_equal(np.asarray(e2m1(jnp.asarray(codes))).view(np.uint32), want.view(np.uint32))
+
+
+def test_fp4_dequantized_in_bfloat16_is_exact():
+    """FP4 weights dequantized in bfloat16 (as a bfloat16 model reads its experts) equal ml_dtypes' e2m1 value
+    times the e8m0 scale computed in float64, bit for bit: every byte (both nibbles) under scales 2^-60 .. 2^60."""
+    from ess_jax.models.quant import dequantize_fp4
+
+    packed = np.tile(np.arange(256, dtype=np.uint8), (7, 1))  # [7 rows, 256 bytes]: 512 values, 16 scale groups
+    exponents = np.arange(-60, 61, 20)[:, None] + np.arange(16)[None, :] - 8  # a scale per 32 values
+    scales = np.exp2(exponents.astype(np.float64)).astype(ml_dtypes.float8_e8m0fnu)
+    got = np.asarray(dequantize_fp4(jnp.asarray(packed.view(np.int8)), jnp.asarray(scales), jnp.bfloat16))
+    nibbles = np.stack([packed & 15, packed >> 4], -1).reshape(7, 512)
+    want = nibbles.view(ml_dtypes.float4_e2m1fn).astype(np.float64) * np.repeat(np.exp2(exponents), 32, -1)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(got.astype(np.float64), want)

@@ -167,9 +167,23 @@ def _bf16_pieces(x, n: int) -> list:
     return out
 
 
-def _chunk_values(raw, pairs, chunk: Chunk, rows: int):
+def e4m3_by_integers(bytes_):
+    """e4m3fn bytes (any unsigned integer dtype) as float32 by integer arithmetic, for GPUs before sm_89, which
+    have no FP8 conversion (ptxas: "cvt with .e4m3x2 requires .target sm_89 or higher"). Sign bit 7, exponent
+    bits 6..3 (bias 7), mantissa bits 2..0: ``(8 + m) 2^(e - 10)``, and ``m 2^-9`` when ``e`` is 0; exact. The
+    NaN codes (0x7F, 0xFF) read as 480, which no quantizer here writes."""
+    b = bytes_.astype(jnp.uint32)
+    e = (b >> 3) & 15
+    m = (b & 7).astype(jnp.float32)
+    power = lax.bitcast_convert_type((e + 117) << 23, jnp.float32)  # 2^(e - 10)
+    v = jnp.where(e == 0, m * 2.0 ** -9, (m + 8.0) * power)
+    return jnp.where(b >= 128, -v, v)
+
+
+def _chunk_values(raw, pairs, chunk: Chunk, rows: int, *, fp8_instructions: bool = True):
     """One chunk of the raw rows in SMEM as float32 ``[rows, chunk.tile_width]`` (columns past
-    ``chunk.width`` hold whatever follows it)."""
+    ``chunk.width`` hold whatever follows it). ``fp8_instructions``: e4m3 bytes converted by the GPU's FP8
+    instructions (sm_89 and later), else by ``e4m3_by_integers``."""
     w = chunk.tile_width
     if chunk.kind == "plain":
         return _load(raw.at[:, pl.ds(chunk.start, w)], _WGMMA).astype(jnp.float32)
@@ -184,7 +198,9 @@ def _chunk_values(raw, pairs, chunk: Chunk, rows: int):
         lax.fori_loop(0, chunk.width, column, None)
         return _load(pairs.at[:, pl.ds(0, w)], _WGMMA).astype(jnp.float32)
     if chunk.kind == "e4m3":
-        q8 = lax.bitcast_convert_type(_load(raw.at[:, pl.ds(chunk.start, w)], _WGMMA), jnp.float8_e4m3fn)
+        q8 = _load(raw.at[:, pl.ds(chunk.start, w)], _WGMMA)
+        values = (lax.bitcast_convert_type(q8, jnp.float8_e4m3fn).astype(jnp.float32) if fp8_instructions
+                  else e4m3_by_integers(q8))
         if chunk.scale_kind == "f32":
             bits = _load(raw.at[:, chunk.scale_start], _ROW).astype(jnp.uint32)
             for i in range(1, 4):
@@ -194,7 +210,7 @@ def _chunk_values(raw, pairs, chunk: Chunk, rows: int):
         else:
             raise ValueError(f"{chunk.scale_kind=} is not a scale format")
         scale = lax.bitcast_convert_type(bits, jnp.float32)
-        return q8.astype(jnp.float32) * lax.broadcast_in_dim(scale, (rows, w), [0])
+        return values * lax.broadcast_in_dim(scale, (rows, w), [0])
     raise ValueError(f"{chunk.kind=} is not a chunk kind")
 
 

@@ -112,7 +112,7 @@ def _kernel(*refs, plan: _Plan):
         return [q] if pieces == 1 else _bf16_pieces(q.astype(jnp.float32), pieces)
 
     def decode(chunk, valid_rows):  # chunk -> tile[:, :, :tile_width], zero past the rows and columns
-        x = _chunk_values(raw, pairs, chunk, bk)
+        x = _chunk_values(raw, pairs, chunk, bk, fp8_instructions=False)  # sm_80 / 86 have none
         keep = lax.broadcast_in_dim(valid_rows, x.shape, [0])
         if chunk.width != chunk.tile_width:
             keep = keep & (plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=hopper._WGMMA) < chunk.width)

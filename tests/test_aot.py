@@ -208,12 +208,15 @@ def test_v32_ess_decode_compiles_for_an_h200_with_its_store_in_host_memory(tmp_p
 
 @pytest.mark.skipif(not aot.available("cuda"), reason="compiling for NVIDIA GPUs needs jax's CUDA plugin")
 @pytest.mark.parametrize("model", ["tiny-v32", "tiny-v4"])
-def test_sm80_kernels_compile_for_an_a100(tmp_path, model):
-    """The ESS decode through the sm_80 kernels, compiled for an A100: Mosaic GPU lowers them for sm_80, the
-    target's, not for the sm_90 it assumes of the CPU devices the step is traced on (whose ``elect.sync`` the A100's
-    LLVM cannot select: the compiler aborts)."""
+@pytest.mark.parametrize("cache_dtype", [None, "fp8"])
+def test_sm80_kernels_compile_for_an_a100(tmp_path, model, cache_dtype):
+    """The ESS decode through the sm_80 kernels, compiled for an A100, float and FP8 rows: Mosaic GPU lowers them
+    for sm_80, the target's, not for the sm_90 it assumes of the CPU devices the step is traced on (whose
+    ``elect.sync`` the A100's LLVM cannot select: the compiler aborts), and decodes e4m3 bytes without FP8
+    instructions, which sm_80 lacks (ptxas refuses ``cvt ... e4m3x2``: "Pass pipeline failed")."""
     run = _export("--target", "A100", "--model", model, "--offload", "ess", "--kernels", "auto", "--max-batch", "4",
-                  "--max-seq-len", "4096", "--steps", "decode", out=tmp_path)
+                  "--max-seq-len", "4096", *(["--cache-dtype", cache_dtype] if cache_dtype else []),
+                  "--steps", "decode", out=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["kernels"] == "mosaic_gpu_sm80"

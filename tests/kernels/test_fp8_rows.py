@@ -198,3 +198,14 @@ def test_as_words_is_the_little_endian_view(dtype):
     np.testing.assert_array_equal(np.asarray(row_layout.as_words(jnp.asarray(rows))), rows.view("<u4"))
     with pytest.raises(ValueError, match="as_words takes rows"):
         row_layout.as_words(jnp.zeros((3, 6), jnp.uint8))
+
+
+def test_e4m3_by_integers_is_every_codes_value():
+    """The sm_80 kernels' e4m3 decoding without FP8 instructions: every byte but the two NaNs to ml_dtypes'
+    ``float8_e4m3fn`` value, bit for bit (subnormals, -0.0 and +-448 included)."""
+    from ess_jax.pallas_kernels._gather_attention import e4m3_by_integers
+
+    codes = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8)
+    got = np.asarray(e4m3_by_integers(jnp.asarray(codes)))
+    want = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))

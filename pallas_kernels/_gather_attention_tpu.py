@@ -72,6 +72,10 @@ from ess_jax.pallas_kernels.split_k import deal_ids, finish_softmax, merge_split
 
 NEG_INF = float("-inf")
 HEAD_ALIGN = 8  # heads are padded to whole sublane tiles
+# The scalar-prefetched ids and counts of one kernel call at most (bytes): SMEM is 1 MiB on v5e / v6e / v5p, and a
+# batch whose ids need more is run in calls over row ranges (V4-Flash's 967 decode rows on v5p: 2.5 MB of ids, which
+# Mosaic refused: "Allocation (size=1980416) would exceed memory (size=1048576)" for the CSA source alone).
+PREFETCH_BYTES = 512 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,10 +330,7 @@ def gather_attention(q_value_BTNC, q_key_BTNR, sources, sinks_N, *, layout: RowL
                  bf16_dots)
     n_pad = round_up(n, HEAD_ALIGN)
     bt = b * t
-    prefetch = []
-    for pool, ids in sources:
-        ids, count = deal_ids(ids, splits, block_k)
-        prefetch += [ids.reshape(-1), count]
+    dealt = [deal_ids(ids, splits, block_k) for _, ids in sources]  # per source (i32[BT, S, Ks], i32[BT])
     whole = lambda shape: pl.BlockSpec(shape, lambda i, s, *_: (0,) * len(shape))
     per_query = lambda x: pl.BlockSpec((1, *x.shape[1:]), lambda i, s, *_: (i, 0, 0))
     q_value_BTNC = _permute(q_value_BTNC, words.value_order)  # in the planes' column order
@@ -338,6 +339,7 @@ def gather_attention(q_value_BTNC, q_key_BTNR, sources, sinks_N, *, layout: RowL
         q_key_BTNR = _permute(q_key_BTNR, words.key_order)
         inputs.append(pad_axis(q_key_BTNR, 2, n_pad, 0).reshape(bt, n_pad, q_key_BTNR.shape[-1]))
     specs = [per_query(x) for x in inputs]
+    queries = len(inputs)  # the inputs with a row per query (the rest go whole to every call)
     if in_kernel_sink:
         inputs.append(pad_axis(sinks_N.astype(jnp.float32), 0, n_pad, 0.0)[:, None])
         specs.append(whole((n_pad, 1)))
@@ -345,6 +347,28 @@ def gather_attention(q_value_BTNC, q_key_BTNR, sources, sinks_N, *, layout: RowL
     inputs += [pool if f32_rows or is_words(pool) else as_words(pool) for pool, _ in sources]
     specs += [pl.BlockSpec(memory_space=pl.ANY)] * len(sources)
     key_width = sum(c.width for c in layout.keys)
+    row_bytes = 4 * sum(ids[0].size + 1 for ids, _ in dealt)  # one query's prefetched ids and counts
+    rows = max(1, min(bt, PREFETCH_BYTES // row_bytes))
+    outs = []
+    for first in range(0, bt, rows):  # row ranges whose ids fit SMEM (one call unless the batch is large)
+        last = min(bt, first + rows)
+        prefetch = [x for ids, count in dealt for x in (ids[first:last].reshape(-1), count[first:last])]
+        chunk = [x[first:last] for x in inputs[:queries]] + inputs[queries:]
+        outs.append(_call(plan, chunk, specs, prefetch, last - first, splits, n_pad, cv, block_k, words, f32_rows,
+                          key_width, interpret, name))
+    out_BTSNC, lse_BTSN1 = (jnp.concatenate(x, axis=0) if len(outs) > 1 else x[0] for x in zip(*outs))
+    out_BTSNC = out_BTSNC.reshape(b, t, splits, n_pad, cv)[..., :n, :]
+    lse_BTSN = lse_BTSN1.reshape(b, t, splits, n_pad)[..., :n]
+    if splits == 1:
+        out_BTNC, lse_BTN = out_BTSNC[:, :, 0], lse_BTSN[:, :, 0]
+    else:
+        out_BTNC, lse_BTN = merge_splits(out_BTSNC, lse_BTSN, sinks_N)
+    return _permute(out_BTNC, tuple(np.argsort(words.value_order))), lse_BTN  # the columns back in order
+
+
+def _call(plan: _Plan, inputs, specs, prefetch, bt: int, splits: int, n_pad: int, cv: int, block_k: int, words,
+          f32_rows: bool, key_width: int, interpret, name: str):
+    """One kernel call over ``bt`` query rows: ``(out f32[bt, S, Np, Cv], lse f32[bt, S, Np, 1])``."""
     out_shape = (jax.ShapeDtypeStruct((bt, splits, n_pad, cv), jnp.float32),
                  jax.ShapeDtypeStruct((bt, splits, n_pad, 1), jnp.float32))
     kernel = pl.pallas_call(
@@ -368,13 +392,5 @@ def gather_attention(q_value_BTNC, q_key_BTNR, sources, sinks_N, *, layout: RowL
         name=name,
     )
     if interpret:  # behind a pure_callback, as the Mosaic GPU interpreter (see _gather_attention)
-        out_BTSNC, lse_BTSN1 = jax.pure_callback(jax.jit(kernel), out_shape, *prefetch, *inputs)
-    else:
-        out_BTSNC, lse_BTSN1 = kernel(*prefetch, *inputs)
-    out_BTSNC = out_BTSNC.reshape(b, t, splits, n_pad, cv)[..., :n, :]
-    lse_BTSN = lse_BTSN1.reshape(b, t, splits, n_pad)[..., :n]
-    if splits == 1:
-        out_BTNC, lse_BTN = out_BTSNC[:, :, 0], lse_BTSN[:, :, 0]
-    else:
-        out_BTNC, lse_BTN = merge_splits(out_BTSNC, lse_BTSN, sinks_N)
-    return _permute(out_BTNC, tuple(np.argsort(words.value_order))), lse_BTN  # the columns back in order
+        return jax.pure_callback(jax.jit(kernel), out_shape, *prefetch, *inputs)
+    return kernel(*prefetch, *inputs)

@@ -190,3 +190,20 @@ def test_compiles_for_tpu(gen, name, words):
         zero_copy = words or pool.dtype == jnp.float32
         fed = [parameters.get(re.sub(r"/\*.*?\*/", "", op).lstrip("%")) for op in operands]
         assert (str(i) in fed) == zero_copy, kernel  # the argument itself is the kernel's operand
+
+
+@pytest.mark.aot
+def test_a_decode_batch_whose_ids_overflow_smem_compiles_for_tpu():
+    """V4-Flash's FP8 attention at the decode batch the planner gives v5p (967 rows, 128 window and 512 CSA ids
+    each: 2.5 MB scalar-prefetched, against 1 MiB of SMEM) compiles, as one kernel call per row range
+    (``_gather_attention_tpu.PREFETCH_BYTES``): Mosaic refused the single call ("Allocation (size=1980416) would
+    exceed memory (size=1048576)")."""
+    device = _tpu_device("v5p")
+    mesh = Mesh([device], ("x",))
+    b, entries = 967, 967 * 1639
+    args = (S((b, 1, V4_HEADS, 512), BF16), S((b * WINDOW, 592), U8), S((b, 1, WINDOW), I32),
+            S((entries, 592), U8), S((b, 1, CSA_K), I32), S((V4_HEADS,), F32))
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(lambda *a: fp8_rows.sparse_v4_attention_fp8(*a, scale=0.1, rope_dim=64,
+                                                                       target="mosaic_tpu")).lower(*args).compile()
+    assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 5  # 204 rows' ids a call

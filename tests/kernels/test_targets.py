@@ -119,6 +119,29 @@ def test_sparse_v4_attention_fp8(target, h, r, dtype, num_splits):
          words=h == 64, scale=0.1, rope_dim=r, num_splits=num_splits)
 
 
+def test_tpu_batches_whose_ids_overflow_smem_run_in_row_ranges(monkeypatch):
+    """A batch whose scalar-prefetched ids pass ``PREFETCH_BYTES`` (SMEM) runs as calls over row ranges: with room
+    for three query rows' ids, the 4 rows (B x T) as calls of 3 and 1 rows; the reference's output, and the same bits
+    as one call's."""
+    from ess_jax.pallas_kernels import _gather_attention_tpu
+
+    rng = np.random.default_rng(5)
+    window, window_ids, entries, entry_ids = _v4_pools(rng, 64, lambda x: x)
+    args = (random_array(rng, (B, T, N, 64), jnp.float32), window, window_ids, entries, entry_ids,
+            jnp.asarray(rng.standard_normal(N), jnp.float32))
+    whole = _run("mosaic_tpu", sparse_v4_attention, sparse_v4_attention_reference, args, jnp.float32, scale=0.125)
+    calls = []
+    real_call = _gather_attention_tpu._call
+    monkeypatch.setattr(_gather_attention_tpu, "_call", lambda *a: calls.append(a[4]) or real_call(*a))
+    row_bytes = 4 * (BLOCK_K + 1 + 2 * BLOCK_K + 1)  # a query's ids (9 and 65, dealt to 1 and 2 blocks) and counts
+    monkeypatch.setattr(_gather_attention_tpu, "PREFETCH_BYTES", 3 * row_bytes + 1)
+    jax.clear_caches()  # traced again, under the budget
+    pieces = _run("mosaic_tpu", sparse_v4_attention, sparse_v4_attention_reference, args, jnp.float32, scale=0.125)
+    assert calls == [3, 1], calls
+    np.testing.assert_array_equal(pieces[0], whole[0])
+    np.testing.assert_array_equal(pieces[1], whole[1])
+
+
 def test_tpu_race_detector_sees_an_unawaited_dma():
     """The TPU detector is live: a kernel that reads a VMEM buffer while a DMA into it is in flight is
     reported (so the kernels' clean runs above mean something)."""

@@ -76,7 +76,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ess_jax.pallas_kernels.row_layout import ROW_ALIGN, Chunk, RowLayout
+from ess_jax.pallas_kernels.row_layout import ROW_ALIGN, Chunk, RowLayout, e4m3_by_integers
 from ess_jax.pallas_kernels.split_k import deal_ids, finish_softmax, merge_splits, pad_axis, round_up
 
 if TYPE_CHECKING:
@@ -165,19 +165,6 @@ def _bf16_pieces(x, n: int) -> list:
         out.append(x.astype(jnp.bfloat16))
         x = x - out[-1].astype(jnp.float32)
     return out
-
-
-def e4m3_by_integers(bytes_):
-    """e4m3fn bytes (any unsigned integer dtype) as float32 by integer arithmetic, for GPUs before sm_89, which
-    have no FP8 conversion (ptxas: "cvt with .e4m3x2 requires .target sm_89 or higher"). Sign bit 7, exponent
-    bits 6..3 (bias 7), mantissa bits 2..0: ``(8 + m) 2^(e - 10)``, and ``m 2^-9`` when ``e`` is 0; exact. The
-    NaN codes (0x7F, 0xFF) read as 480, which no quantizer here writes."""
-    b = bytes_.astype(jnp.uint32)
-    e = (b >> 3) & 15
-    m = (b & 7).astype(jnp.float32)
-    power = lax.bitcast_convert_type((e + 117) << 23, jnp.float32)  # 2^(e - 10)
-    v = jnp.where(e == 0, m * 2.0 ** -9, (m + 8.0) * power)
-    return jnp.where(b >= 128, -v, v)
 
 
 def _chunk_values(raw, pairs, chunk: Chunk, rows: int, *, fp8_instructions: bool = True):

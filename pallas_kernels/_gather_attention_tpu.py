@@ -67,7 +67,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ess_jax.pallas_kernels.row_layout import WORD_BYTES, RowLayout, as_words, is_words, words_per_row
+from ess_jax.pallas_kernels.row_layout import (WORD_BYTES, RowLayout, as_words, e4m3_by_integers, is_words,
+                                               words_per_row)
 from ess_jax.pallas_kernels.split_k import deal_ids, finish_softmax, merge_splits, pad_axis, round_up
 
 NEG_INF = float("-inf")
@@ -105,15 +106,6 @@ class _Plan:
         # explicit either way: a global jax_default_matmul_precision="highest" would otherwise ask Mosaic for
         # float32 contraction of bf16 operands, which it refuses ("Bad lhs type")
         return lax.Precision.DEFAULT if self.bf16_dots else lax.Precision.HIGHEST
-
-
-def _e4m3(b):
-    """e4m3fn bytes (int32 in [0, 256)) -> float32."""
-    e, m = (b >> 3) & 15, b & 7
-    normal = lax.bitcast_convert_type(((e + 120) << 23) | (m << 20), jnp.float32)  # 2**(e-7) * (1 + m/8)
-    magnitude = jnp.where(e == 0, m.astype(jnp.float32) * 2.0**-9, normal)
-    magnitude = jnp.where((e == 15) & (m == 7), jnp.nan, magnitude)
-    return jnp.where(b >= 128, -magnitude, magnitude)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,7 +212,7 @@ def _run_planes(raw, run: _Run):
             raise ValueError(f"{run.scale_kind=} is not a scale format")
         bits = chunk_bits if bits is None else jnp.where(lane >= first, chunk_bits, bits)
     scale = lax.bitcast_convert_type(jnp.broadcast_to(bits, x.shape), jnp.float32)
-    return [_e4m3(byte(x, k)) * scale for k in range(4)]
+    return [e4m3_by_integers(byte(x, k)) * scale for k in range(4)]
 
 
 def _permute(x, order: tuple[int, ...]):
@@ -346,7 +338,6 @@ def gather_attention(q_value_BTNC, q_key_BTNR, sources, sinks_N, *, layout: RowL
     f32_rows = layout.dtype == "float32"
     inputs += [pool if f32_rows or is_words(pool) else as_words(pool) for pool, _ in sources]
     specs += [pl.BlockSpec(memory_space=pl.ANY)] * len(sources)
-    key_width = sum(c.width for c in layout.keys)
     row_bytes = 4 * sum(ids[0].size + 1 for ids, _ in dealt)  # one query's prefetched ids and counts
     rows = max(1, min(bt, PREFETCH_BYTES // row_bytes))
     outs = []
@@ -354,8 +345,7 @@ def gather_attention(q_value_BTNC, q_key_BTNR, sources, sinks_N, *, layout: RowL
         last = min(bt, first + rows)
         prefetch = [x for ids, count in dealt for x in (ids[first:last].reshape(-1), count[first:last])]
         chunk = [x[first:last] for x in inputs[:queries]] + inputs[queries:]
-        outs.append(_call(plan, chunk, specs, prefetch, last - first, splits, n_pad, cv, block_k, words, f32_rows,
-                          key_width, interpret, name))
+        outs.append(_call(plan, chunk, specs, prefetch, last - first, n_pad, interpret, name))
     out_BTSNC, lse_BTSN1 = (jnp.concatenate(x, axis=0) if len(outs) > 1 else x[0] for x in zip(*outs))
     out_BTSNC = out_BTSNC.reshape(b, t, splits, n_pad, cv)[..., :n, :]
     lse_BTSN = lse_BTSN1.reshape(b, t, splits, n_pad)[..., :n]
@@ -366,9 +356,10 @@ def gather_attention(q_value_BTNC, q_key_BTNR, sources, sinks_N, *, layout: RowL
     return _permute(out_BTNC, tuple(np.argsort(words.value_order))), lse_BTN  # the columns back in order
 
 
-def _call(plan: _Plan, inputs, specs, prefetch, bt: int, splits: int, n_pad: int, cv: int, block_k: int, words,
-          f32_rows: bool, key_width: int, interpret, name: str):
+def _call(plan: _Plan, inputs, specs, prefetch, bt: int, n_pad: int, interpret, name: str):
     """One kernel call over ``bt`` query rows: ``(out f32[bt, S, Np, Cv], lse f32[bt, S, Np, 1])``."""
+    splits, block_k, cv = plan.splits, plan.block_k, plan.value_width
+    f32_rows, key_width = plan.layout.dtype == "float32", sum(c.width for c in plan.layout.keys)
     out_shape = (jax.ShapeDtypeStruct((bt, splits, n_pad, cv), jnp.float32),
                  jax.ShapeDtypeStruct((bt, splits, n_pad, 1), jnp.float32))
     kernel = pl.pallas_call(
@@ -380,7 +371,7 @@ def _call(plan: _Plan, inputs, specs, prefetch, bt: int, splits: int, n_pad: int
             in_specs=specs,
             out_specs=[pl.BlockSpec((1, 1, n_pad, cv), lambda i, s, *_: (i, s, 0, 0)),
                        pl.BlockSpec((1, 1, n_pad, 1), lambda i, s, *_: (i, s, 0, 0))],
-            scratch_shapes=[pltpu.VMEM((2, block_k, words.width), jnp.float32 if f32_rows else jnp.uint32),
+            scratch_shapes=[pltpu.VMEM((2, block_k, plan.words.width), jnp.float32 if f32_rows else jnp.uint32),
                             pltpu.SemaphoreType.DMA((2,)),
                             pltpu.VMEM((block_k, cv + key_width), jnp.float32),
                             pltpu.VMEM((n_pad, 1), jnp.float32), pltpu.VMEM((n_pad, 1), jnp.float32),

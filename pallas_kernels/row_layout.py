@@ -190,3 +190,14 @@ def check_knobs(*, block_k: int, num_splits: int | None, target: str):
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits={num_splits} must be >= 1 (or None for the default)")
 
+
+def e4m3_by_integers(b):
+    """e4m3fn bytes (integers in [0, 256)) -> float32 by integer arithmetic, for the kernels whose targets have no
+    FP8 conversion (TPUs; NVIDIA before sm_89, where ptxas refuses ``cvt ... e4m3x2``): sign bit 7, exponent bits
+    6..3 (bias 7), mantissa bits 2..0."""
+    b = b.astype(jnp.int32)
+    e, m = (b >> 3) & 15, b & 7
+    normal = lax.bitcast_convert_type(((e + 120) << 23) | (m << 20), jnp.float32)  # 2**(e-7) * (1 + m/8)
+    magnitude = jnp.where(e == 0, m.astype(jnp.float32) * 2.0**-9, normal)
+    magnitude = jnp.where((e == 15) & (m == 7), jnp.nan, magnitude)
+    return jnp.where(b >= 128, -magnitude, magnitude)

@@ -248,9 +248,9 @@ def test_hopper_grouped_matmul_in_its_interpreter_equals_the_reference():
 
 # Runs with compile-only NVIDIA devices (XLA:GPU from a spec): the routed experts of a V4-like layer on one device
 # (hidden 1024, 32 experts of width 512 held, top 6, bfloat16) in the grouped form (255 tokens: 1530 token copies, not
-# a whole number of 8-row tiles), traced on the CPU and
-# compiled for each target given; prints per target the grouped matmul kernels (custom calls in the grouped_matmul
-# scope), the FLOPs counted and those of each token copy times its own expert.
+# a whole number of 8-row tiles), traced on the CPU and compiled for each target given; prints per target the grouped
+# matmul kernels (custom calls in the grouped_matmul scope), the FLOPs counted and those of each token copy times its
+# own expert.
 CUDA = r"""
 import json, re, sys
 import jax, jax.numpy as jnp, numpy as np

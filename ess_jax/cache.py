@@ -113,13 +113,24 @@ def layer_source(view: jax.Array, at: tuple, ids_BTK: jax.Array) -> RowSource:
     return RowSource(view.reshape(-1, view.shape[-1]), jnp.where(ids_BTK >= 0, first_row(view, at) + ids_BTK, -1))
 
 
-def write_then_gather(pages_LGEX: jax.Array, layer, write_at: tuple[jax.Array, jax.Array], rows: jax.Array,
+def write_then_gather(pages_LGY: jax.Array, layer, write_at: tuple[jax.Array, jax.Array], rows: jax.Array,
                       read_at: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """``rows`` written into layer ``layer`` of the pages at ``write_at`` ``(page, offset)``, then that layer's rows
-    at ``read_at``: the pages and the rows read (through ``layer_view``)."""
-    view, at = layer_view(pages_LGEX, layer)
-    view = view.at[(*at, *write_at)].set(rows)
-    return with_layer_view(pages_LGEX, view, layer), view[(*at, *read_at)]
+    """``rows`` ``[..., X]`` written into layer ``layer`` of the pages at ``write_at`` ``(page, offset)``, then that
+    layer's rows at ``read_at``: the pages and the rows read (through ``layer_view``). The pages hold each page's
+    rows as one run ``[L, G, Z * X]`` (``row_runs``)."""
+    view, at = layer_view(pages_LGY, layer)
+    rows_view = view.reshape(*view.shape[:-1], -1, rows.shape[-1]).at[(*at, *write_at)].set(rows)
+    return with_layer_view(pages_LGY, rows_view.reshape(view.shape), layer), rows_view[(*at, *read_at)]
+
+
+def row_runs(layers: int, groups: int, per_group: int, width: int, dtype) -> jax.Array:
+    """Empty rows that only the engine's steps read, each group's rows as one run ``[L, N, R * W]``: pages of ``R``
+    rows (the indexer keys) or a batch row's ``R`` pool slots (``ess_jax.tier``). A TPU then tiles them in one
+    layout whatever ``R`` and ``W``: a ``[L, N, R, W]`` stack of byte rows is laid out with another axis minor as a
+    step's argument than in its loop over layers, and relaid between them every step (V4-Flash at 43 layers and
+    967 requests on v5p: its 132-byte FP8 indexer keys padded to 256 in a 39.7 GiB copy, its 592-byte pool rows
+    in an 18.7 GiB one)."""
+    return jnp.zeros((layers, groups, per_group * width), dtype)
 
 
 @jax.tree_util.register_dataclass

@@ -191,11 +191,11 @@ def test_cache_layout(hf, one_shot):
     assert cache.csa.kv_ring.shape == (2, 1, 2 * 4, 2 * h) and cache.hca.kv_ring.shape == (1, 1, 16, h)
     assert cache.csa.index_kv_ring.shape == (2, 1, 8, 2 * j)
     assert cache.csa.entries.pages.shape == (2, PAGES + 1, PAGE // 4, h)
-    assert cache.csa.index_keys.shape == (2, PAGES + 1, PAGE // 4, j)
+    assert cache.csa.index_keys.shape == (2, PAGES + 1, PAGE // 4 * j)  # a page's keys as one run
     assert cache.hca.entries.shape == (1, PAGES + 1, 1, h)
-    for pages, written in ((cache.csa.entries.pages, 300 // 4), (cache.csa.index_keys, 300 // 4),
-                           (cache.hca.entries, 300 // 16)):
-        in_order = pages[:, TABLE[0]].reshape(pages.shape[0], -1, pages.shape[-1])  # entry e at e
+    for pages, written, width in ((cache.csa.entries.pages, 300 // 4, h), (cache.csa.index_keys, 300 // 4, j),
+                                  (cache.hca.entries, 300 // 16, h)):
+        in_order = pages[:, TABLE[0]].reshape(pages.shape[0], -1, width)  # entry e at e
         assert np.all(np.abs(in_order[:, :written]).sum(-1) > 0) and np.all(in_order[:, written:] == 0)
     bigger = model.module.init_cache(1, 2 * PAGES + 1, PAGE)
     rows = lambda c: [c.window.shape, c.csa.kv_ring.shape, c.csa.index_gate_ring.shape, c.hca.gate_ring.shape]  # noqa: E731

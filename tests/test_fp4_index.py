@@ -162,7 +162,8 @@ def test_resident_and_ess_give_the_same_tokens_with_fp4_keys(model):
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
     assert ess.offload_metrics()["misses"] > 0
     csa = resident.runner.cache.csa
-    assert csa.index_keys.dtype == jnp.uint8 and csa.index_keys.shape[-1] == 17 and csa.index_format == "fp4"
+    per_page = csa.entries.page_size // model.cfg.compress_rate_csa
+    assert csa.index_keys.dtype == jnp.uint8 and csa.index_keys.shape[-1] == per_page * 17 and csa.index_format == "fp4"
     # the device bytes the engine reports fall by what its layout (the planner's parts) counts
     default = cache_layout(model.cfg, EngineConfig(max_batch=2, max_seq_len=160, offload="none"), "float32")
     csa_layers, keys_per_page = 2, 64 // 4

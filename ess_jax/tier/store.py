@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from ess_jax import mesh
-from ess_jax.cache import (RowSource, Sources, StepMeta, entries_per_page, first_row, layer_view, locate,
+from ess_jax.cache import (RowSource, Sources, StepMeta, entries_per_page, first_row, layer_view, locate, row_runs,
                            with_layer_view)
 from ess_jax.tier import lru
 from ess_jax.tier.host import fetch_wanted, host_store
@@ -44,7 +44,8 @@ from ess_jax.tier.host import fetch_wanted, host_store
 class Tier:
     """Rows of ``L`` sparse layers behind an LRU device pool (B batch rows, P pool slots per row)."""
 
-    pool: jax.Array  # [L, B, P, W] working-set rows (the store's format)
+    pool: jax.Array  # [L, B, P * W] working-set rows (the store's format), a batch row's P slots as one run
+    # (``ess_jax.cache.row_runs``)
     lru: lru.LruPool  # slot tables and the residency map
     staged: jax.Array  # [L, B, M, W] rows written by the last step (M per row), backed up at the start of the next
     staged_page: jax.Array  # i32[B, M] their host page (0, the null page, when nothing is pending)
@@ -70,6 +71,11 @@ class Tier:
     def dtype(self):
         return self.pool.dtype
 
+    @property
+    def width(self) -> int:
+        """W: a row's elements."""
+        return self.staged.shape[-1]
+
     def _locate(self, page_table_BX, ids):
         return locate(page_table_BX, ids, page_size=self.page_size, rate=self.rate)
 
@@ -83,7 +89,7 @@ class Tier:
         b, t, k = ids_BTK.shape
         m = new_ids_BM.shape[1]
         active_B = meta.valid[:, 0]
-        _, rows, p, w = self.pool.shape
+        p, w = self.lru.slots, self.width
         ids_BU, first_BTK = jax.vmap(union)(ids_BTK)  # U = T * K distinct ids (-1 past them), each query's place
         u = ids_BU.shape[1]
         page_BU, offset_BU = self._locate(meta.page_table, ids_BU)
@@ -100,7 +106,8 @@ class Tier:
         arrival_BU = jnp.where(res.is_new_K, new_of_BU, jnp.where(res.miss_K, m + jnp.arange(u), -1))
         row_B1 = jnp.arange(b)[:, None]
         # the pool as the layer's step sees it (cache.layer_view), as one row array: row first + b * P + slot
-        pool, at = layer_view(self.pool, layer)
+        flat, at = layer_view(self.pool, layer)
+        pool = flat.reshape(*flat.shape[:-1], p, w)
         hit_BU = jnp.where(res.hit_K, first_row(pool, at) + row_B1 * p + res.slot_K, -1)
         inflight_BU = jnp.where(arrival_BU >= 0, row_B1 * (m + u) + arrival_BU, -1)
         picked = lambda x_BU: jnp.where(ids_BTK >= 0, jax.vmap(lambda x, f: x[f])(x_BU, first_BTK), -1)  # noqa: E731
@@ -122,7 +129,7 @@ class Tier:
                                         at_query(res.miss_K).sum(-1)], axis=-1).astype(jnp.int32)
                 counts_BT3 = jnp.where(active_B[:, None, None], counts_BT3, 0)
             return dataclasses.replace(
-                self, pool=with_layer_view(self.pool, view, layer),
+                self, pool=with_layer_view(self.pool, view.reshape(flat.shape), layer),
                 lru=old.commit(layer, res, ids_BU, new_ids_BM, evicted_BK1),
                 staged=self.staged.at[layer].set(new_rows_BMW.astype(self.staged.dtype)),
                 staged_page=new_page_BM,  # the null page where no entry is new
@@ -175,7 +182,7 @@ class Tier:
         misses compacted, fetched through a buffer of ``fetch_rows`` rows, once per buffer they fill (none when
         nothing misses; a step that misses more than the budget takes more, exact at any pool size)."""
         b, u = miss_BU.shape
-        x, w = b * u, self.pool.shape[-1]
+        x, w = b * u, self.width
         page_X, offset_X = page_BU.reshape(-1), offset_BU.reshape(-1)
 
         def read(at_N):
@@ -227,8 +234,9 @@ class Tier:
         scratch_page_LP, offset_LP = self._locate(scratch_table_X[None], entry_LP.reshape(1, -1))
         scratch_page_LP, offset_LP = scratch_page_LP.reshape(entry_LP.shape), offset_LP.reshape(entry_LP.shape)
         rows_LPW = jax.vmap(lambda pages, g, e: pages[g, e])(scratch_pages_LGZW, scratch_page_LP, offset_LP)
+        rows_LY = rows_LPW.reshape(len(rows_LPW), -1).astype(self.pool.dtype)  # a row's slots as one run
         return dataclasses.replace(
-            self, pool=self.pool.at[:, row].set(rows_LPW.astype(self.pool.dtype), mode="drop"),
+            self, pool=self.pool.at[:, row].set(rows_LY, mode="drop"),
             lru=self.lru.warm(row, entry_LP, order_LP))
 
     def load_prefix(self, pages_X) -> jax.Array:
@@ -295,7 +303,7 @@ def init_tier(*, layers: int, rows: int, slots: int, pages: int, page_size: int,
     staged = (rows, new_entries)
     ahead = max(share_leads(sources), default=0)
     return Tier(
-        pool=jnp.zeros((layers, rows, slots, width), dtype),
+        pool=row_runs(layers, rows, slots, width, dtype),
         lru=lru.LruPool.empty(layers=layers, rows=rows, slots=slots, entries=entries),
         staged=jnp.zeros((layers, *staged, width), dtype),
         staged_page=jnp.zeros(staged, jnp.int32),

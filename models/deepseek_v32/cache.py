@@ -17,12 +17,13 @@ class PagedCacheV32:
     """DeepSeek-V3.2's cache: per layer one indexer key (always on the device) and one latent row per
     token. ``latent`` is a store: ``ResidentPages`` or the offloaded tier (``ess_jax.tier.Tier``)."""
 
-    index_keys: jax.Array  # [L, G, Z, J] indexer keys (LayerNorm + RoPE applied), or FP8 rows u8[L, G, Z, J + 4]
+    index_keys: jax.Array  # [L, G, Z * J] indexer keys (LayerNorm + RoPE applied), or FP8 rows u8[L, G, Z * (J + 4)],
+    # a page's keys as one run (``ess_jax.cache.row_runs``)
     latent: Any  # ResidentPages | ess_jax.tier.Tier
 
     @property
     def page_size(self) -> int:
-        return self.index_keys.shape[2]
+        return self.latent.page_size
 
     def row_arrays(self) -> dict:
         """The per-batch-row arrays: none (a request's whole cache is in its pages)."""

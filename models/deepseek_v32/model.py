@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ess_jax import ops
-from ess_jax.cache import ResidentPages, StepMeta, request_slots, write_slots, write_then_gather
+from ess_jax.cache import ResidentPages, StepMeta, request_slots, row_runs, write_slots, write_then_gather
 from ess_jax.models.deepseek_v32.cache import PagedCacheV32
 from ess_jax.models.deepseek_v32.config import DeepseekV32Config
 from ess_jax.models.layers import (
@@ -334,6 +334,6 @@ def _init_cache(cfg: DeepseekV32Config, dtype, num_pages: int, page_size: int, l
     index_dtype = index_dtype or ("fp8" if jnp.dtype(latent_dtype) == jnp.uint8 else jnp.dtype(dtype).name)
     key_width, key_dtype = ops.index_key_storage(cfg.index_head_dim, index_dtype)
     return PagedCacheV32(
-        index_keys=jnp.zeros((cfg.indexer_types.count("full"), num_pages, page_size, key_width), key_dtype),
+        index_keys=row_runs(cfg.indexer_types.count("full"), num_pages, page_size, key_width, key_dtype),
         latent=ResidentPages(jnp.zeros((n, num_pages, page_size, width), latent_dtype), page_size=page_size, rate=1),
     )

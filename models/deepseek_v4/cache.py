@@ -26,7 +26,8 @@ class CsaCache:
     index_kv_ring: jax.Array  # [Lc, B, 2m, 2J] the same for the indexer's compressor
     index_gate_ring: jax.Array  # [Lc, B, 2m, 2J]
     entries: Any  # ResidentPages [Lc, G, Z, W] (kv_norm + RoPE at e*m; W = H or FP8 bytes) | ess_jax.tier.Tier
-    index_keys: jax.Array  # [Lc, G, Z, J] the indexer's keys, one per entry; FP4 / FP8 keys u8[Lc, G, Z, key bytes]
+    index_keys: jax.Array  # [Lc, G, Z * J] the indexer's keys, one per entry, a page's as one run
+    # (``ess_jax.cache.row_runs``); FP4 / FP8 keys u8[Lc, G, Z * key bytes]
     index_format: str = dataclasses.field(metadata=dict(static=True))  # "fp4" | "fp8" | a float dtype's name
     # (ess_jax.ops.index_key_storage); FP4 keys are stored rotated (compressor.Indexer)
 

@@ -33,7 +33,8 @@ from flax import nnx
 
 from ess_jax import ops
 from ess_jax.cache import (ResidentPages, RowSource, StepMeta, check_geometry, entries_per_page, flat_ids,
-                           layer_source, layer_view, locate, request_slots, with_layer_view, write_then_gather)
+                           layer_source, layer_view, locate, request_slots, row_runs, with_layer_view,
+                           write_then_gather)
 from ess_jax.models.deepseek_v4 import mhc
 from ess_jax.models.deepseek_v4.cache import CsaCache, HcaCache, V4Cache
 from ess_jax.models.deepseek_v4.compressor import (CSACompressor, Compressor, Indexer, TailRope, hadamard,
@@ -547,7 +548,7 @@ def _init_cache(cfg: DeepseekV4Config, dtype, rows: int, num_pages: int, page_si
                      index_kv_ring=zeros(lf, rows, 2 * m, 2 * j), index_gate_ring=zeros(lf, rows, 2 * m, 2 * j),
                      entries=ResidentPages(zeros(lc, num_pages, per_csa, csa_width, dt=csa_dtype),
                                            page_size=page_size, rate=m),
-                     index_keys=zeros(lf, num_pages, per_csa, key_width, dt=key_dtype),
+                     index_keys=row_runs(lf, num_pages, per_csa, key_width, key_dtype),
                      index_format=index_format),
         hca=HcaCache(kv_ring=zeros(lh, rows, mh, h), gate_ring=zeros(lh, rows, mh, h),
                      entries=zeros(lh, num_pages, per_hca, h), page_size=page_size))

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ess_jax import ops
-from ess_jax.cache import ResidentPages, StepMeta, request_slots, row_runs, write_slots, write_then_gather
+from ess_jax.cache import ResidentPages, StepMeta, row_runs, write_slots, write_then_gather
 from ess_jax.models.deepseek_v32.cache import PagedCacheV32
 from ess_jax.models.deepseek_v32.config import DeepseekV32Config
 from ess_jax.models.layers import (
@@ -169,11 +169,9 @@ class MLA(nnx.Module):
             # FP8 keys (uint8 pages) are V3.2 FP8 rows without a rope part: 128 e4m3 + one float32 scale
             new_keys_BTJ = self.indexer.keys(x_BTD, cos, sin)
             j = new_keys_BTJ.shape[-1]
-            positions = meta.page_table.shape[1] * cache.page_size
             index_keys, keys_BSX = write_then_gather(
                 cache.index_keys, key_layer, (page_BT, offset_BT),
-                ops.encode_mla_rows(new_keys_BTJ, cache.index_keys.dtype, latent_dim=j),
-                request_slots(meta.page_table, positions, page_size=cache.page_size))
+                ops.encode_mla_rows(new_keys_BTJ, cache.index_keys.dtype, latent_dim=j), meta.page_table)
             keys_BSJ = ops.decode_mla_rows(keys_BSX, x_BTD.dtype, latent_dim=j, rope_dim=0)
             visible_BTS = ((jnp.arange(keys_BSJ.shape[1])[None, None, :] <= meta.positions[..., None])
                            & meta.valid[..., None])

@@ -32,9 +32,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ess_jax import ops
-from ess_jax.cache import (ResidentPages, RowSource, StepMeta, check_geometry, entries_per_page, flat_ids,
-                           layer_source, layer_view, locate, request_slots, row_runs, with_layer_view,
-                           write_then_gather)
+from ess_jax.cache import (ResidentPages, RowSource, StepMeta, check_geometry, entries_per_page, entry_pages,
+                           flat_ids, layer_source, layer_view, locate, row_runs, with_layer_view, write_then_gather)
 from ess_jax.models.deepseek_v4 import mhc
 from ess_jax.models.deepseek_v4.cache import CsaCache, HcaCache, V4Cache
 from ess_jax.models.deepseek_v4.compressor import (CSACompressor, Compressor, Indexer, TailRope, hadamard,
@@ -239,7 +238,7 @@ class Attention(nnx.Module):
                     index_keys, keys_BMX = write_then_gather(
                         index_keys, key_index, key_at,
                         ops.encode_index_keys(hadamard(keys_BMJ) if fp4 else keys_BMJ, key_format),
-                        request_slots(meta.page_table, count, **geometry))
+                        entry_pages(meta.page_table, **geometry))
             entries = record.entries
             if count > 0:  # a cache too small for one entry has nothing to select
                 if indexer is not None:

@@ -80,8 +80,9 @@ def write_slots(meta: StepMeta, page_size: int) -> tuple[jax.Array, jax.Array]:
 
 def entry_pages(page_table_BX: jax.Array, *, page_size: int, rate: int) -> jax.Array:
     """The pages of each request's page table that hold a part's entries (one per ``rate`` tokens), in entry
-    order: every page, or with entries longer than a page the first page of each."""
-    return page_table_BX[:, ::max(1, rate // page_size)]
+    order: every page, or with entries longer than a page the first page of each entry the table holds whole."""
+    step, pages = max(1, rate // page_size), page_table_BX.shape[1]
+    return page_table_BX[:, :pages - pages % step:step]
 
 
 def layer_view(stack_LX: jax.Array, layer) -> tuple[jax.Array, tuple]:
@@ -115,7 +116,7 @@ def layer_source(view: jax.Array, at: tuple, ids_BTK: jax.Array) -> RowSource:
 def write_then_gather(pages_LGY: jax.Array, layer, write_at: tuple[jax.Array, jax.Array], rows: jax.Array,
                       page_table_BX: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``rows`` ``[B, M, X]`` written into layer ``layer`` of the pages at ``write_at`` ``(page, offset)``, then that
-    layer's rows of every page of each request's ``page_table_BX``, in order ``[B, X pages * Z, X]``: the pages and
+    layer's rows of every page of each request's ``page_table_BX``, in order ``[B, pages * Z, X]``: the pages and
     the rows read (through ``layer_view``). The pages hold each page's rows as one run ``[L, G, Z * X]``
     (``row_runs``) and are read as whole runs, one gathered row a page rather than one a key (V4-Flash's decode on
     v5p: 630 GB accessed a step by XLA:TPU's count, against 744 GB gathering each key)."""

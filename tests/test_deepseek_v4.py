@@ -20,7 +20,7 @@ from safetensors.numpy import save_file
 
 import ess_jax
 from ess_jax import ops
-from ess_jax.cache import StepMeta
+from ess_jax.cache import StepMeta, entries_per_page, entry_pages, locate
 from ess_jax.checkpoint import CheckpointError, SafetensorsFile, hf_tensors
 from ess_jax.config import ConfigError, RopeConfig, preset_dict
 from ess_jax.families import load_config
@@ -200,6 +200,20 @@ def test_cache_layout(hf, one_shot):
     bigger = model.module.init_cache(1, 2 * PAGES + 1, PAGE)
     rows = lambda c: [c.window.shape, c.csa.kv_ring.shape, c.csa.index_gate_ring.shape, c.hca.gate_ring.shape]  # noqa: E731
     assert rows(bigger) == rows(cache)
+
+
+@pytest.mark.parametrize("page_size", [64, 4, 2, 1])
+def test_entry_pages_hold_the_entries_locate_finds_in_order(page_size):
+    """The indexer keys are read as whole pages (``cache.entry_pages``): per page size, with entries of 4 tokens,
+    those pages in order hold exactly the entries the page table reaches where ``locate`` puts them, also where an
+    entry spans pages and the table ends inside one."""
+    table = jnp.asarray([[3, 9, 4, 1, 7, 2, 8]], jnp.int32)
+    count = table.shape[1] * page_size // 4
+    page, offset = locate(table, jnp.arange(count)[None], page_size=page_size, rate=4)
+    pages, per_page = entry_pages(table, page_size=page_size, rate=4), entries_per_page(page_size, 4)
+    assert pages.shape[1] * per_page == count
+    np.testing.assert_array_equal(np.repeat(pages, per_page, axis=1), page)
+    np.testing.assert_array_equal(np.tile(np.arange(per_page), pages.shape[1])[None], offset)
 
 
 # ---- compressor step form ----------------------------------------------------------------------

@@ -6,9 +6,10 @@ compiled by the target's own compiler, as ``python -m ess_jax.export --compile``
     python -m ess_jax.compiled_for [--target NAME ...] [--model NAME ...] [--steps decode] [--kernels auto] --out DIR
 
 For each target and model, ``python -m ess_jax.plan`` gives the batch for the target's memory
-(``--gpu-mem-gb`` its HBM, the engine's formats; V4's indexer keys in FP8). A model whose weights leave no
-request room is a row that says so, compiled for nothing; otherwise ``python -m ess_jax.export --compile`` runs in
-a process of its own (8 CPU devices to trace on) and writes ``DIR/TARGET_MODEL/summary.json``. The table
+(``--gpu-mem-gb`` its HBM, ``--tpu`` on a TPU, the engine's formats; V4's indexer keys in FP8), and
+``python -m ess_jax.export --compile`` compiles the model at that batch in a process of its own (8 CPU devices to
+trace on) and writes ``DIR/TARGET_MODEL/summary.json``; a model whose weights leave no request room is a row that
+says so, with the compiler's verdict at one request. The table
 (``DIR/compiled_for.md``, also printed) gives per row the steps that compile and fit, the arguments and
 temporaries per device (GiB) against the planner's, the collectives per step, the roofline time (the slower of
 FLOPs over the peak and bytes over the bandwidth: XLA:TPU's own count; for XLA:GPU, whose compile-only client reports
@@ -37,7 +38,8 @@ def served(model: str) -> list[str]:
 def planned(target: aot.Spec, model: str) -> dict:
     """The planner's row for ``model`` on 8 of ``target`` (its batch and bytes per device), or its refusal."""
     args = plan.parse_args(["--model", model, "--context", str(CONTEXT), "--pool-ratio", str(POOL_RATIO), "--rings",
-                            "host", "--gpu-mem-gb", str(target.hbm_bytes / plan.GB)] + served(model))
+                            "host", "--gpu-mem-gb", str(target.hbm_bytes / plan.GB)] + served(model)
+                           + (["--tpu"] if target.platform == "tpu" else []))
     try:
         result = plan.plan(args)
     except ValueError as e:  # the weights alone fill the device
@@ -68,30 +70,37 @@ def reason(error: str) -> str:
     return error.split(": ", 1)[-1].split(". HLO module")[0][:200]
 
 
-def row(target: aot.Spec, model: str, plan_row: dict, summary: dict | None) -> list[str]:
+def batch_of(plan_row: dict) -> int:
+    """The batch compiled: the planner's, or one request where the weights leave it none (the compiler's verdict)."""
+    return plan_row.get("batch") or 1
+
+
+def row(target: aot.Spec, model: str, plan_row: dict, summary: dict) -> list[str]:
     gib = aot.GIB
     name = f"{target.name} x {DEVICES}"
     if "refused" in plan_row:
-        return [name, model, "-", f"no: {plan_row['refused']}", "-", "-", "-", "-"]
-    planned_bytes = f"{(plan_row['weights'] + plan_row['cache']) / gib:.2f} / {plan_row['temporaries'] / gib:.2f}"
-    if plan_row["batch"] == 0 or summary is None:
-        return [name, model, str(plan_row["batch"]), "no: no request fits beside the weights", "-", planned_bytes,
-                "-", "-"]
+        batch, planned_bytes, verdict = "- (compiled: 1)", "-", f"no: {plan_row['refused']}"
+    else:
+        planned_bytes = f"{(plan_row['weights'] + plan_row['cache']) / gib:.2f} / {plan_row['temporaries'] / gib:.2f}"
+        batch, verdict = str(plan_row["batch"]), ""
+        if plan_row["batch"] == 0:
+            batch, verdict = "0 (compiled: 1)", "no: no request fits beside the weights"
     if "error" in summary:
-        return [name, model, str(plan_row["batch"]), f"no: {summary['error']}", "-", planned_bytes, "-", "-"]
+        return [name, model, batch, f"no: {summary['error']}", "-", planned_bytes, "-", "-"]
     steps = summary["steps"]
     ok = [n for n, s in steps.items() if s["compiled"] and s["fits"]]
-    verdict = ", ".join(ok) if len(ok) == len(steps) else (
+    compiled_verdict = ", ".join(ok) if len(ok) == len(steps) else (
         f"{', '.join(ok) or 'none'} of {len(steps)}: " + "; ".join(
             f"{n} does not fit" if s["compiled"] else f"{n} does not compile ({reason(s['error'])})"
             for n, s in steps.items() if n not in ok))
+    verdict = f"{verdict}; the compiler at 1 request: {compiled_verdict}" if verdict else compiled_verdict
     decode = steps.get("decode") or next(iter(steps.values()))
     memory = decode.get("bytes_per_device")
     compiled = f"{memory['arguments'] / gib:.2f} / {memory['temporaries'] / gib:.2f}" if memory else "-"
     collectives = ", ".join(f"{k} x{v['count']}" for k, v in decode.get("collectives", {}).items()) or "none"
     roofline = f"{decode['roofline_s'] * 1e3:.1f} ms" if decode.get("roofline_s") else "-"
     calls = ", ".join(decode.get("custom_calls", {})) or "none"
-    return [name, model, str(plan_row["batch"]), verdict, compiled, planned_bytes, collectives,
+    return [name, model, batch, verdict, compiled, planned_bytes, collectives,
             f"{roofline}; kernels {summary['kernels']} ({calls})"]
 
 
@@ -121,11 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.target or list(aot.SPECS):
         target = aot.spec(name)
         for model in args.model or list(MODELS):
-            plan_row, summary = planned(target, model), None
-            if plan_row.get("batch"):
-                summary = compile_row(target, model, plan_row["batch"], args.steps, args.kernels,
-                                      args.out / f"{name}_{model}")
-                failed |= "error" in summary
+            plan_row = planned(target, model)
+            summary = compile_row(target, model, batch_of(plan_row), args.steps, args.kernels,
+                                  args.out / f"{name}_{model}")
+            failed |= "error" in summary
             rows.append(row(target, model, plan_row, summary))
             print(" | ".join(rows[-1]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -55,6 +55,9 @@ shard's devices only:
                          the model dtype) over the E entries an indexed layer holds, and the head's logits (two
                          float32 and one model-dtype copy of V); within 7 % of XLA's memory analysis for V3.2
                          and V4-Flash on H200 (``docs/results/compiled.md``)
+                         --tpu adds per batch row one layer's stored rows as XLA:TPU lays them out, each padded to
+                         whole 128-byte lanes: the E keys (an FP8 key's 132 bytes take 256) and, offloaded, the P pool
+                         rows as bytes and as the attention kernel's 32-bit words (V4's 592-byte row: 640 + 1024)
 
 Each data shard serves ``floor(KV budget / request)`` requests; its host store holds theirs (each of its
 devices' host memory holds a copy of the shard's store). ESS's figures are per GPU, each GPU attending for
@@ -188,19 +191,40 @@ class StepBytes:
         return max(self.experts, rows * self.per_request)
 
 
+TPU_LANES = 128  # a TPU's vector lanes: an array's minor dimension is laid out in whole multiples of them
+
+
+def lanes(n: int) -> int:
+    """``n`` bytes of a TPU array's minor dimension as laid out: whole multiples of ``TPU_LANES``."""
+    return -(-n // TPU_LANES) * TPU_LANES
+
+
 def step_bytes(cfg: ModelConfig, parts: list[Part], context: int, dtype: str = "bfloat16",
-               shape: mesh.MeshShape = mesh.MeshShape()) -> StepBytes:
+               shape: mesh.MeshShape = mesh.MeshShape(), tpu: bool = False) -> StepBytes:
     """The decode step's temporaries per device for requests of ``context`` tokens (``parts``: their cache) on a
     mesh of ``shape``, release-format experts: the indexer scores ``f32[H_idx, E]`` and keys ``[E, J]`` (``E`` the
     entries an indexed layer holds) and the head's logits (two float32 and one ``dtype`` copy) per request; one
-    layer's held routed experts, as stored or, below a byte a value (V4's FP4), dequantized to ``dtype``."""
+    layer's held routed experts, as stored or, below a byte a value (V4's FP4), dequantized to ``dtype``. On a TPU
+    (``tpu``) a request also has its layer's stored keys as rows, each padded to whole lanes (``lanes``: an FP8
+    key's 132 bytes take 256): XLA:TPU copies the layer's key pages to that layout to write and read them."""
     itemsize = 2 if dtype == "bfloat16" else 4
-    entries = max((p.entries(context) for p in parts if "indexer" in p.name), default=0)
+    indexed = [p for p in parts if "indexer" in p.name]
+    entries = max((p.entries(context) for p in indexed), default=0)
     per_request = entries * (4 * cfg.index_n_heads + itemsize * cfg.index_head_dim) + cfg.vocab_size * (8 + itemsize)
+    if tpu:
+        per_request += max((p.entries(context) * lanes(p.row_bytes) for p in indexed), default=0)
     held = (cfg.n_routed_experts // shape.expert, 3 * cfg.moe_intermediate_size, cfg.hidden_size)
     stored = families.get(cfg.family).release_bytes(["mlp", "experts", "weight"], True, held)
     experts = math.prod(held) * itemsize if stored < math.prod(held) else stored
     return StepBytes(per_request, int(experts))
+
+
+def tpu_pool_bytes(parts: list[Part], slots: int) -> int:
+    """A TPU decode step's copies of one offloaded layer's pool of ``slots`` rows per request, besides
+    ``step_bytes``: its rows as bytes and as the attention kernel's 32-bit words, each row padded to whole lanes
+    (``lanes``: V4's 592-byte FP8 row takes 640 bytes, and 1024 as 148 words)."""
+    return max((slots * (lanes(p.row_bytes) + 4 * lanes(p.row_bytes // 4)) for p in parts if p.where == "offloaded"),
+               default=0)
 
 
 def bytes_per_device(request: int, batch: int, data: int) -> int:
@@ -283,6 +307,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     budget.add_argument("--mem-fraction", type=float, default=0.9,
                         help="share of device memory for the weights, the KV cache and the decode step's "
                              "temporaries, the rest for the runtime (default 0.9)")
+    budget.add_argument("--tpu", action="store_true",
+                        help="the devices are TPUs: the decode step's temporaries also hold one layer's 8-bit rows "
+                             "padded to 128-byte lanes (the indexer keys; with offload the pool's rows, as bytes and "
+                             "as 32-bit words)")
     budget.add_argument("--weights-gb", type=float, default=None,
                         help="weight bytes per device, instead of the release formats' on the --mesh")
     p.add_argument("--mesh", default=None, metavar="data=D,expert=E",
@@ -371,9 +399,14 @@ def plan(args: argparse.Namespace) -> dict:
                 paged = args.formats == "engine" and args.accounting == "ess_jax"  # the engine's whole pages
                 req = request_bytes(parts, context, ratio, args.accounting, rings, args.page_size if paged else None)
                 # the step's temporaries come out of a device's memory, not out of a --kv-budget-gb
-                step = step_bytes(cfg, parts, context, args.dtype, shape) if args.kv_budget_gb is None else None
+                step = offload_step = None
+                if args.kv_budget_gb is None:
+                    step = offload_step = step_bytes(cfg, parts, context, args.dtype, shape, args.tpu)
+                    if args.tpu and req.pool_slots:
+                        offload_step = dataclasses.replace(
+                            step, per_request=step.per_request + tpu_pool_bytes(parts, req.pool_slots))
                 resident_batch = max_batch(req.resident, kv_budget, shape.data, step)
-                offload_batch = max_batch(req.device, kv_budget, shape.data, step)
+                offload_batch = max_batch(req.device, kv_budget, shape.data, offload_step)
                 rows.append({
                     "model": name, "mesh": str(shape), "context": context, "pool_ratio": ratio, "cache_dtype": dtype,
                     "formats": args.formats, "index_dtype": index,
@@ -384,7 +417,8 @@ def plan(args: argparse.Namespace) -> dict:
                     "host_bytes_per_device": offload_batch // shape.data * req.host, "pool_slots": req.pool_slots,
                     "resident_bytes_per_request": req.resident, "device_bytes_per_request": req.device,
                     "host_bytes_per_request": req.host,
-                    "temporaries_bytes_per_device": step.temporaries(offload_batch // shape.data) if step else None,
+                    "temporaries_bytes_per_device": (offload_step.temporaries(offload_batch // shape.data)
+                                                     if offload_step else None),
                 })
         models.append({"model": name, "family": cfg.family, "mesh": str(shape), "budget": budget, "layouts": layouts})
     return {"models": models, "rows": rows}

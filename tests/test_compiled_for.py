@@ -1,5 +1,6 @@
 """``python -m ess_jax.compiled_for``: the planner's batch per target, the rows of targets whose memory the weights
-fill (nothing compiled), and a compiled row read from a summary ``python -m ess_jax.export --compile`` wrote."""
+fill (compiled at one request for the compiler's verdict), and a compiled row read from a summary
+``python -m ess_jax.export --compile`` wrote."""
 
 import json
 from pathlib import Path
@@ -9,14 +10,26 @@ from ess_jax import aot, compiled_for, plan
 COMPILED = Path(__file__).parents[1] / "docs" / "results" / "compiled"
 
 
-def test_targets_the_weights_fill_are_rows_that_say_so(tmp_path, capsys):
-    assert compiled_for.main(["--target", "v5e", "--out", str(tmp_path)]) == 0
-    table = (tmp_path / "compiled_for.md").read_text().splitlines()
-    assert table[0].startswith("| target | model | batch (plan) |") and len(table) == 4
-    refused = "no: weights take 102.0 GB per device, more than 0.9 x 16.9 GB"
-    assert f"| v5e x 8 | deepseek-v3.2 | - | {refused}" in table[2]
-    assert "| v5e x 8 | deepseek-v4-flash | - | no: weights take 28.1 GB" in table[3]
-    assert [p.name for p in tmp_path.iterdir()] == ["compiled_for.md"]  # nothing compiled
+def test_targets_the_weights_fill_are_rows_that_say_so_with_the_compilers_verdict_at_one_request():
+    planned = compiled_for.planned(aot.spec("v5e"), "deepseek-v3.2")
+    assert planned == {"refused": "weights take 102.0 GB per device, more than 0.9 x 16.9 GB; raise --mesh "
+                                  "expert=... or --gpu-mem-gb"}
+    assert compiled_for.batch_of(planned) == 1
+    summary = {"kernels": "auto", "steps": {"decode": {
+        "compiled": False, "error": "JaxRuntimeError: RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. "
+                                    "Used 95.51G of 15.75G hbm. HLO module: jit__decode."}}}
+    cells = compiled_for.row(aot.spec("v5e"), "deepseek-v3.2", planned, summary)
+    assert cells[:5] == ["v5e x 8", "deepseek-v3.2", "- (compiled: 1)",
+                         "no: weights take 102.0 GB per device, more than 0.9 x 16.9 GB; raise --mesh expert=... or "
+                         "--gpu-mem-gb; the compiler at 1 request: none of 1: decode does not compile "
+                         "(RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 95.51G of 15.75G hbm)", "-"]
+    assert cells[5] == "-"
+    # a batch of 0 (weights fit, no request beside them) is compiled at one request too
+    empty = {"batch": 0, "weights": 90e9, "cache": 0, "temporaries": 1e9}
+    assert compiled_for.batch_of(empty) == 1
+    assert compiled_for.row(aot.spec("v5e"), "deepseek-v3.2", empty, summary)[2:4] == [
+        "0 (compiled: 1)", "no: no request fits beside the weights; the compiler at 1 request: none of 1: decode "
+        "does not compile (RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 95.51G of 15.75G hbm)"]
 
 
 def test_the_batch_is_the_planners_for_the_targets_memory(capsys):

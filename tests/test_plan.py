@@ -1,5 +1,6 @@
 """The capacity planner's arithmetic against hand-computed values (DOMAIN.md 3-4) and its argument errors."""
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -144,14 +145,16 @@ def test_data_shards_hold_their_own_requests(capsys):
 
 
 COMPILED = Path(__file__).parents[1] / "docs" / "results" / "compiled"
-# XLA:GPU's memory analysis of the decode (python -m ess_jax.export --compile, 8 x H200, expert=8, release weights,
-# ESS 0.2, FP8 entries, 32K; the summaries it wrote): the planner's temporaries within 7 % of the compiler's
+# The memory analysis of the decode by XLA:GPU (8 x H200) and XLA:TPU (8 x v5p) (python -m ess_jax.export --compile,
+# expert=8, release weights, ESS 0.2, FP8 entries, 32K; the summaries it wrote): the planner's temporaries within 7 %
+# of the compiler's
 STEP_COMPILES = ("h200x8_v4flash_5_ess_fp8_index_fp8_release_bf16_b812_decode.json",
                  "h200x8_v4flash_5_ess_fp8_index_fp8_release_bf16_b1624_decode.json",
                  "h200x8_v4flash_43_ess_fp8_index_fp8_release_bf16_b1489_decode.json",
                  "h200x8_v32_5_ess_fp8_release_bf16_b46_decode.json",
                  "h200x8_v32_5_ess_fp8_release_bf16_b184_decode.json",
-                 "h200x8_v32_61_ess_fp8_release_bf16_b43_decode.json")
+                 "h200x8_v32_61_ess_fp8_release_bf16_b43_decode.json",
+                 "v5px8_v4flash_43_ess_fp8_index_fp8_release_bf16_b901_decode.json")
 
 
 @pytest.mark.parametrize("summary", STEP_COMPILES)
@@ -161,9 +164,31 @@ def test_step_temporaries_match_the_compilers(summary):
     name = {"deepseek_v32": "deepseek-v3.2", "deepseek_v4": "deepseek-v4-flash"}[model["family"]]
     cfg = load_config(preset_dict(name))
     parts = plan.cache_parts(cfg, engine["cache_dtype"], engine["index_dtype"] or "auto", "engine", model["dtype"])
-    step = plan.step_bytes(cfg, parts, engine["max_seq_len"], model["dtype"], mesh.parse(engine["mesh"]))
+    tpu = compiled["target"]["platform"] == "tpu"
+    step = plan.step_bytes(cfg, parts, engine["max_seq_len"], model["dtype"], mesh.parse(engine["mesh"]), tpu)
+    if tpu:  # the layer's pool rows, as laid out
+        offloaded = next(p for p in parts if p.where == "offloaded")
+        slots = tier.pool_slots(offloaded.entries(engine["max_seq_len"]), offloaded.topk,
+                                pool_ratio=engine["pool_ratio"])
+        step = dataclasses.replace(step, per_request=step.per_request + plan.tpu_pool_bytes(parts, slots))
     got = compiled["steps"]["decode"]["bytes_per_device"]["temporaries"]
     assert step.temporaries(engine["max_batch"]) == pytest.approx(got, rel=0.07)
+
+
+def test_the_planners_batch_fits_the_compiled_v5p_decode_within_5_percent():
+    """The planner's batch for V4-Flash on 8 x v5p (--tpu) is the batch the compiled decode was built at, and its
+    bytes per device (weights, cache, temporaries) are within 5 % of XLA:TPU's arguments and temporaries."""
+    compiled = json.loads((COMPILED / STEP_COMPILES[-1]).read_text())
+    args = plan.parse_args(["--model", "deepseek-v4-flash", "--context", "32768", "--pool-ratio", "0.2", "--rings",
+                            "host", "--cache-dtype", "fp8", "--index-dtype", "fp8", "--mesh", "expert=8", "--tpu",
+                            "--gpu-mem-gb", str(compiled["target"]["hbm_bytes"] / plan.GB)])
+    result = plan.plan(args)
+    row, budget = result["rows"][0], result["models"][0]["budget"]
+    assert row["max_batch_offload"] == compiled["engine"]["max_batch"]
+    planned = (budget["weights_bytes_per_device"] + row["max_batch_offload"] * row["device_bytes_per_request"]
+               + row["temporaries_bytes_per_device"])
+    got = compiled["steps"]["decode"]["bytes_per_device"]
+    assert planned == pytest.approx(got["arguments"] + got["temporaries"], rel=0.05)
 
 
 def test_the_device_batch_leaves_room_for_the_steps_temporaries(capsys):
@@ -188,6 +213,26 @@ def test_the_device_batch_leaves_room_for_the_steps_temporaries(capsys):
                     "32768", "--pool-ratio", "0.2"], capsys)["rows"][0]
     assert row["temporaries_bytes_per_device"] is None
     assert row["max_batch_offload"] == 80_000_000_000 // row["device_bytes_per_request"]
+
+
+def test_on_a_tpu_a_layers_keys_and_pool_rows_count_padded_to_lanes(capsys):
+    """--tpu: per request the step also holds one layer's keys and pool rows padded to 128-byte lanes (an FP8 key
+    132 -> 256 bytes; V4's 592-byte row 640, and 148 32-bit words 256), so the batch is smaller."""
+    argv = ["--model", "deepseek-v4-flash", "--cache-dtype", "fp8", "--index-dtype", "fp8", "--context", "32768",
+            "--pool-ratio", "0.2", "--mesh", "expert=8", "--gpu-mem-gb", "102.8"]
+    gpu, tpu = run_json(argv, capsys)["rows"][0], run_json(argv + ["--tpu"], capsys)["rows"][0]
+    v4 = load_config(preset_dict("deepseek-v4-flash"))
+    parts = plan.cache_parts(v4, "fp8", "fp8", "engine")
+    step = plan.step_bytes(v4, parts, 32768, shape=mesh.MeshShape(1, 8))
+    assert plan.step_bytes(v4, parts, 32768, shape=mesh.MeshShape(1, 8), tpu=True).per_request \
+        == step.per_request + 8192 * 256  # the CSA layers' 8192 keys of 132 bytes
+    assert tpu["pool_slots"] == gpu["pool_slots"] == 1639
+    assert plan.tpu_pool_bytes(parts, 1639) == 1639 * (640 + 4 * 256)
+    assert tpu["temporaries_bytes_per_device"] == tpu["max_batch_offload"] * (
+        step.per_request + 8192 * 256 + 1639 * (640 + 4 * 256))
+    assert gpu["temporaries_bytes_per_device"] == step.temporaries(gpu["max_batch_offload"])
+    assert tpu["max_batch_offload"] < gpu["max_batch_offload"]
+    assert tpu["device_bytes_per_request"] == gpu["device_bytes_per_request"]  # the cache is the same
 
 
 def test_text_output_names_the_budget_and_the_batches(capsys):

@@ -95,6 +95,8 @@ def row(target: aot.Spec, model: str, plan_row: dict, summary: dict) -> list[str
             for n, s in steps.items() if n not in ok))
     verdict = f"{verdict}; the compiler at 1 request: {compiled_verdict}" if verdict else compiled_verdict
     decode = steps.get("decode") or next(iter(steps.values()))
+    if not decode["compiled"]:
+        return [name, model, batch, verdict, "-", planned_bytes, "-", "-"]
     memory = decode.get("bytes_per_device")
     compiled = f"{memory['arguments'] / gib:.2f} / {memory['temporaries'] / gib:.2f}" if memory else "-"
     collectives = ", ".join(f"{k} x{v['count']}" for k, v in decode.get("collectives", {}).items()) or "none"

@@ -23,7 +23,7 @@ def test_targets_the_weights_fill_are_rows_that_say_so_with_the_compilers_verdic
                          "no: weights take 102.0 GB per device, more than 0.9 x 16.9 GB; raise --mesh expert=... or "
                          "--gpu-mem-gb; the compiler at 1 request: none of 1: decode does not compile "
                          "(RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 95.51G of 15.75G hbm)", "-"]
-    assert cells[5] == "-"
+    assert cells[5:] == ["-", "-", "-"]  # nothing planned, nothing compiled
     # a batch of 0 (weights fit, no request beside them) is compiled at one request too
     empty = {"batch": 0, "weights": 90e9, "cache": 0, "temporaries": 1e9}
     assert compiled_for.batch_of(empty) == 1

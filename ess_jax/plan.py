@@ -200,19 +200,21 @@ def lanes(n: int) -> int:
 
 
 def step_bytes(cfg: ModelConfig, parts: list[Part], context: int, dtype: str = "bfloat16",
-               shape: mesh.MeshShape = mesh.MeshShape(), tpu: bool = False) -> StepBytes:
+               shape: mesh.MeshShape = mesh.MeshShape(), tpu: bool = False, pool_slots: int = 0) -> StepBytes:
     """The decode step's temporaries per device for requests of ``context`` tokens (``parts``: their cache) on a
     mesh of ``shape``, release-format experts: the indexer scores ``f32[H_idx, E]`` and keys ``[E, J]`` (``E`` the
     entries an indexed layer holds) and the head's logits (two float32 and one ``dtype`` copy) per request; one
     layer's held routed experts, as stored or, below a byte a value (V4's FP4), dequantized to ``dtype``. On a TPU
     (``tpu``) a request also has its layer's stored keys as rows, each padded to whole lanes (``lanes``: an FP8
-    key's 132 bytes take 256): XLA:TPU copies the layer's key pages to that layout to write and read them."""
+    key's 132 bytes take 256): XLA:TPU copies the layer's key pages to that layout to write and read them; and,
+    offloaded with pools of ``pool_slots``, its layer's pool rows (``tpu_pool_bytes``)."""
     itemsize = 2 if dtype == "bfloat16" else 4
     indexed = [p for p in parts if "indexer" in p.name]
     entries = max((p.entries(context) for p in indexed), default=0)
     per_request = entries * (4 * cfg.index_n_heads + itemsize * cfg.index_head_dim) + cfg.vocab_size * (8 + itemsize)
     if tpu:
         per_request += max((p.entries(context) * lanes(p.row_bytes) for p in indexed), default=0)
+        per_request += tpu_pool_bytes(parts, pool_slots)
     held = (cfg.n_routed_experts // shape.expert, 3 * cfg.moe_intermediate_size, cfg.hidden_size)
     stored = families.get(cfg.family).release_bytes(["mlp", "experts", "weight"], True, held)
     experts = math.prod(held) * itemsize if stored < math.prod(held) else stored
@@ -401,10 +403,8 @@ def plan(args: argparse.Namespace) -> dict:
                 # the step's temporaries come out of a device's memory, not out of a --kv-budget-gb
                 step = offload_step = None
                 if args.kv_budget_gb is None:
-                    step = offload_step = step_bytes(cfg, parts, context, args.dtype, shape, args.tpu)
-                    if args.tpu and req.pool_slots:
-                        offload_step = dataclasses.replace(
-                            step, per_request=step.per_request + tpu_pool_bytes(parts, req.pool_slots))
+                    step = step_bytes(cfg, parts, context, args.dtype, shape, args.tpu)
+                    offload_step = step_bytes(cfg, parts, context, args.dtype, shape, args.tpu, req.pool_slots or 0)
                 resident_batch = max_batch(req.resident, kv_budget, shape.data, step)
                 offload_batch = max_batch(req.device, kv_budget, shape.data, offload_step)
                 rows.append({

@@ -1,6 +1,5 @@
 """The capacity planner's arithmetic against hand-computed values (DOMAIN.md 3-4) and its argument errors."""
 
-import dataclasses
 import json
 import math
 import subprocess
@@ -164,13 +163,10 @@ def test_step_temporaries_match_the_compilers(summary):
     name = {"deepseek_v32": "deepseek-v3.2", "deepseek_v4": "deepseek-v4-flash"}[model["family"]]
     cfg = load_config(preset_dict(name))
     parts = plan.cache_parts(cfg, engine["cache_dtype"], engine["index_dtype"] or "auto", "engine", model["dtype"])
-    tpu = compiled["target"]["platform"] == "tpu"
-    step = plan.step_bytes(cfg, parts, engine["max_seq_len"], model["dtype"], mesh.parse(engine["mesh"]), tpu)
-    if tpu:  # the layer's pool rows, as laid out
-        offloaded = next(p for p in parts if p.where == "offloaded")
-        slots = tier.pool_slots(offloaded.entries(engine["max_seq_len"]), offloaded.topk,
-                                pool_ratio=engine["pool_ratio"])
-        step = dataclasses.replace(step, per_request=step.per_request + plan.tpu_pool_bytes(parts, slots))
+    offloaded = next(p for p in parts if p.where == "offloaded")
+    slots = tier.pool_slots(offloaded.entries(engine["max_seq_len"]), offloaded.topk, pool_ratio=engine["pool_ratio"])
+    step = plan.step_bytes(cfg, parts, engine["max_seq_len"], model["dtype"], mesh.parse(engine["mesh"]),
+                           compiled["target"]["platform"] == "tpu", slots)  # (on a TPU: the pool rows, as laid out)
     got = compiled["steps"]["decode"]["bytes_per_device"]["temporaries"]
     assert step.temporaries(engine["max_batch"]) == pytest.approx(got, rel=0.07)
 

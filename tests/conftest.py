@@ -1,3 +1,4 @@
+import collections
 import gc
 import os
 import shutil
@@ -55,6 +56,21 @@ def _compile_cache_kept():
     yield
     assert jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir == COMPILE_CACHE, \
         "this test changed the session's compilation cache (a CLI's --compile-cache, run in this process)"
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The slowest 15 modules by the time of their tests (setup, call and teardown summed over every worker), beside
+    ``--durations``' slowest tests: where the suite's time budget goes, module by module."""
+    spent = collections.Counter()
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if isinstance(report, pytest.TestReport):
+                spent[report.nodeid.split("::")[0]] += report.duration
+    if spent:
+        total = sum(spent.values())
+        terminalreporter.write_sep("=", f"slowest 15 modules ({total:.0f} s of tests in all)")
+        for module, seconds in spent.most_common(15):
+            terminalreporter.write_line(f"{seconds:8.2f}s {100 * seconds / total:5.1f} %  {module}")
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -59,7 +59,8 @@ def scratch(model, max_seq_len: int, page_size: int, cache_dtype: str | None, ke
     size = families.CacheSize(rows=1, pages=1, page_size=page_size, max_seq_len=max_seq_len)  # one request's engine
     make, scratch_size = layout.prefill_scratch(model.module, size, cache_dtype)
     table_BX = jnp.arange(1, scratch_size.pages, dtype=jnp.int32)[None]
-    return make(scratch_size), table_BX, jnp.full(layout.window_shape(model.module, size, kernels), -1, jnp.int32)
+    window = jnp.full(layout.window_shape(model.graphdef, model.params, size, kernels), -1, jnp.int32)
+    return make(scratch_size), table_BX, window
 
 
 def run_piece(model, kernels: str, tokens: list[int], start: int, table_BX, cache, window):
@@ -72,8 +73,9 @@ def run_piece(model, kernels: str, tokens: list[int], start: int, table_BX, cach
     meta = StepMeta(jnp.asarray(start + np.arange(len(tokens), dtype=np.int32))[None], jnp.ones((1, len(tokens)), bool),
                     table_BX, jnp.zeros((1,), jnp.int32))
     tokens_BT = jnp.asarray([tokens], jnp.int32)
-    token, _, _, window, cache, _, _ = steps.prefill(model.graphdef, kernels, model.params, tokens_BT, meta, cache,
-                                               greedy_row(), window, jnp.zeros_like(tokens_BT))
+    graph = steps.Graph(model.graphdef, kernels)
+    token, _, _, window, cache, _, _ = steps.prefill(graph, model.params, tokens_BT, meta, cache, greedy_row(), window,
+                                                     jnp.zeros_like(tokens_BT))
     return int(token[0]), window, cache
 
 

@@ -43,7 +43,7 @@ class Runner:
         self.model, self.config, self.layout, self.stats = model, config, layout, stats
         self.mode, self.prefix, self.proposer = mode, prefix, proposer
         ops.resolve_kernels(config.kernels)  # Pallas where this backend has no kernels for it: refused here
-        self.kernels = config.kernels  # static in the compiled steps
+        self.graph = steps.Graph(model.graphdef, config.kernels)  # the steps' static argument: the model, the kernels
         self.mesh = mesh.make(mesh.parse(config.mesh)) if config.mesh else None
         self.params = mesh.place_params(model.params, self.mesh) if self.mesh else model.params
         self.shards = layout.size.shards
@@ -79,7 +79,8 @@ class Runner:
 
     def _empty_window(self) -> jax.Array:
         """No prompt positions yet on any shard: ``i32[L, D, Q, K]`` of -1, placed as ``steps.prefill`` returns it."""
-        window = jnp.full(window_shape(self.model.module, self.layout.size, self.kernels), -1, jnp.int32)
+        shape = window_shape(self.model.graphdef, self.model.params, self.layout.size, self.graph.kernels)
+        window = jnp.full(shape, -1, jnp.int32)
         return jax.device_put(window, steps.placement(self.mesh, steps.LAYER_ROWS))
 
     def arrays(self) -> steps.EngineArrays:
@@ -141,9 +142,9 @@ class Runner:
         mtp = self.proposer.prefill_args(positions, valid, pages_DX, rows_D, last_D)
         targets = jnp.asarray(targets)
         token, logits_DV, hidden, window, cache, drafts_DK, mtp_cache = steps.prefill(
-            self.model.graphdef, self.kernels, self.params, jnp.asarray(tokens), meta, cache,
+            self.graph, self.params, jnp.asarray(tokens), meta, cache,
             steps.SamplingBatch.of(params, steps_D), window, targets, shardings=shardings, **mtp)
-        scores = steps.score(self.model.graphdef, self.params, hidden, targets, top=self.prompt_top,
+        scores = steps.score(self.graph, self.params, hidden, targets, top=self.prompt_top,
                              shardings=shardings) if group.scored else None
         drafts = self.proposer.prefill_done(mtp_cache, drafts_DK, group)
         sampled = mesh.host_array(token)
@@ -179,7 +180,7 @@ class Runner:
         idle = DecodeBatch.idle(self.config.max_batch, self.layout.pages_per_row, self.config.num_speculative_tokens)
         args = self.decode_args(idle)  # made as serving makes them (the host-made ones uncommitted: replicated)
         self._compiled_decode = decode._replace(args=args).lower().compile()
-        self.proposer.compile(self.model.graphdef, self.kernels, self.params, self._compiled_decode, args[2])
+        self.proposer.compile(self.graph, self.params, self._compiled_decode, args[2])
         self.stats.compile_s = time.perf_counter() - start
 
     def decode(self, batch: DecodeBatch, times: StepTimes | None) -> DecodeResult:

@@ -74,7 +74,7 @@ class OnHost:
     def prefill_done(self, mtp_cache, drafts_DK, group: PrefillGroup) -> dict[int, np.ndarray]:
         return {}
 
-    def compile(self, graphdef, kernels: str, params, decode, meta) -> None:
+    def compile(self, graph: steps.Graph, params, decode, meta) -> None:
         pass
 
     def draft(self, params, hidden, tokens_BT, meta, kept_B) -> None:
@@ -217,10 +217,10 @@ class MtpDrafts(CallerDrafts):
         self.cache, drafts = mtp_cache, mesh.host_array(drafts_DK)
         return {shard: drafts[shard] for shard, piece in group.slices.items() if piece.last}
 
-    def compile(self, graphdef, kernels: str, params, decode, meta) -> None:
+    def compile(self, graph: steps.Graph, params, decode, meta) -> None:
         """Its drafting step, compiled ahead for the compiled ``decode``'s outputs and the decode ``meta``."""
         tokens_BT, _, _, _, hidden, kept_B = decode.out_info  # placed as the decode returns them
-        self._compiled = steps.draft.lower(graphdef, kernels, params, hidden, tokens_BT, meta, kept_B, self.cache,
+        self._compiled = steps.draft.lower(graph, params, hidden, tokens_BT, meta, kept_B, self.cache,
                                            mtp_shardings=self.shardings).compile()
 
     def draft(self, params, hidden, tokens_BT, meta, kept_B):

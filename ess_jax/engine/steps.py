@@ -125,7 +125,27 @@ def next_window(prev_LBQK: jax.Array, ids_LBTK: jax.Array, meta: StepMeta) -> ja
     return jnp.where(meta.valid[:, 0][None, :, None, None], ids_LBQK, prev_LBQK)
 
 
-def _prefill(graphdef, kernels: str, params, tokens_BT, meta: StepMeta, cache, sampling: SamplingBatch, window_LBQK,
+@dataclasses.dataclass(frozen=True, eq=False)
+class Graph:
+    """The model as every step's static argument: its graph and the kernel choice, hashed once. jit hashes its static
+    arguments at every call, and a graph's own hash walks all its nodes (milliseconds, each prefill piece)."""
+
+    graphdef: nnx.GraphDef
+    kernels: str
+    key: int = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "key", hash((self.graphdef, self.kernels)))
+
+    def __hash__(self) -> int:
+        return self.key
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, Graph) and self.key == other.key
+                                 and (self.graphdef, self.kernels) == (other.graphdef, other.kernels))
+
+
+def _prefill(graph: Graph, params, tokens_BT, meta: StepMeta, cache, sampling: SamplingBatch, window_LBQK,
              targets_BT, mtp_cache=None, mtp_meta=None, last_B=None, shardings=None, mtp_shardings=None,
              drafts: int = 0):
     """One prefill piece, a row per data shard (rows not valid: nothing written). Returns the token sampled after
@@ -137,7 +157,7 @@ def _prefill(graphdef, kernels: str, params, tokens_BT, meta: StepMeta, cache, s
     has the sampled token; ``targets_BT``: each position's next prompt token) and the MTP cache, else None and
     None."""
     def run(params, tokens_BT, meta, cache, sampling, window_LBQK, targets_BT, mtp_cache, mtp_meta, last_B):
-        module = nnx.merge(graphdef, params)
+        module, kernels = nnx.merge(graph.graphdef, params), graph.kernels
         logits_BTV, hidden, ids_LBTK, cache = module.step_hidden(tokens_BT, meta, cache, kernels=kernels)
         logits_BV = logits_BTV[:, -1]
         window_LBQK = next_window(window_LBQK, ids_LBTK, meta).astype(window_LBQK.dtype)
@@ -162,13 +182,13 @@ def _prefill(graphdef, kernels: str, params, tokens_BT, meta: StepMeta, cache, s
             placed(mtp_shardings, mtp_cache))
 
 
-def _score(graphdef, params, hidden, targets_BT, top: int, shardings=None):
+def _score(graph: Graph, params, hidden, targets_BT, top: int, shardings=None):
     """A prefill piece's ``PromptScores`` of ``targets_BT`` (``i32[B, T]``, each position's next prompt token),
     the ``top`` best kept (static), from its final hidden states ``hidden`` (``prefill``'s) through the model's
     head: a step of its own, so the prefill compiles once per piece size whether or not a prompt is scored.
     ``shardings``: the prefill's (its rows split over the data shards; None: one device)."""
     def run(params, hidden, targets_BT):
-        return prompt_scores(nnx.merge(graphdef, params).head(hidden), targets_BT, top)
+        return prompt_scores(nnx.merge(graph.graphdef, params).head(hidden), targets_BT, top)
 
     return on_shards(run, shardings, (ALL, ROWS, ROWS), ROWS)(params, hidden, targets_BT)
 
@@ -202,7 +222,7 @@ def mtp_drafts(module, hidden, next_BT, meta: StepMeta, mtp_cache, kept_B, draft
     return jnp.stack(tokens, axis=1), mtp_cache
 
 
-def _decode(graphdef, kernels: str, params, tokens_BT, meta: StepMeta, cache, sampling: SamplingBatch, forced_B,
+def _decode(graph: Graph, params, tokens_BT, meta: StepMeta, cache, sampling: SamplingBatch, forced_B,
             shardings=None):
     """One decode step for every batch row: each row's last token and its ``K = T - 1`` drafts (speculative
     decoding; ``K = 0`` without), verified in one pass of the model. Returns the tokens ``i32[B, T]`` and the
@@ -213,9 +233,9 @@ def _decode(graphdef, kernels: str, params, tokens_BT, meta: StepMeta, cache, sa
     that does not run), the next step's drafting's input (``draft``), else None and None. ``forced_B``: rows that
     accept every draft (teacher forcing)."""
     def run(params, tokens_BT, meta, cache, sampling, forced_B):
-        module = nnx.merge(graphdef, params)
+        module = nnx.merge(graph.graphdef, params)
         before = cache.begin_step()
-        logits_BTV, hidden, _, cache = module.step_hidden(tokens_BT, meta, before, kernels=kernels)
+        logits_BTV, hidden, _, cache = module.step_hidden(tokens_BT, meta, before, kernels=graph.kernels)
         if tokens_BT.shape[1] == 1:
             return sampling.sample(logits_BTV[:, 0])[:, None], jnp.zeros_like(forced_B, jnp.int32), logits_BTV, \
                 cache, None, None
@@ -231,13 +251,13 @@ def _decode(graphdef, kernels: str, params, tokens_BT, meta: StepMeta, cache, sa
     return tokens_BT, accepted_B, logits_BTV, placed(shardings, cache), hidden, kept_B
 
 
-def _draft(graphdef, kernels: str, params, hidden, tokens_BT, meta: StepMeta, kept_B, mtp_cache, mtp_shardings=None):
+def _draft(graph: Graph, params, hidden, tokens_BT, meta: StepMeta, kept_B, mtp_cache, mtp_shardings=None):
     """The MTP module's next ``K = T - 1`` drafts per row after a decode step (``mtp_drafts`` over the step's
     hidden states ``hidden``, its verified tokens ``tokens_BT``, its ``meta`` and kept positions ``kept_B``):
     ``i32[B, K]`` and the MTP cache. A step of its own, so the engine can time drafting apart from verifying."""
     def run(params, hidden, tokens_BT, meta, kept_B, mtp_cache):
-        module = nnx.merge(graphdef, params)
-        return mtp_drafts(module, hidden, tokens_BT, meta, mtp_cache, kept_B, tokens_BT.shape[1] - 1, kernels)
+        module = nnx.merge(graph.graphdef, params)
+        return mtp_drafts(module, hidden, tokens_BT, meta, mtp_cache, kept_B, tokens_BT.shape[1] - 1, graph.kernels)
 
     specs = mtp_shardings and mtp_shardings.specs
     drafts_BK, mtp_cache = on_shards(run, mtp_shardings, (ALL, ROWS, ROWS, ROWS, ROWS, specs), (ROWS, specs))(
@@ -320,11 +340,11 @@ def _write_pages(cache, pages_X, arrays, shardings=None):
 
 
 # The split backend's NumPy store is part of a step's static identity (its engine's own).
-prefill = jax.jit(_prefill, static_argnums=(0, 1), static_argnames=("shardings", "mtp_shardings", "drafts"),
-                  donate_argnums=(5, 7, 9))
+prefill = jax.jit(_prefill, static_argnums=0, static_argnames=("shardings", "mtp_shardings", "drafts"),
+                  donate_argnums=(4, 6, 8))
 score = jax.jit(_score, static_argnums=0, static_argnames=("top", "shardings"))
-decode = jax.jit(_decode, static_argnums=(0, 1), static_argnames="shardings", donate_argnums=5)
-draft = jax.jit(_draft, static_argnums=(0, 1), static_argnames="mtp_shardings", donate_argnums=7)
+decode = jax.jit(_decode, static_argnums=0, static_argnames="shardings", donate_argnums=4)
+draft = jax.jit(_draft, static_argnums=0, static_argnames="mtp_shardings", donate_argnums=6)
 handoff = jax.jit(_handoff, static_argnums=0, static_argnames=("shardings", "scratch_shardings"), donate_argnums=1)
 flush = jax.jit(_flush, static_argnums=0, static_argnames="shardings", donate_argnums=1)
 release = jax.jit(_release, static_argnums=0, static_argnames="shardings", donate_argnums=1)
@@ -376,7 +396,7 @@ def catalog(family: families.Family, config: EngineConfig, engine: EngineArrays)
     own (``layout.ModeSpec.steps``; ``load_prefix`` with the prefix cache)."""
     b, d, x = config.max_batch, engine.layout.size.shards, engine.layout.pages_per_row
     t = 1 + config.num_speculative_tokens  # each row's last token and its drafts
-    model = (engine.graphdef, config.kernels)
+    model = (Graph(engine.graphdef, config.kernels),)
     rows = placement(engine.device_mesh, ROWS if config.mesh else ALL)
     cache_out, scratch_out = (jax.tree.map(lambda a: a.sharding, c) for c in (engine.cache, engine.scratch))
     on_cache, on_scratch = dict(shardings=engine.shardings), dict(shardings=engine.scratch_shardings)

@@ -105,8 +105,7 @@ def _load(name_or_dir: str | Path, dtype: str, seed: int, weights: str, mesh: ja
     cfg = families.source_config(source)
     cls = families.get(cfg.family).module_cls
     if source.checkpoint is not None:
-        module = checkpoint.load_into(lambda: cls(cfg, dtype=jdtype, rngs=nnx.Rngs(seed)), cfg, source.checkpoint,
-                                      jdtype, weights, mesh)
+        module = checkpoint.load_into(cls, cfg, source.checkpoint, jdtype, weights, mesh)
         return Model(source.name, module, load_tokenizer(source.checkpoint, cfg), load_chat_template(source.checkpoint))
     model = Model(source.name, cls(cfg, dtype=jdtype, rngs=nnx.Rngs(seed)), load_tokenizer(None, cfg))
     if mesh is not None:

@@ -437,9 +437,10 @@ def _format(array: np.ndarray | quant.Quantized) -> str:
     return f"{kind} with {array.scales.dtype} scales"
 
 
-def load_into(model_fn, cfg: ModelConfig, directory: Path, dtype, weights: str = "dequantized",
+def load_into(cls, cfg: ModelConfig, directory: Path, dtype, weights: str = "dequantized",
               mesh: jax.sharding.Mesh | None = None) -> nnx.Module:
-    """Build ``model_fn()`` abstractly, then fill every parameter from the checkpoint in ``directory``.
+    """Build ``cls(cfg, dtype=dtype)`` abstractly (``abstract_module``), then fill every parameter from the checkpoint
+    in ``directory``.
 
     Quantized tensors (FP8 with block scales, packed FP4 with per-32 scales) are dequantized to the
     parameter's dtype with ``weights="dequantized"``; with ``weights="release"`` the parameter holds them
@@ -457,7 +458,7 @@ def load_into(model_fn, cfg: ModelConfig, directory: Path, dtype, weights: str =
     before any tensor is read, when the routed experts do not divide over ``expert``."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights={weights!r} is not one of {', '.join(WEIGHTS)}")
-    abstract = nnx.eval_shape(model_fn)
+    abstract = nnx.merge(*abstract_module(cls, cfg, dtype))
     rename = families.get(cfg.family).hf_rename
     ckpt = Checkpoint(directory, rename and functools.partial(rename, layers=cfg.num_hidden_layers))
     if cfg.num_nextn_predict_layers and not _holds_mtp(ckpt, abstract):
@@ -495,6 +496,13 @@ def load_into(model_fn, cfg: ModelConfig, directory: Path, dtype, weights: str =
                              weights, jax.jit(_dequantized, out_shardings=sharding))
         loaded.append((path, variable.replace(value)))
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
+
+
+@functools.lru_cache(maxsize=16)
+def abstract_module(cls, cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
+    """The graph and parameter shapes of ``cls(cfg, dtype=dtype)``, traced once per class, config and dtype (a
+    model's construction traces every initializer: seconds)."""
+    return nnx.split(nnx.eval_shape(lambda: cls(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
 
 
 def _read_host(ckpt: Checkpoint, cfg: ModelConfig, kinds: dict[str, str], path: tuple, names: list[str],

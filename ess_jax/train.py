@@ -320,8 +320,7 @@ def index_share_search(args) -> dict:
 
     def load(pattern: str):
         cfg = full.with_index_share(pattern)
-        return checkpoint.load_into(lambda: cls(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)), cfg, directory,
-                                    jnp.float32)
+        return checkpoint.load_into(cls, cfg, directory, jnp.float32)
 
     def heldout_lm(pattern: str) -> float:
         graphdef, state = nnx.split(load(pattern))
@@ -366,7 +365,7 @@ def build(raw: dict, scratch: bool, model: str, seed: int):
     factory = lambda: cls(cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed))  # noqa: E731
     if scratch:
         return factory(), cls, cfg
-    module = checkpoint.load_into(factory, cfg, resolve_model(model).checkpoint, jnp.float32)
+    module = checkpoint.load_into(cls, cfg, resolve_model(model).checkpoint, jnp.float32)
     if module.cfg != cfg:  # the checkpoint holds no MTP module: a fresh one beside its weights
         fresh = factory()
         nnx.update(fresh, nnx.state(module))

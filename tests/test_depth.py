@@ -94,7 +94,7 @@ def test_a_checkpoint_holds_each_layer_and_loads_into_the_runs(tmp_path):
         np.testing.assert_array_equal(tensors[f"model.layers.{i}.self_attn.q_a_proj.weight"],
                                       np.asarray(module.runs[run].self_attn.q_a_proj.weight[...][offset]))
     assert "model.layers.4.mlp.experts.gate_up_proj" in tensors and "model.layers.1.mlp.gate_proj.weight" in tensors
-    loaded = checkpoint.load_into(lambda: DeepseekV32(module.cfg, rngs=nnx.Rngs(1)), module.cfg, directory, jnp.float32)
+    loaded = checkpoint.load_into(DeepseekV32, module.cfg, directory, jnp.float32)
     for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(module)), nnx.to_flat_state(nnx.state(loaded)),
                                  strict=True):
         np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))
@@ -194,7 +194,7 @@ def test_v4_checkpoint_names_each_layer_of_a_block(tmp_path):
                                       np.asarray(module.runs[run].self_attn.kv_proj.weight[...][i]))
     assert any(name.startswith("model.layers.7.self_attn.compressor.indexer.") for name in tensors)  # 7: CSA
     assert not any(name.startswith("model.layers.8.self_attn.compressor.indexer.") for name in tensors)  # 8: HCA
-    loaded = checkpoint.load_into(lambda: DeepseekV4(module.cfg, rngs=nnx.Rngs(1)), module.cfg, directory, jnp.float32)
+    loaded = checkpoint.load_into(DeepseekV4, module.cfg, directory, jnp.float32)
     for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(module)), nnx.to_flat_state(nnx.state(loaded)),
                                  strict=True):
         np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))

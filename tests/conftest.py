@@ -33,19 +33,45 @@ _MAP_LIMIT = Path("/proc/sys/vm/max_map_count")
 MAX_MAP_COUNT = int(_MAP_LIMIT.read_text()) if _MAP_LIMIT.exists() else 65530  # the kernel's default
 
 
+def _mapped_regions() -> int:
+    maps = Path("/proc/self/maps")
+    return len(maps.read_text().splitlines()) if maps.exists() else 0
+
+
+def _drop_executables() -> None:
+    """Every compiled executable this process holds through jax's caches, and only those: the traced jaxprs stay, so
+    a step needed again is lowered and read back from the compilation cache without being traced again (about a
+    sixth of the time ``jax.clear_caches`` costs it, which drops the traces too). ``jax.clear_caches`` where these
+    caches are not where jax 0.11 keeps them, or where dropping them freed too little."""
+    from jax._src import pjit
+    from jax._src.interpreters import pxla
+    from jax._src.lib import _jax
+
+    gc.collect()
+    try:
+        pjit._pjit_lower.cache_clear()  # a lowered computation keeps the executable compiled from it
+        pxla._cached_compilation.cache_clear()
+        pjit._cpp_pjit_cache_fun_only.clear()  # the jitted functions' own executables
+        pjit._cpp_pjit_cache_explicit_attributes.clear()
+        _jax.PjitFunctionCache.clear_all()
+    except AttributeError:
+        jax.clear_caches()
+    gc.collect()
+    if _mapped_regions() > MAX_MAP_COUNT // 4:
+        jax.clear_caches()
+        gc.collect()
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     """XLA:CPU maps every executable's code into memory regions of its own, so a process that keeps all its
     compiled steps alive passes the kernel's vm.max_map_count (65530 by default) and segfaults in the compiler
     (and pytest-xdist then waits forever on the dead worker). Before each test (its fixtures included) in a
-    process past a third of that, every compiled executable is dropped: what is needed again is read back from
-    the compilation cache. One module's engines can add tens of thousands of regions, so the check is per test,
-    not per module."""
-    maps = Path("/proc/self/maps")
-    if maps.exists() and len(maps.read_text().splitlines()) > MAX_MAP_COUNT // 3:
-        gc.collect()
-        jax.clear_caches()
-        gc.collect()
+    process past a third of that, every compiled executable is dropped (``_drop_executables``): what is needed
+    again is read back from the compilation cache. One module's engines can add tens of thousands of regions, so
+    the check is per test, not per module."""
+    if _mapped_regions() > MAX_MAP_COUNT // 3:
+        _drop_executables()
 
 
 @pytest.fixture(autouse=True)

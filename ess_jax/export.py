@@ -193,8 +193,8 @@ def abstract_engine(cfg: ModelConfig, config, dtype: str, seed: int, target: Tar
     cache, shardings = abstract_cache(lambda size: mode.decode_cache(module, size, config, layout), layout.size,
                                       config, target)
     scratch, scratch_shardings = abstract_cache(*mode.prefill_cache(module, config, layout), config, target)
-    window = jax.ShapeDtypeStruct(window_shape(*nnx.split(module), layout.size, config.kernels), jnp.int32,
-                                  sharding=NamedSharding(target.mesh, steps.LAYER_ROWS))
+    window = jax.ShapeDtypeStruct(window_shape(steps.Graph(graphdef, config.kernels), nnx.state(module), layout.size),
+                                  jnp.int32, sharding=NamedSharding(target.mesh, steps.LAYER_ROWS))
     return steps.EngineArrays(layout, target.mesh, graphdef, params, cache, shardings, scratch, scratch_shardings,
                               window)
 

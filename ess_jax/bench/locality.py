@@ -48,7 +48,7 @@ def greedy_row():
     return steps.SamplingBatch.of([SamplingParams()], [0])
 
 
-def scratch(model, max_seq_len: int, page_size: int, cache_dtype: str | None, kernels: str):
+def scratch(model, max_seq_len: int, page_size: int, cache_dtype: str | None, graph):
     """A one-row cache as an offloaded engine's prefill scratch for ``max_seq_len`` tokens (``layout.prefill_scratch``),
     its page table ``i32[1, X]`` (the pages 1..X; 0 is the null page) and an empty window of top-k ids
     ``i32[L, 1, Q, K]`` (-1; ``layout.window_shape``), L the model's layers that select."""
@@ -59,11 +59,11 @@ def scratch(model, max_seq_len: int, page_size: int, cache_dtype: str | None, ke
     size = families.CacheSize(rows=1, pages=1, page_size=page_size, max_seq_len=max_seq_len)  # one request's engine
     make, scratch_size = layout.prefill_scratch(model.module, size, cache_dtype)
     table_BX = jnp.arange(1, scratch_size.pages, dtype=jnp.int32)[None]
-    window = jnp.full(layout.window_shape(model.graphdef, model.params, size, kernels), -1, jnp.int32)
+    window = jnp.full(layout.window_shape(graph, model.params, size), -1, jnp.int32)
     return make(scratch_size), table_BX, window
 
 
-def run_piece(model, kernels: str, tokens: list[int], start: int, table_BX, cache, window):
+def run_piece(model, graph, tokens: list[int], start: int, table_BX, cache, window):
     """The request's ``tokens`` at positions ``start...`` through the engine's prefill step (``steps.prefill``):
     the greedy token after them, the window of the last positions' top-k ids and the cache."""
     import jax.numpy as jnp
@@ -73,7 +73,6 @@ def run_piece(model, kernels: str, tokens: list[int], start: int, table_BX, cach
     meta = StepMeta(jnp.asarray(start + np.arange(len(tokens), dtype=np.int32))[None], jnp.ones((1, len(tokens)), bool),
                     table_BX, jnp.zeros((1,), jnp.int32))
     tokens_BT = jnp.asarray([tokens], jnp.int32)
-    graph = steps.Graph(model.graphdef, kernels)
     token, _, _, window, cache, _, _ = steps.prefill(graph, model.params, tokens_BT, meta, cache, greedy_row(), window,
                                                      jnp.zeros_like(tokens_BT))
     return int(token[0]), window, cache
@@ -91,21 +90,23 @@ def topk_trace(model, prompt: list[int], steps: int, *, chunk: int, page_size: i
     from ess_jax import families
     from ess_jax.engine import EngineConfig
     from ess_jax.engine.plan import prefill_pieces
+    from ess_jax.engine.steps import Graph
 
     family = families.get(model.cfg.family)
     model_format = jnp.dtype(model.module.dtype).name
     formats = family.stored_formats(cache_dtype or model_format, model_format)
     part = next(p for p in family.cache_parts(model.cfg, formats) if p.where == "offloaded")
     max_seq_len = len(prompt) + steps + 1
-    cache, table_BX, window = scratch(model, max_seq_len, page_size, cache_dtype, kernels)
+    graph = Graph(model.graphdef, kernels)  # the prefill step's static argument, made once
+    cache, table_BX, window = scratch(model, max_seq_len, page_size, cache_dtype, graph)
     start = 0
     for real in prefill_pieces(len(prompt), chunk, EngineConfig.prefill_piece_ratio):  # the engine's pieces
-        token, window, cache = run_piece(model, kernels, prompt[start:start + real], start, table_BX, cache, window)
+        token, window, cache = run_piece(model, graph, prompt[start:start + real], start, table_BX, cache, window)
         start += real
     warm_LTK = np.asarray(window[:, 0])
     ids, new, m = [], [], part.tokens_per_row
     for position in range(len(prompt), len(prompt) + steps):
-        token, window, cache = run_piece(model, kernels, [token], position, table_BX, cache, window)
+        token, window, cache = run_piece(model, graph, [token], position, table_BX, cache, window)
         ids.append(np.asarray(window[:, 0, -1]))
         new.append((position + 1) // m - 1 if (position + 1) % m == 0 else -1)  # the entry this token completes
     ids_LSK = np.stack(ids, axis=1) if ids else np.zeros(warm_LTK.shape[:1] + (0,) + warm_LTK.shape[2:], np.int32)

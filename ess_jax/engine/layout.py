@@ -167,22 +167,23 @@ def meta_shapes(rows: int, tokens: int, pages: int) -> StepMeta:
                     jax.ShapeDtypeStruct((rows, pages), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32))
 
 
-def window_shape(graphdef, params, size: families.CacheSize, kernels: str) -> tuple[int, ...]:
+def window_shape(graph, params, size: families.CacheSize) -> tuple[int, ...]:
     """The shape ``[L, D, Q, K]`` of the running window of prompt top-k ids (``steps.next_window``) of an engine whose
-    decode cache is of ``size``: the layers and top-k of a prefill piece's ids, a row per data shard. Traced once per
-    model, geometry and kernels (jit's cache): engines of one shape share it."""
+    decode cache is of ``size``: the layers and top-k of a prefill piece's ids, a row per data shard. ``graph``: the
+    model and its kernels (``steps.Graph``). Traced once per model, kernels and geometry (jit's cache): engines of
+    one shape share it."""
     shards, pages_per_row = size.shards, -(-size.max_seq_len // size.page_size)
     tokens, meta = jax.ShapeDtypeStruct((shards, 1), jnp.int32), meta_shapes(shards, 1, pages_per_row)
-    ids_LBTK = _prefill_ids.eval_shape(graphdef, size, kernels, params, tokens, meta)
+    ids_LBTK = _prefill_ids.eval_shape(graph, size, params, tokens, meta)
     return ids_LBTK.shape[0], shards, tier.WARMUP_QUERIES, ids_LBTK.shape[3]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _prefill_ids(graphdef, size: families.CacheSize, kernels: str, params, tokens, meta):
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _prefill_ids(graph, size: families.CacheSize, params, tokens, meta):
     """A prefill piece's top-k ids on a resident cache of a row per shard (only its shape is ever taken)."""
-    module = nnx.merge(graphdef, params)
+    module = nnx.merge(graph.graphdef, params)
     cache = families.get(module.cfg.family).resident_cache(module, scratch_size(size), module.dtype)
-    return module.step(tokens, meta, cache, kernels=kernels)[1]
+    return module.step(tokens, meta, cache, kernels=graph.kernels)[1]
 
 
 def _ess_cache(module, size: families.CacheSize, config: EngineConfig, layout: CacheLayout):

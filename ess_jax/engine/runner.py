@@ -79,8 +79,7 @@ class Runner:
 
     def _empty_window(self) -> jax.Array:
         """No prompt positions yet on any shard: ``i32[L, D, Q, K]`` of -1, placed as ``steps.prefill`` returns it."""
-        shape = window_shape(self.model.graphdef, self.model.params, self.layout.size, self.graph.kernels)
-        window = jnp.full(shape, -1, jnp.int32)
+        window = jnp.full(window_shape(self.graph, self.model.params, self.layout.size), -1, jnp.int32)
         return jax.device_put(window, steps.placement(self.mesh, steps.LAYER_ROWS))
 
     def arrays(self) -> steps.EngineArrays:

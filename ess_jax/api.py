@@ -16,11 +16,17 @@ from flax import nnx
 from ess_jax import checkpoint, families
 from ess_jax import mesh as device_mesh
 from ess_jax.config import ModelConfig, resolve_model
-from ess_jax.engine import Engine, EngineConfig, RequestSpec
+from ess_jax.engine import Engine, EngineConfig, RequestSpec, steps
 from ess_jax.sampling import SamplingParams
 from ess_jax.tokenizer import ChatTemplate, Tokenizer, load_chat_template, load_tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graph: steps.Graph, params, tokens_BT):
+    """``Model.logits``' forward: traced once for every loaded model of one graph (not once per ``Model``)."""
+    return nnx.merge(graph.graphdef, params)(tokens_BT)
 
 
 class Model:
@@ -43,13 +49,13 @@ class Model:
         return nnx.merge(self.graphdef, self.params)
 
     @functools.cached_property
-    def _forward(self):
-        return jax.jit(lambda params, tokens: nnx.merge(self.graphdef, params)(tokens))
+    def _graph(self) -> steps.Graph:
+        return steps.Graph(self.graphdef, "xla")
 
     def logits(self, token_ids: Sequence[Sequence[int]] | np.ndarray) -> np.ndarray:
         """Full causal forward, no cache: float32 logits ``[B, T, V]`` (HF ``logits`` semantics)."""
         tokens = self._check_tokens(token_ids)
-        return np.asarray(self._forward(self.params, jnp.asarray(tokens)))
+        return np.asarray(_forward(self._graph, self.params, jnp.asarray(tokens)))
 
     def _check_tokens(self, token_ids) -> np.ndarray:
         if isinstance(token_ids, np.ndarray):

@@ -267,8 +267,7 @@ def test_the_pattern_changes_the_model():
     """A shared pattern is not the all-full model (the shared layers' own indexers would pick other entries)."""
     full = load_model("tiny-v32-code")
     shared = load_model("tiny-v32-code", index_share="FSSS")
-    tokens = jnp.asarray([PROMPTS[0]], jnp.int32)
-    assert not np.array_equal(np.asarray(full.module(tokens)), np.asarray(shared.module(tokens)))
+    assert not np.array_equal(full.logits([PROMPTS[0]]), shared.logits([PROMPTS[0]]))
 
 
 # ---- checkpoints -----------------------------------------------------------------------------------
@@ -281,8 +280,7 @@ def test_checkpoint_with_indexers_on_full_layers_only(tmp_path):
     names = checkpoint.hf_tensors(nnx.state(model.module))
     assert {int(n.split(".")[2]) for n in names if ".indexer." in n} == {0, 2, 4}  # 4: the MTP block's own
     loaded = load_model(tmp_path / "shared")  # its config's pattern: loads
-    tokens = jnp.asarray([PROMPTS[1]], jnp.int32)
-    np.testing.assert_array_equal(np.asarray(loaded.module(tokens)), np.asarray(model.module(tokens)))
+    np.testing.assert_array_equal(loaded.logits([PROMPTS[1]]), model.logits([PROMPTS[1]]))
     with pytest.raises(CheckpointError, match="no indexer for layer 1"):  # layer 1 full in this pattern
         load_model(tmp_path / "shared", index_share="FFFS")
 
@@ -355,7 +353,8 @@ def test_a_kept_indexer_learns_from_the_shared_layers_attention(start):  # noqa:
     def grads(pattern):
         module = load_model(start, index_share=pattern).module
         graphdef, indexers, rest = nnx.split(module, train.trainable("warmup"), ...)
-        g = jax.grad(lambda p: nnx.merge(graphdef, p, rest).train_forward(tokens, "warmup")[1])(indexers)
+        loss = lambda p, r: nnx.merge(graphdef, p, r).train_forward(tokens, "warmup")[1]  # noqa: E731
+        g = jax.jit(jax.grad(loss))(indexers, rest)
         return {n: v for n, v in checkpoint.hf_tensors(g).items() if n.startswith("model.layers.0.")}
 
     own, shared = grads("FF"), grads("FS")

@@ -1,5 +1,9 @@
 # Every target bootstraps .venv (Python >= 3.12 from PATH or pyenv) when it is missing.
 PY := .venv/bin/python
+# Bytecode is written (whatever the environment says): the suite's dozens of Python processes (xdist workers, CLI and
+# multi-device subprocesses) then compile each module once, not each at every import (the venv is installed without
+# compiling: tools/bootstrap.sh).
+unexport PYTHONDONTWRITEBYTECODE
 # Whole modules per xdist worker, in collection order (tests/conftest.py puts the longest first)
 PYTEST := $(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
 

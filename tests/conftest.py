@@ -28,6 +28,11 @@ os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+# Tracing a step allocates millions of short-lived objects, and CPython's default thresholds (2000, 10, 10) then run
+# a collection every few thousand of them, over a heap of long-lived jaxprs and executables: about 4 % of a worker's
+# time. Fewer, larger collections (measured on test_hisparse: 2.7 s of collections -> 1.2 s), same garbage freed.
+gc.set_threshold(50_000, 20, 100)
+
 
 _MAP_LIMIT = Path("/proc/sys/vm/max_map_count")
 MAX_MAP_COUNT = int(_MAP_LIMIT.read_text()) if _MAP_LIMIT.exists() else 65530  # the kernel's default
